@@ -1,0 +1,258 @@
+"""Engine configuration: one pydantic ``EngineConfig`` with sections.
+
+Settings are named as vLLM names them, so ``LLM(max_num_seqs=8, block_size=16)``
+means the same on both. A flat setting name maps to exactly one section field
+(``FLAT_FIELDS``). Sources, highest precedence first:
+
+1. keyword arguments (``LLM(...)``) and CLI flags
+2. ``VFRAME_<FIELD>`` environment variables (``VFRAME_MAX_NUM_SEQS=8``)
+3. a YAML or TOML file (``config_file=`` / ``--config``), flat or by section
+4. the defaults below
+
+Invalid values fail at construction with the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from vframe.errors import ConfigError
+
+_STRICT = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(BaseModel):
+    model_config = _STRICT | ConfigDict(protected_namespaces=())
+
+    model: str | None = Field(None, description="GGUF file or Hugging Face directory; None = embedded SmolLM2")
+    tokenizer: str | None = Field(None, description="tokenizer directory; defaults to the model's")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(None, ge=1, description="context length; defaults to the model's")
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+
+class CacheSection(BaseModel):
+    model_config = _STRICT
+
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="KV cache budget in bytes")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: Literal["builtin", "sha256"] = "builtin"
+    swap_space: float = Field(4.0, ge=0.0, description="GiB of CPU swap space for swap preemption")
+    num_gpu_blocks_override: int | None = Field(None, ge=1)
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"block_size must be a power of two, got {v}")
+        return v
+
+
+class SchedulerSection(BaseModel):
+    model_config = _STRICT
+
+    scheduler: str = Field("default", description="scheduler registry name")
+    kv_cache_manager: str = Field("default", description="KV cache manager registry name")
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="token budget of one step")
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+
+
+class ParallelSection(BaseModel):
+    model_config = _STRICT
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+
+
+class DeviceSection(BaseModel):
+    model_config = _STRICT
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    model_runner: str = Field("default", description="model runner registry name")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
+
+
+class AttentionSection(BaseModel):
+    model_config = _STRICT
+
+    attention_backend: str | None = Field(None, description="backend registry name; None = best for device")
+
+
+class SamplerSection(BaseModel):
+    model_config = _STRICT
+
+    sampler: str = Field("default", description="sampler registry name")
+
+
+class QuantizationSection(BaseModel):
+    model_config = _STRICT
+
+    quantization: str | None = None
+
+
+class LoRASection(BaseModel):
+    model_config = _STRICT
+
+    enable_lora: bool = False
+    max_loras: int = Field(1, ge=1)
+    max_lora_rank: int = Field(16, ge=1)
+
+
+class ObservabilitySection(BaseModel):
+    model_config = _STRICT
+
+    torch_profiler_dir: str | None = None
+    disable_log_stats: bool = True
+
+
+class PluginSection(BaseModel):
+    model_config = _STRICT
+
+    plugins: list[str] | None = Field(None, description="allow-list of entry-point plugins; None = all")
+
+
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "model": ModelSection,
+    "cache": CacheSection,
+    "scheduler": SchedulerSection,
+    "parallel": ParallelSection,
+    "device": DeviceSection,
+    "attention": AttentionSection,
+    "sampler": SamplerSection,
+    "quantization": QuantizationSection,
+    "lora": LoRASection,
+    "observability": ObservabilitySection,
+    "plugins": PluginSection,
+}
+
+# flat vLLM-style name -> section that owns it
+FLAT_FIELDS: dict[str, str] = {
+    name: section for section, cls in _SECTIONS.items() for name in cls.model_fields
+}
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: ModelSection = ModelSection()
+    cache: CacheSection = CacheSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    parallel: ParallelSection = ParallelSection()
+    device: DeviceSection = DeviceSection()
+    attention: AttentionSection = AttentionSection()
+    sampler: SamplerSection = SamplerSection()
+    quantization: QuantizationSection = QuantizationSection()
+    lora: LoRASection = LoRASection()
+    observability: ObservabilitySection = ObservabilitySection()
+    plugins: PluginSection = PluginSection()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> EngineConfig:
+        if self.parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.parallel.tensor_parallel_size} is not yet supported; "
+                "use tensor_parallel_size=1"
+            )
+        if self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size > 1 is not supported; use 1")
+        return self
+
+    # ------------------------------------------------------------------ #
+
+    @classmethod
+    def from_sources(
+        cls,
+        config_file: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> EngineConfig:
+        """Merge file < environment < keyword arguments and validate."""
+        merged: dict[str, dict[str, Any]] = {}
+        if config_file is not None:
+            _merge(merged, _read_file(Path(config_file)), source=str(config_file))
+        _merge(merged, _from_env(os.environ if env is None else env), source="environment")
+        _merge(merged, {k: v for k, v in kwargs.items()}, source="arguments")
+        try:
+            return cls(**{s: _SECTIONS[s](**fields) for s, fields in merged.items()})
+        except ValidationError as e:
+            raise ConfigError(_format_validation_error(e)) from None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its flat name."""
+        return {name: getattr(getattr(self, sec), name) for name, sec in FLAT_FIELDS.items()}
+
+
+def _merge(into: dict[str, dict[str, Any]], values: dict[str, Any], source: str) -> None:
+    for key, value in values.items():
+        if key in _SECTIONS and isinstance(value, dict):
+            _merge(into, value, source)
+            continue
+        section = FLAT_FIELDS.get(key)
+        if section is None:
+            raise ConfigError(
+                f"unknown setting {key!r} (from {source}); known settings: "
+                + ", ".join(sorted(FLAT_FIELDS))
+            )
+        into.setdefault(section, {})[key] = value
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    if path.suffix == ".toml":
+        data = tomllib.loads(text)
+    elif path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    elif path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        raise ConfigError(f"config file {str(path)!r}: use a .yaml, .yml, .toml or .json file")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of settings")
+    return data
+
+
+def _from_env(env: dict[str, str] | os._Environ) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in FLAT_FIELDS:
+        raw = env.get(f"VFRAME_{name.upper()}")
+        if raw is None:
+            continue
+        if name == "plugins":
+            out[name] = [p.strip() for p in raw.split(",") if p.strip()]
+        else:
+            out[name] = raw  # pydantic coerces "8" -> 8, "true" -> True
+    return out
+
+
+def _format_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        field = ".".join(str(p) for p in err["loc"][-1:]) or "config"
+        value = err.get("input")
+        msg = err["msg"]
+        ctx = err.get("ctx") or {}
+        if "expected" in ctx:
+            msg = f"expected {ctx['expected']}"
+        lines.append(f"invalid value for {field!r}: {value!r} ({msg})")
+    return "; ".join(lines)

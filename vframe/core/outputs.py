@@ -1,0 +1,140 @@
+"""Value objects that cross the engine's layers.
+
+User-facing: ``RequestOutput``, ``CompletionOutput``, ``Logprob`` (vLLM's names).
+Internal: ``SchedulerOutput`` (scheduler -> runner), ``ModelRunnerOutput``
+(runner -> scheduler), ``SamplerOutput`` (sampler -> runner), ``EngineCoreOutput``
+(scheduler -> engine output processing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+# --------------------------------------------------------------------------- #
+# user-facing
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated position: token id -> Logprob (chosen token + top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+# --------------------------------------------------------------------------- #
+# internal
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen yet (or sees again after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    all_token_ids: list[int]  # prompt + tokens generated before a preemption
+    sampling_params: object  # SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator_seed: int | None = None
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's decision. ``num_scheduled_tokens[req_id]`` tokens of each
+    request run now, starting at its ``num_computed_tokens``."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    # Filled only when a request in the batch asked for logprobs.
+    logprob_token_ids: torch.Tensor | None = None  # [B, 1 + K] chosen token first
+    logprobs: torch.Tensor | None = None  # [B, 1 + K]
+    sampled_ranks: torch.Tensor | None = None  # [B] rank of the chosen token (1 = most likely)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per request that reached the end of its scheduled tokens: the sampled token.
+
+    Requests still in the middle of a chunked prefill sample nothing this step
+    and are absent from ``sampled_token_ids``."""
+
+    req_ids: list[str]
+    sampled_token_ids: dict[str, int]
+    # req_id -> (token ids [1 + K], logprobs [1 + K], rank of chosen)
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
