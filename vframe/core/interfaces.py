@@ -155,10 +155,13 @@ class KVCacheManager(ABC):
     """Owns the KV cache blocks. The scheduler never sees free lists, hashes or
     reference counts: it asks for slots and gets block ids back, or ``None``."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, hash_algo: str = "builtin"
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.hash_algo = hash_algo
 
     @abstractmethod
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -199,6 +202,9 @@ class KVCacheManager(ABC):
     @abstractmethod
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash. False if blocks are still in use."""
+
+    def get_stats(self) -> dict[str, float]:
+        return {"kv_cache_usage": self.usage}
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether a request of this many tokens fits in the whole cache."""

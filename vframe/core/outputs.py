@@ -75,7 +75,7 @@ class NewRequestData:
     sampling_params: object  # SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    generator_seed: int | None = None
+    num_output_tokens: int = 0
 
 
 @dataclass

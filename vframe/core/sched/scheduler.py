@@ -1,0 +1,303 @@
+"""The default scheduler: continuous batching under one token budget.
+
+There are no prefill and decode phases. Each step every request is brought
+closer to ``num_tokens``: running requests first (a decode is one token, a
+prefill chunk as many as the budget allows), then waiting requests while the
+budget, ``max_num_seqs`` and free KV blocks last. When a running request cannot
+get a block, the lowest-priority running request is preempted (recompute:
+its blocks are freed and it goes back to the front of the waiting queue).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable
+
+from vframe.core.config import EngineConfig
+from vframe.core.interfaces import KVCacheManager, Scheduler
+from vframe.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from vframe.core.request import Request, RequestStatus
+
+
+class WaitingQueue:
+    """FCFS deque, or a heap by (priority, arrival) for the priority policy."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = 0
+
+    def _key(self, r: Request) -> tuple[int, float, int]:
+        self._counter += 1
+        return (r.priority, r.arrival_time, self._counter)
+
+    def add(self, request: Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (*self._key(request), request))
+        else:
+            self._fifo.append(request)
+
+    def add_front(self, request: Request) -> None:
+        """A preempted request keeps its place: first under FCFS, by priority otherwise."""
+        if self.policy == "priority":
+            self.add(request)
+        else:
+            self._fifo.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][-1] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[-1] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, requests: set[Request]) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[-1] not in requests]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo = deque(r for r in self._fifo if r not in requests)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self):
+        return iter([e[-1] for e in self._heap] if self.policy == "priority" else self._fifo)
+
+
+class DefaultScheduler(Scheduler):
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+        super().__init__(config, kv_cache_manager)
+        sc = config.scheduler
+        self.max_num_seqs = sc.max_num_seqs
+        self.token_budget = sc.max_num_batched_tokens  # resolved by the engine
+        self.enable_chunked_prefill = sc.enable_chunked_prefill
+        self.long_prefill_token_threshold = sc.long_prefill_token_threshold
+        self.policy = sc.scheduling_policy
+        if sc.preemption_mode != "recompute":
+            raise NotImplementedError(
+                f"preemption_mode={sc.preemption_mode!r} is not supported by the default "
+                "scheduler yet; use 'recompute'"
+            )
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(self.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        # Requests the runner has state for; others are sent as new.
+        self._runner_known: set[str] = set()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ #
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = [self.requests[i] for i in request_ids if i in self.requests]
+        self._finish(aborted, RequestStatus.FINISHED_ABORTED)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_stats(self) -> dict[str, float]:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_preemptions": self.num_preemptions,
+            **self.kv_cache_manager.get_stats(),
+        }
+
+    # ------------------------------------------------------------------ #
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.token_budget
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+
+        # 1. Running requests, in order; preempt from the back when blocks run out.
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                idx += 1
+                continue
+            while True:
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled:  # already scheduled this step
+                    budget += num_scheduled.pop(victim.request_id)
+                    del new_blocks[victim.request_id]
+                if self.running.index(victim) < idx:
+                    idx -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if blocks is None:  # preempted itself
+                continue
+            num_scheduled[request.request_id] = num_new
+            new_blocks[request.request_id] = blocks
+            budget -= num_new
+            idx += 1
+
+        # 2. Waiting requests, while budget, seats and blocks last.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting.peek()
+            computed_blocks, num_hit = ([], 0)
+            if request.num_computed_tokens == 0:
+                computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - request.num_computed_tokens - num_hit
+            if not self.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = self._cap(num_new, budget)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_hit)
+            if blocks is None:
+                break
+            self.waiting.pop()
+            request.num_computed_tokens += num_hit
+            request.num_cached_tokens = max(request.num_cached_tokens, num_hit)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_blocks[request.request_id] = blocks
+            budget -= num_new
+
+        return self._make_output(num_scheduled, new_blocks, preempted)
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        if not self.enable_chunked_prefill and num_new > budget:
+            return 0
+        return self._cap(num_new, budget)
+
+    def _cap(self, num_new: int, budget: int) -> int:
+        if 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        return min(num_new, budget)
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._runner_known.discard(request.request_id)
+        self.waiting.add_front(request)
+
+    def _make_output(
+        self,
+        num_scheduled: dict[str, int],
+        new_blocks: dict[str, list[int]],
+        preempted: list[Request],
+    ) -> SchedulerOutput:
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        for req_id, n in num_scheduled.items():
+            request = self.requests[req_id]
+            if req_id in self._runner_known:
+                cached_reqs.append(
+                    CachedRequestData(req_id, new_blocks[req_id], request.num_computed_tokens)
+                )
+            else:
+                self._runner_known.add(req_id)
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=req_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        all_token_ids=list(request.all_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=list(self.kv_cache_manager.get_block_ids(req_id)),
+                        num_computed_tokens=request.num_computed_tokens,
+                        num_output_tokens=request.num_output_tokens,
+                    )
+                )
+            request.num_computed_tokens += n
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            preempted_req_ids={r.request_id for r in preempted},
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        return out
+
+    # ------------------------------------------------------------------ #
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        finished: list[tuple[Request, RequestStatus]] = []
+        for req_id, token_id in runner_output.sampled_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.append_output_token_ids([token_id])
+            status = self._check_stop(request, token_id)
+            logprobs = runner_output.logprobs.get(req_id)
+            out = EngineCoreOutput(
+                req_id=req_id,
+                new_token_ids=[token_id],
+                new_logprobs=[logprobs] if logprobs is not None else None,
+                num_cached_tokens=request.num_cached_tokens,
+            )
+            if status is not None:
+                finished.append((request, status))
+                out.finish_reason = RequestStatus.finish_reason(status)
+                out.stop_reason = request.stop_reason
+            outputs.append(out)
+        for request, status in finished:
+            self._finish([request], status)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        sp = request.sampling_params
+        if request.num_output_tokens >= sp.min_tokens and token_id in sp.all_stop_token_ids:
+            if token_id in sp.stop_token_ids:
+                request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests for reasons found outside the core (a stop string)."""
+        self._finish([self.requests[i] for i in request_ids if i in self.requests], status)
+
+    def _finish(self, requests: list[Request], status: RequestStatus) -> None:
+        if not requests:
+            return
+        gone = set(requests)
+        self.running = [r for r in self.running if r not in gone]
+        self.waiting.remove(gone)
+        for request in requests:
+            request.status = status
+            self.kv_cache_manager.free(request)
+            del self.requests[request.request_id]
+            if request.request_id in self._runner_known:
+                self._runner_known.discard(request.request_id)
+                self.finished_req_ids.add(request.request_id)

@@ -1,0 +1,155 @@
+"""The model runner's view of its requests, and one step's flattened inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vframe.core.interfaces import CommonAttentionMetadata
+from vframe.core.outputs import NewRequestData, SchedulerOutput
+from vframe.core.sample.metadata import SamplingMetadata
+from vframe.core.sampling_params import SamplingParams, SamplingType
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + every sampled token
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    common: CommonAttentionMetadata
+    sampled_req_ids: list[str]  # requests that reach their last known token this step
+    logits_indices: torch.Tensor  # [B_sampled] int64, rows of the hidden states to sample from
+
+
+class InputBatch:
+    """Holds per-request state across steps and turns a ``SchedulerOutput``
+    into flat tensors with vectorized numpy (no loop per token)."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = self._new_state(new)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @staticmethod
+    def _new_state(new: NewRequestData) -> CachedRequestState:
+        sp: SamplingParams = new.sampling_params  # type: ignore[assignment]
+        generator = None
+        if sp.sampling_type == SamplingType.RANDOM_SEED:
+            generator = torch.Generator().manual_seed(sp.seed)
+        return CachedRequestState(
+            req_id=new.req_id,
+            token_ids=list(new.all_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids),
+            sampling_params=sp,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            generator=generator,
+        )
+
+    def prepare(self, so: SchedulerOutput) -> StepInputs:
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, len(req_ids))
+        context_lens = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
+        seq_lens = context_lens + num_sched  # [B]
+        query_start_loc = np.zeros(len(req_ids) + 1, np.int64)
+        np.cumsum(num_sched, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+
+        # positions: each request's range context_len .. seq_len-1, flattened.  [T]
+        req_idx = np.repeat(np.arange(len(req_ids)), num_sched)
+        positions = np.arange(num_tokens) - query_start_loc[req_idx] + context_lens[req_idx]
+
+        input_ids = np.empty(num_tokens, np.int64)
+        for i, s in enumerate(states):
+            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = s.token_ids[
+                context_lens[i] : seq_lens[i]
+            ]
+
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((len(states), max_blocks), np.int64)  # [B, max_blocks]
+        for i, s in enumerate(states):
+            block_table[i, : len(s.block_ids)] = s.block_ids
+        bs = self.block_size
+        slot_mapping = block_table[req_idx, positions // bs] * bs + positions % bs  # [T]
+
+        is_sampled = seq_lens == np.fromiter((len(s.token_ids) for s in states), np.int64, len(states))
+        logits_indices = query_start_loc[1:][is_sampled] - 1
+
+        to = lambda a, dt=torch.int64: torch.from_numpy(a).to(self.device, dt)  # noqa: E731
+        common = CommonAttentionMetadata(
+            query_start_loc=to(query_start_loc, torch.int32),
+            seq_lens=to(seq_lens, torch.int32),
+            context_lens=to(context_lens, torch.int32),
+            block_table=to(block_table, torch.int32),
+            slot_mapping=to(slot_mapping),
+            num_reqs=len(req_ids),
+            num_actual_tokens=num_tokens,
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=bs,
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return StepInputs(
+            req_ids=req_ids,
+            input_ids=to(input_ids),
+            positions=to(positions),
+            common=common,
+            sampled_req_ids=[r for r, m in zip(req_ids, is_sampled) if m],
+            logits_indices=to(logits_indices),
+        )
+
+    def sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
+        states = [self.requests[r] for r in req_ids]
+        params = [s.sampling_params for s in states]
+        greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+        md = SamplingMetadata(
+            temperature=torch.tensor(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=torch.float32
+            ),
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool),
+            all_greedy=all(greedy),
+        )
+        if any(p.top_k > 0 for p in params):
+            md.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+        if any(p.top_p < 1.0 for p in params):
+            md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        if any(p.min_p > 0.0 for p in params):
+            md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        md.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        md.max_num_logprobs = max(asked) if asked else None
+        md.banned_token_ids = [
+            (i, sorted(s.sampling_params.all_stop_token_ids))
+            for i, s in enumerate(states)
+            if s.num_output_tokens < s.sampling_params.min_tokens and s.sampling_params.all_stop_token_ids
+        ]
+        return md

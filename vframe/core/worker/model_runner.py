@@ -1,0 +1,221 @@
+"""The default model runner: loads a registered model, owns the KV cache, runs steps.
+
+One step is one forward pass over every scheduled token flattened to ``[T, E]``;
+the output head runs only on the rows that are sampled (``logits_indices``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import torch
+
+from vframe.core.config import EngineConfig
+from vframe.core.interfaces import AttentionBackend, ModelRunner, Sampler
+from vframe.core.outputs import ModelRunnerOutput, SchedulerOutput
+from vframe.core.worker.input_batch import InputBatch
+from vframe.errors import ConfigError
+from vframe.plugins import get_registry
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no CUDA GPU is visible; use device='cpu'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        dtype = _DTYPES[name]
+    elif model_dtype in (torch.float32, torch.bfloat16):
+        dtype = model_dtype
+    else:
+        dtype = torch.bfloat16  # GGUF, float16 and unknown: bf16 runs fast on CPU and GPU
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ConfigError("dtype='float16' is not supported on CPU; use 'bfloat16' or 'float32'")
+    return dtype
+
+
+class TorchModelRunner(ModelRunner):
+    def __init__(self, config: EngineConfig, sampler: Sampler | None = None) -> None:
+        super().__init__(config)
+        self.device = resolve_device(config.device.device)
+        if config.device.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.device.num_threads)
+        self.block_size = config.cache.block_size
+        self.sampler = sampler or get_registry("sampler").load(config.sampler.sampler)()
+        self.input_batch = InputBatch(self.block_size, self.device)
+        self.kv_caches: list[torch.Tensor] = []
+        self._profiler: torch.profiler.profile | None = None
+
+    # ------------------------------------------------------------------ #
+
+    def load_model(self) -> None:
+        from vframe.models.loader import architecture, load_hf_config, load_model, resolve_model
+
+        self.resolved = resolve_model(self.config.model.model)
+        self.hf_config = load_hf_config(self.resolved)
+        arch = architecture(self.resolved)
+        model_cls = get_registry("model").load(arch)
+        self.dtype = resolve_dtype(
+            self.config.model.dtype, getattr(self.hf_config, "torch_dtype", None), self.device
+        )
+        self.attn_backend = self._select_attention_backend()
+        self.model = load_model(self.resolved, model_cls, self.attn_backend, self.dtype).to(self.device)
+        self.model.eval()
+
+    def _select_attention_backend(self) -> type[AttentionBackend]:
+        registry = get_registry("attention_backend")
+        name = self.config.attention.attention_backend or "torch"
+        backend: type[AttentionBackend] = registry.load(name)
+        reasons = backend.check_available() + backend.validate_configuration(
+            head_size=self.head_size,
+            dtype=self.dtype,
+            device=self.device.type,
+            block_size=self.block_size,
+        )
+        if reasons:
+            raise ConfigError(
+                f"attention_backend={name!r} cannot serve this configuration: " + "; ".join(reasons)
+            )
+        return backend
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.hf_config.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    # ------------------------------------------------------------------ #
+
+    def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return self.attn_backend.get_kv_cache_shape(
+            num_blocks, self.block_size, self.num_kv_heads, self.head_size
+        )
+
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return math.prod(self._kv_shape(1)) * elem * self.num_layers
+
+    def determine_num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override:
+            return cache.num_gpu_blocks_override
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * cache.gpu_memory_utilization)
+            else:
+                budget = min(_DEFAULT_CPU_KV_BYTES, _available_memory() // 4)
+        num_blocks = budget // self.bytes_per_block()
+        if num_blocks < 1:
+            raise ConfigError(
+                f"kv_cache_memory_bytes={budget} holds no KV block "
+                f"(one block of {self.block_size} tokens needs {self.bytes_per_block()} bytes)"
+            )
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = self._kv_shape(num_blocks)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
+
+    # ------------------------------------------------------------------ #
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.input_batch
+        batch.update(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
+        inputs = batch.prepare(scheduler_output)
+        attn_metadata = self.attn_backend.get_metadata_builder_cls()(self.config, self.device).build(
+            inputs.common
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_metadata)  # [T, E]
+        if not inputs.sampled_req_ids:
+            return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids={})
+
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [B, V]
+        sampler_output = self.sampler(logits, batch.sampling_metadata(inputs.sampled_req_ids))
+        sampled = sampler_output.sampled_token_ids.tolist()
+        output = ModelRunnerOutput(
+            req_ids=inputs.req_ids, sampled_token_ids=dict(zip(inputs.sampled_req_ids, sampled))
+        )
+        for req_id, token_id in output.sampled_token_ids.items():
+            batch.requests[req_id].token_ids.append(token_id)
+        if sampler_output.logprobs is not None:
+            ids = sampler_output.logprob_token_ids.tolist()
+            lps = sampler_output.logprobs.tolist()
+            ranks = sampler_output.sampled_ranks.tolist()
+            for i, req_id in enumerate(inputs.sampled_req_ids):
+                k = batch.requests[req_id].sampling_params.logprobs
+                if k is not None:
+                    output.logprobs[req_id] = (ids[i][: k + 1], lps[i][: k + 1], ranks[i])
+        return output
+
+    # ------------------------------------------------------------------ #
+
+    def profile(self, is_start: bool) -> None:
+        trace_dir = self.config.observability.torch_profiler_dir or os.environ.get(
+            "VFRAME_TORCH_PROFILER_DIR"
+        )
+        if not trace_dir:
+            raise ConfigError(
+                "profiling needs a trace directory: set torch_profiler_dir or VFRAME_TORCH_PROFILER_DIR"
+            )
+        if is_start:
+            if self._profiler is not None:
+                raise RuntimeError("the profiler is already running; call stop_profile() first")
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self._profiler.start()
+            return
+        if self._profiler is None:
+            raise RuntimeError("the profiler is not running; call start_profile() first")
+        self._profiler.stop()
+        os.makedirs(trace_dir, exist_ok=True)
+        path = os.path.join(trace_dir, f"vframe_trace_{os.getpid()}_{int(time.time() * 1000)}.json")
+        self._profiler.export_chrome_trace(path)
+        self._profiler = None
+        logger.info("wrote torch profiler trace to %s", path)
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
