@@ -32,24 +32,31 @@ class ModelSection(BaseModel):
 
     model: str | None = Field(None, description="GGUF file or Hugging Face directory; None = embedded SmolLM2")
     tokenizer: str | None = Field(None, description="tokenizer directory; defaults to the model's")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights and activations; auto = the model's (bfloat16 for GGUF)"
+    )
     max_model_len: int | None = Field(None, ge=1, description="context length; defaults to the model's")
-    seed: int = 0
-    skip_tokenizer_init: bool = False
-    trust_remote_code: bool = False
-    revision: str | None = None
+    seed: int = Field(0, description="seed of the engine's random generator (unseeded sampling)")
+    skip_tokenizer_init: bool = Field(False, description="no tokenizer: prompts must be token ids")
+    trust_remote_code: bool = Field(
+        False, description="accepted for vLLM compatibility; vframe never runs code shipped with a model"
+    )
 
 
 class CacheSection(BaseModel):
     model_config = _STRICT
 
-    block_size: int = Field(16, ge=1, le=1024)
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV cache block (a power of two)")
     kv_cache_memory_bytes: int | None = Field(None, ge=1, description="KV cache budget in bytes")
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: Literal["builtin", "sha256"] = "builtin"
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="on CUDA: fraction of free GPU memory for the KV cache"
+    )
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    prefix_caching_hash_algo: Literal["builtin", "sha256"] = Field(
+        "builtin", description="block hash: Python's builtin (fast) or sha256 (collision-resistant)"
+    )
     swap_space: float = Field(4.0, ge=0.0, description="GiB of CPU swap space for swap preemption")
-    num_gpu_blocks_override: int | None = Field(None, ge=1)
+    num_gpu_blocks_override: int | None = Field(None, ge=1, description="exact number of KV blocks")
 
     @field_validator("block_size")
     @classmethod
@@ -64,25 +71,33 @@ class SchedulerSection(BaseModel):
 
     scheduler: str = Field("default", description="scheduler registry name")
     kv_cache_manager: str = Field("default", description="KV cache manager registry name")
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="token budget of one step")
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = Field(0, ge=0)
-    preemption_mode: Literal["recompute", "swap"] = "recompute"
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    max_num_seqs: int = Field(256, ge=1, description="most requests running in one step")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="token budget of one step (default 4096, at least max_model_len without chunking)"
+    )
+    enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="most tokens one prompt may take in a step (0 = no cap)"
+    )
+    preemption_mode: Literal["recompute", "swap"] = Field(
+        "recompute", description="what happens to a request preempted when blocks run out"
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs, or priority (lower value first, ties by arrival)"
+    )
 
 
 class ParallelSection(BaseModel):
     model_config = _STRICT
 
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks per model (only 1 so far)")
+    pipeline_parallel_size: int = Field(1, ge=1, description="pipeline stages (only 1)")
 
 
 class DeviceSection(BaseModel):
     model_config = _STRICT
 
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when visible, else cpu")
     model_runner: str = Field("default", description="model runner registry name")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
 
@@ -102,22 +117,23 @@ class SamplerSection(BaseModel):
 class QuantizationSection(BaseModel):
     model_config = _STRICT
 
-    quantization: str | None = None
+    quantization: str | None = Field(None, description="quantizer registry name")
 
 
 class LoRASection(BaseModel):
     model_config = _STRICT
 
-    enable_lora: bool = False
-    max_loras: int = Field(1, ge=1)
-    max_lora_rank: int = Field(16, ge=1)
+    enable_lora: bool = Field(False, description="serve LoRA adapters (not yet supported)")
+    max_loras: int = Field(1, ge=1, description="adapters resident at once")
+    max_lora_rank: int = Field(16, ge=1, description="largest adapter rank")
 
 
 class ObservabilitySection(BaseModel):
     model_config = _STRICT
 
-    torch_profiler_dir: str | None = None
-    disable_log_stats: bool = True
+    torch_profiler_dir: str | None = Field(
+        None, description="where LLM.stop_profile() writes traces (or VFRAME_TORCH_PROFILER_DIR)"
+    )
 
 
 class PluginSection(BaseModel):
@@ -170,6 +186,8 @@ class EngineConfig(BaseModel):
             )
         if self.parallel.pipeline_parallel_size > 1:
             raise ValueError("pipeline_parallel_size > 1 is not supported; use 1")
+        if self.lora.enable_lora:
+            raise ValueError("enable_lora=True is not yet supported; LoRA adapters are a later feature")
         return self
 
     # ------------------------------------------------------------------ #

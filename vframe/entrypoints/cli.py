@@ -23,11 +23,12 @@ _SAMPLING_FLAGS: dict[str, type] = {
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per engine setting, named as in vLLM (``--max-num-seqs``)."""
+    """One ``--flag`` per engine setting, named as in vLLM (``--max-num-seqs``).
+    A flag the command already defines (``--model``, a sampling ``--seed``) keeps its meaning."""
     group = parser.add_argument_group("engine settings (see docs/configuration.md)")
     group.add_argument("--config", dest="config_file", help="YAML or TOML file of engine settings")
     for name, section in FLAT_FIELDS.items():
-        if name == "model":
+        if "--" + name.replace("_", "-") in parser._option_string_actions:
             continue
         field = getattr(EngineConfig.model_fields[section].annotation, "model_fields")[name]
         flag = "--" + name.replace("_", "-")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,12 @@ class LLM:
         if model is not None:
             kwargs["model"] = model
         self.llm_engine = LLMEngine(EngineConfig.from_sources(config_file=config_file, **kwargs))
+        # Plugins hear vframe_engine_shutdown when the LLM is dropped or at exit.
+        self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Abort what is still running and tell plugins the engine is done."""
+        self._finalizer()
 
     @property
     def config(self) -> EngineConfig:

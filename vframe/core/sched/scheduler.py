@@ -24,6 +24,7 @@ from vframe.core.outputs import (
     SchedulerOutput,
 )
 from vframe.core.request import Request, RequestStatus
+from vframe.errors import ConfigError
 
 
 class WaitingQueue:
@@ -82,7 +83,7 @@ class DefaultScheduler(Scheduler):
         self.long_prefill_token_threshold = sc.long_prefill_token_threshold
         self.policy = sc.scheduling_policy
         if sc.preemption_mode != "recompute":
-            raise NotImplementedError(
+            raise ConfigError(
                 f"preemption_mode={sc.preemption_mode!r} is not supported by the default "
                 "scheduler yet; use 'recompute'"
             )

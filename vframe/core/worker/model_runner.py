@@ -52,6 +52,7 @@ class TorchModelRunner(ModelRunner):
         self.device = resolve_device(config.device.device)
         if config.device.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.device.num_threads)
+        torch.manual_seed(config.model.seed)  # unseeded sampling draws from this
         self.block_size = config.cache.block_size
         self.sampler = sampler or get_registry("sampler").load(config.sampler.sampler)()
         self.input_batch = InputBatch(self.block_size, self.device)
@@ -63,6 +64,10 @@ class TorchModelRunner(ModelRunner):
     def load_model(self) -> None:
         from vframe.models.loader import architecture, load_hf_config, load_model, resolve_model
 
+        if self.config.quantization.quantization is not None:
+            # Raises with the known names until a quantizer is registered under it.
+            get_registry("quantizer").load(self.config.quantization.quantization)
+            raise ConfigError("quantized execution is not wired into the model runner yet")
         self.resolved = resolve_model(self.config.model.model)
         self.hf_config = load_hf_config(self.resolved)
         arch = architecture(self.resolved)

@@ -1,0 +1,42 @@
+"""vframe's own implementations, registered through the same hooks as any plugin.
+
+Targets are strings so that importing vframe imports none of these modules.
+"""
+
+from __future__ import annotations
+
+from vframe.plugins.hookspecs import RegisterFn, hookimpl
+from vframe.version import PLUGIN_API_VERSION
+
+VFRAME_PLUGIN_API = PLUGIN_API_VERSION
+
+
+@hookimpl
+def vframe_register_models(register: RegisterFn) -> None:
+    register("LlamaForCausalLM", "vframe.models.llama:LlamaForCausalLM")
+    register("MistralForCausalLM", "vframe.models.llama:LlamaForCausalLM")
+
+
+@hookimpl
+def vframe_register_attention_backends(register: RegisterFn) -> None:
+    register("torch", "vframe.backends.torch_attn:TorchAttentionBackend")
+
+
+@hookimpl
+def vframe_register_schedulers(register: RegisterFn) -> None:
+    register("default", "vframe.core.sched.scheduler:DefaultScheduler")
+
+
+@hookimpl
+def vframe_register_kv_cache_managers(register: RegisterFn) -> None:
+    register("default", "vframe.core.sched.kv_cache_manager:PagedKVCacheManager")
+
+
+@hookimpl
+def vframe_register_samplers(register: RegisterFn) -> None:
+    register("default", "vframe.core.sample.sampler:DefaultSampler")
+
+
+@hookimpl
+def vframe_register_model_runners(register: RegisterFn) -> None:
+    register("default", "vframe.core.worker.model_runner:TorchModelRunner")
