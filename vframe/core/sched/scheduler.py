@@ -11,8 +11,9 @@ its blocks are freed and it goes back to the front of the waiting queue).
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from vframe.core.config import EngineConfig
 from vframe.core.interfaces import KVCacheManager, Scheduler
@@ -28,49 +29,45 @@ from vframe.errors import ConfigError
 
 
 class WaitingQueue:
-    """FCFS deque, or a heap by (priority, arrival) for the priority policy."""
+    """A FIFO deque, or a heap ordered by ``key(request)`` (ties by arrival)."""
 
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
+    def __init__(self, key: Callable[[Request], tuple] | None = None) -> None:
+        self.key = key
         self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = 0
-
-    def _key(self, r: Request) -> tuple[int, float, int]:
-        self._counter += 1
-        return (r.priority, r.arrival_time, self._counter)
+        self._heap: list[tuple[tuple, int, Request]] = []
+        self._counter = itertools.count()
 
     def add(self, request: Request) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (*self._key(request), request))
-        else:
+        if self.key is None:
             self._fifo.append(request)
+        else:
+            heapq.heappush(self._heap, (self.key(request), next(self._counter), request))
 
     def add_front(self, request: Request) -> None:
-        """A preempted request keeps its place: first under FCFS, by priority otherwise."""
-        if self.policy == "priority":
-            self.add(request)
-        else:
+        """A preempted request keeps its place: first in FIFO order, by key otherwise."""
+        if self.key is None:
             self._fifo.appendleft(request)
+        else:
+            self.add(request)
 
     def peek(self) -> Request:
-        return self._heap[0][-1] if self.policy == "priority" else self._fifo[0]
+        return self._fifo[0] if self.key is None else self._heap[0][-1]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[-1] if self.policy == "priority" else self._fifo.popleft()
+        return self._fifo.popleft() if self.key is None else heapq.heappop(self._heap)[-1]
 
     def remove(self, requests: set[Request]) -> None:
-        if self.policy == "priority":
+        if self.key is None:
+            self._fifo = deque(r for r in self._fifo if r not in requests)
+        else:
             self._heap = [e for e in self._heap if e[-1] not in requests]
             heapq.heapify(self._heap)
-        else:
-            self._fifo = deque(r for r in self._fifo if r not in requests)
 
     def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+        return len(self._fifo) if self.key is None else len(self._heap)
 
-    def __iter__(self):
-        return iter([e[-1] for e in self._heap] if self.policy == "priority" else self._fifo)
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._fifo if self.key is None else [e[-1] for e in sorted(self._heap)])
 
 
 class DefaultScheduler(Scheduler):
@@ -88,12 +85,19 @@ class DefaultScheduler(Scheduler):
                 "scheduler yet; use 'recompute'"
             )
         self.requests: dict[str, Request] = {}
-        self.waiting = WaitingQueue(self.policy)
+        self.waiting = WaitingQueue(self.waiting_key())
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         # Requests the runner has state for; others are sent as new.
         self._runner_known: set[str] = set()
         self.num_preemptions = 0
+
+    def waiting_key(self) -> Callable[[Request], tuple] | None:
+        """Order of the waiting queue: None is first come, first served.
+        Subclasses (scheduling-policy plugins) return their own key."""
+        if self.policy == "priority":
+            return lambda r: (r.priority, r.arrival_time)
+        return None
 
     # ------------------------------------------------------------------ #
 
@@ -193,9 +197,11 @@ class DefaultScheduler(Scheduler):
         return min(num_new, budget)
 
     def _pick_victim(self) -> Request:
-        if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+        """The request that would be admitted last goes first."""
+        key = self.waiting.key
+        if key is None:
+            return self.running[-1]
+        return max(self.running, key=lambda r: (key(r), r.arrival_time))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
