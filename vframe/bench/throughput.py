@@ -98,12 +98,12 @@ def run_hf(args: argparse.Namespace, dtype_name: str) -> Result:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vframe.models.loader import hf_directory, resolve_model
+    from vframe.models.loader import resolve_model
 
     torch.set_num_threads(args.threads)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
     t0 = time.perf_counter()
-    directory = hf_directory(resolve_model(args.model))
+    directory = resolve_model(args.model).model_dir  # a GGUF's dense conversion
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
     startup = time.perf_counter() - t0

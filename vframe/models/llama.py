@@ -1,0 +1,292 @@
+"""Llama (and Mistral, SmolLM2): a decoder of pre-norm attention + SwiGLU layers.
+
+Every token of a step is flattened into one dimension ``T``; attention over the
+paged KV cache is the backend's job. q/k/v and gate/up are fused into single
+matmuls; ``load_weights`` takes the Hugging Face names and fills the fused
+parameters shard by shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vframe.core.interfaces import AttentionBackend
+from vframe.errors import ModelLoadError
+
+ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM"]
+
+# Hugging Face projection -> (our fused parameter, shard id)
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def get_head_dim(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+# --------------------------------------------------------------------------- #
+# Rotary position embedding
+# --------------------------------------------------------------------------- #
+
+
+def rope_inv_freq(hf_config: Any, head_dim: int) -> torch.Tensor:  # [D/2] float32
+    """Inverse frequencies, including ``default``, ``linear`` and ``llama3`` scaling."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        # Long wavelengths are stretched by `factor`, short ones kept, the band between blended.
+        factor = params["factor"]
+        low_freq_factor = params["low_freq_factor"]
+        high_freq_factor = params["high_freq_factor"]
+        old_context_len = params["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ModelLoadError(
+        f"rope_type={rope_type!r} is not supported by vframe's Llama; "
+        "supported: 'default', 'linear', 'llama3'"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotation (rotate_half), as Hugging Face Llama applies it."""
+
+    def __init__(self, hf_config: Any, head_dim: int) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(hf_config, head_dim)  # [D/2]
+        positions = torch.arange(hf_config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_pos, D/2]
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, KVH, D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)  # [T, N, D/2] each
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+# --------------------------------------------------------------------------- #
+# Layers
+# --------------------------------------------------------------------------- #
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        hidden_size = hf_config.hidden_size
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = get_head_dim(hf_config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = getattr(hf_config, "attention_bias", False)
+
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=bias, dtype=dtype)
+        self.shard_offsets = {
+            "q": (0, self.q_size),
+            "k": (self.q_size, self.kv_size),
+            "v": (self.q_size + self.kv_size, self.kv_size),
+        }
+        self.attn = attn_backend.get_impl_cls()(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            sliding_window=getattr(hf_config, "sliding_window", None),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, E]
+        positions: torch.Tensor,  # [T]
+        rotary_emb: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+    ) -> torch.Tensor:  # [T, E]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        q, k = rotary_emb(positions, q, k)
+        out = self.attn.forward(q, k, v, kv_cache, attn_metadata)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        bias = getattr(hf_config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
+        self.shard_offsets = {"gate": (0, inter), "up": (inter, inter)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
+        self.self_attn = LlamaAttention(hf_config, attn_backend, dtype)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
+        self.mlp = LlamaMLP(hf_config, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, E]
+        positions: torch.Tensor,
+        rotary_emb: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+    ) -> torch.Tensor:  # [T, E]
+        h = x + self.self_attn(self.input_layernorm(x), positions, rotary_emb, kv_cache, attn_metadata)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, attn_backend, dtype) for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        rotary_emb: RotaryEmbedding,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: Any,
+    ) -> torch.Tensor:  # [T, E]
+        x = self.embed_tokens(input_ids)  # [T, E]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, rotary_emb, kv_cache, attn_metadata)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # Parameters start uninitialised (load_weights fills every one):
+        # random init of a multi-billion-parameter model would cost minutes.
+        with torch.device("meta"):
+            self.model = LlamaModel(hf_config, attn_backend, dtype)
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype)
+        self.to_empty(device=torch.get_default_device())
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary_emb = RotaryEmbedding(hf_config, get_head_dim(hf_config))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # one per layer
+        attn_metadata: Any,
+    ) -> torch.Tensor:  # [T, E]
+        return self.model(input_ids, positions, self.rotary_emb, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, E] -> [N, V] float32
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face-named tensors into the (fused) parameters.
+
+        Returns the names of the parameters that are now fully loaded; a fused
+        parameter counts only once every one of its shards has arrived."""
+        params = dict(self.named_parameters())
+        shards_seen: dict[str, set[str]] = {}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            module_name, _, leaf = name.rpartition(".")  # leaf: weight | bias
+            parent, _, proj = module_name.rpartition(".")
+            if proj in _FUSED:
+                fused, shard = _FUSED[proj]
+                target = f"{parent}.{fused}.{leaf}"
+                param = params.get(target)
+                if param is None:
+                    raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                start, size = self.get_submodule(parent).shard_offsets[shard]
+                _copy(param.data.narrow(0, start, size), tensor, name)
+                shards_seen.setdefault(target, set()).add(shard)
+                if len(shards_seen[target]) == len(self.get_submodule(parent).shard_offsets):
+                    loaded.add(target)
+            else:
+                param = params.get(name)
+                if param is None:
+                    raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                _copy(param.data, tensor, name)
+                loaded.add(name)
+        return loaded
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ModelLoadError(
+            f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}"
+        )
+    dst.copy_(src)

@@ -1,0 +1,240 @@
+"""Convert a llama.cpp GGUF file, once, into a Hugging Face-layout directory.
+
+The result holds ``config.json``, ``model.safetensors`` (dequantized to
+float32, so both float32 and bfloat16 runs are exact) and the tokenizer. It is
+written into a temporary directory and renamed into place, so a killed
+process never leaves a half-written cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vframe.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+_TOP_LEVEL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_PER_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling factors, folded into the config
+_REQUIRED = object()
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write the Hugging Face-layout conversion of ``gguf_path`` to ``out_dir``."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    reader = open_gguf(gguf_path)
+    architecture = read_field(reader, "general.architecture")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{gguf_path}: GGUF general.architecture={architecture!r} is not supported; "
+            f"vframe reads GGUF files of: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    logger.info("converting %s into %s (first load only)", gguf_path, out_dir)
+    config = gguf_to_hf_config(reader, architecture)
+    tensors = dict(gguf_to_hf_tensors(reader, config))
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
+    try:
+        config.save_pretrained(tmp)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "config.json").exists():
+                raise
+            shutil.rmtree(tmp)  # another process finished the same conversion first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def open_gguf(path: Path) -> Any:
+    """A ``gguf.GGUFReader`` over ``path``; a truncated or corrupt file raises ModelLoadError."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError, IndexError, ... on bad bytes
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from e
+    file_size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > file_size:
+            raise ModelLoadError(f"{path}: truncated GGUF file (tensor {t.name!r} ends past the end of file)")
+    return reader
+
+
+def read_field(reader: Any, key: str, default: Any = _REQUIRED) -> Any:
+    """A scalar or string metadata value."""
+    from gguf import GGUFValueType
+
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise ModelLoadError(f"GGUF metadata lacks the required field {key!r}")
+        return default
+    value = field.parts[field.data[0]]
+    if field.types[0] == GGUFValueType.STRING:
+        return bytes(value).decode("utf-8")
+    return value[0].item()
+
+
+def gguf_to_hf_config(reader: Any, architecture: str) -> Any:
+    """A transformers ``LlamaConfig`` from llama.cpp's metadata keys."""
+    from transformers import LlamaConfig
+
+    def field(name: str, default: Any = _REQUIRED) -> Any:
+        return read_field(reader, f"{architecture}.{name}", default)
+
+    tensor_names = {t.name for t in reader.tensors}
+    hidden_size = field("embedding_length")
+    num_heads = field("attention.head_count")
+    head_dim = field("attention.key_length", None) or field("rope.dimension_count", None) or hidden_size // num_heads
+    vocab_size = field("vocab_size", None)
+    if vocab_size is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab_size = len(tokens.data) if tokens is not None else int(_tensor(reader, "token_embd.weight").shape[-1])
+    max_position = field("context_length")
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": field("rope.freq_base", 10000.0)}
+    scaling_type = field("rope.scaling.type", "none")
+    if scaling_type in ("linear", "yarn"):
+        rope_parameters.update(rope_type=scaling_type, factor=field("rope.scaling.factor"))
+        if scaling_type == "yarn":
+            rope_parameters["original_max_position_embeddings"] = field("rope.scaling.original_context_length")
+    if _ROPE_FREQS in tensor_names:
+        rope_parameters.update(
+            _llama3_rope_parameters(_dequantize(_tensor(reader, _ROPE_FREQS)), rope_parameters["rope_theta"], head_dim)
+        )
+
+    return LlamaConfig(
+        architectures=[SUPPORTED_ARCHITECTURES[architecture]],
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=field("feed_forward_length"),
+        num_hidden_layers=field("block_count"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=field("attention.head_count_kv", num_heads),
+        head_dim=head_dim,
+        max_position_embeddings=max_position,
+        rms_norm_eps=field("attention.layer_norm_rms_epsilon"),
+        rope_parameters=rope_parameters,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_gate.bias" in tensor_names,
+        bos_token_id=read_field(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=read_field(reader, "tokenizer.ggml.eos_token_id", None),
+        pad_token_id=read_field(reader, "tokenizer.ggml.padding_token_id", None),
+        dtype="float32",
+    )
+
+
+def _llama3_rope_parameters(rope_freqs: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """Recover Hugging Face ``llama3`` rope parameters from llama.cpp's per-frequency factors.
+
+    llama.cpp stores only the factors; every Llama 3.x release uses low/high
+    frequency factors 1 and 4 over an original context of 8192, so those are
+    assumed and the factors are checked against them."""
+    factor = float(rope_freqs.max())
+    if factor == 1.0:
+        return {}
+    params = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    expected = []
+    for freq in inv_freq:
+        wavelen = 2 * math.pi / freq
+        if wavelen < 8192 / 4.0:
+            expected.append(1.0)
+        elif wavelen > 8192 / 1.0:
+            expected.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+            expected.append(1 / ((1 - smooth) / factor + smooth))
+    if not np.allclose(rope_freqs, expected, rtol=1e-3):
+        raise ModelLoadError(
+            f"GGUF tensor {_ROPE_FREQS!r} does not match llama3 rope scaling "
+            "(low_freq_factor=1, high_freq_factor=4, original context 8192); this rope scaling is not supported"
+        )
+    return params
+
+
+def gguf_to_hf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized float32 tensors under Hugging Face names, q/k un-permuted."""
+    for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            continue
+        name = hf_tensor_name(t.name)
+        array = _dequantize(t)  # [out, in] for matrices: GGUF's reversed dims are already undone
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            array = unpermute_qk(array, config.num_attention_heads)
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            array = unpermute_qk(array, config.num_key_value_heads)
+        yield name, torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _TOP_LEVEL and suffix in ("weight", "bias"):
+        return f"{_TOP_LEVEL[base]}.{suffix}"
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in _PER_LAYER:
+        layer, kind, suffix = match.groups()
+        return f"model.layers.{layer}.{_PER_LAYER[kind]}.{suffix}"
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Llama equivalent; vframe cannot load this file")
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which interleaves the two rotary halves of each head:
+    ``w.reshape(n_head, 2, head_dim // 2, *rest).swapaxes(1, 2)``."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tensor(reader: Any, name: str) -> Any:
+    return next(t for t in reader.tensors if t.name == name)
+
+
+def _dequantize(t: Any) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    # Writable and contiguous: unquantized tensors come back as read-only views of the file.
+    return np.require(dequantize(t.data, t.tensor_type), np.float32, ["C", "W"])

@@ -1,0 +1,99 @@
+"""Read a resolved model: its config, architecture, weights, tokenizer; build the module."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vframe.core.interfaces import AttentionBackend
+from vframe.errors import ModelLoadError
+from vframe.models.loader.resolve import ResolvedModel
+
+
+def architecture(resolved: ResolvedModel) -> str:
+    """The model class name the checkpoint declares (``config.architectures[0]``)."""
+    config_path = resolved.model_dir / "config.json"
+    try:
+        architectures = json.loads(config_path.read_text()).get("architectures")
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{config_path}: unreadable config ({e})") from e
+    if not architectures:
+        raise ModelLoadError(
+            f"{config_path} has no 'architectures' list; add e.g. \"architectures\": [\"LlamaForCausalLM\"]"
+        )
+    return architectures[0]
+
+
+def load_hf_config(resolved: ResolvedModel) -> Any:
+    """The transformers config (``PretrainedConfig`` subclass) of the model."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    model_dir = str(resolved.model_dir)
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except ValueError:
+        pass  # a model_type transformers does not know: a plugin's model may still read it
+    try:
+        return PretrainedConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{resolved.model_dir / 'config.json'}: unreadable config ({e})") from e
+
+
+def iterate_weights(resolved: ResolvedModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` for every tensor of every safetensors file, memory-mapped."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in resolved.weight_files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{path}: corrupt safetensors file ({e})") from e
+
+
+def load_tokenizer(resolved: ResolvedModel, tokenizer_override: str | None = None) -> Any:
+    """A fast transformers tokenizer, from ``tokenizer_override`` (a directory or a
+    .gguf file) when given, else from the model directory."""
+    from transformers import AutoTokenizer
+
+    if tokenizer_override is None:
+        source = resolved.model_dir
+    else:
+        source = Path(tokenizer_override).expanduser()
+        if not source.exists():
+            raise ModelLoadError(
+                f"tokenizer={tokenizer_override!r}: not a file or directory; vframe does not download tokenizers"
+            )
+    try:
+        if source.is_file():
+            return AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+        return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(
+            f"{source}: no usable tokenizer ({e}); pass tokenizer=<directory with tokenizer.json>"
+        ) from e
+
+
+def load_model(
+    resolved: ResolvedModel,
+    model_cls: type[nn.Module],
+    attn_backend: type[AttentionBackend],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """Build ``model_cls(hf_config, attn_backend, dtype)`` on ``device`` and load every parameter."""
+    hf_config = load_hf_config(resolved)
+    with torch.device(device):
+        model = model_cls(hf_config, attn_backend, dtype)
+    loaded = model.load_weights(iterate_weights(resolved))
+    missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{resolved.source}: the checkpoint has no weights for {shown}")
+    return model.eval().requires_grad_(False)
