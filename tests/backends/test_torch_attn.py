@@ -145,9 +145,12 @@ def test_plan_separates_prefills_from_decodes() -> None:
         (0, 7, 0), (7, 13, 5), (16, 25, 17), (26, 29, 0)
     ]
     assert meta.prefills[0].slots is None  # no cached context: no gather
-    assert meta.decode_token_idx.tolist() == [13, 14, 15, 25]
-    assert meta.decode_slots.shape == (4, 31)  # padded to the longest decode
-    assert meta.decode_mask[:, 0, 0, :].sum(-1).tolist() == [14, 1, 31, 3]
+    # Decodes sorted by length, one per group here; each gathers whole blocks
+    # of 4 tokens up to its own length.
+    groups = meta.decode_groups
+    assert [g.token_idx.tolist() for g in groups] == [[14], [25], [13], [15]]
+    assert [g.mask[:, 0, 0, :].sum(-1).tolist() for g in groups] == [[1], [3], [14], [31]]
+    assert [g.block_ids.numel() for g in groups] == [1, 1, 4, 8]
 
 
 @pytest.mark.parametrize("reqs", [[(3, 1), (9, 1), (0, 1)], [(0, 5)], [(6, 4)]])

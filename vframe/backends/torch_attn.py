@@ -43,6 +43,21 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Requests with one query token and similar lengths, attended in one call."""
+
+    token_idx: torch.Tensor  # [n] int64, the decodes' rows in the flat batch
+    block_ids: torch.Tensor  # [n * max_blocks] int64, block tables, flattened
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+# Decodes are sorted by length and split into this many groups: each group pads
+# only to its own longest request, which on CPU halves the attention time of a
+# batch whose lengths spread widely.
+_NUM_DECODE_GROUPS = 4
+
+
+@dataclass
 class TorchAttentionMetadata:
     """The plan of one step, built once and shared by every layer."""
 
@@ -50,9 +65,7 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64
     num_actual_tokens: int
     prefills: list[PrefillSpan]
-    decode_token_idx: torch.Tensor | None  # [B_dec] int64, the decodes' rows in the flat batch
-    decode_slots: torch.Tensor | None  # [B_dec, max_len] int64, padding points at slot 0
-    decode_mask: torch.Tensor | None  # [B_dec, 1, 1, max_len] bool, True = attend
+    decode_groups: list[DecodeGroup]
 
     @classmethod
     def from_common(
@@ -75,29 +88,46 @@ class TorchAttentionMetadata:
                     _plan_prefill(qsl[b], qsl[b + 1], seq_lens[b], block_table[b], block_size, sliding_window)
                 )
 
-        decode_token_idx = decode_slots = decode_mask = None
-        if decode_reqs:
-            reqs = torch.tensor(decode_reqs, dtype=torch.long, device=device)
-            max_len = max(seq_lens[b] for b in decode_reqs)
-            positions = torch.arange(max_len, device=device)  # [L]
-            lens = torch.tensor([seq_lens[b] for b in decode_reqs], device=device)  # [B_dec]
-            valid = positions[None, :] < lens[:, None]  # [B_dec, L]
-            if sliding_window is not None:
-                valid &= positions[None, :] > lens[:, None] - 1 - sliding_window
-            slots = _slots(block_table[reqs], positions, block_size)  # [B_dec, L]
-            decode_token_idx = torch.tensor([qsl[b] for b in decode_reqs], dtype=torch.long, device=device)
-            decode_slots = torch.where(valid, slots, 0)
-            decode_mask = valid[:, None, None, :]
+        decode_reqs.sort(key=lambda b: seq_lens[b])
+        num_groups = min(_NUM_DECODE_GROUPS, len(decode_reqs))
+        bounds = [g * len(decode_reqs) // max(num_groups, 1) for g in range(num_groups + 1)]
+        decode_groups = [
+            _plan_decodes(decode_reqs[lo:hi], qsl, seq_lens, block_table, block_size, sliding_window)
+            for lo, hi in zip(bounds, bounds[1:])
+        ]
 
         return cls(
             common=common,
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
             num_actual_tokens=common.num_actual_tokens,
             prefills=prefills,
-            decode_token_idx=decode_token_idx,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            decode_groups=decode_groups,
         )
+
+
+def _plan_decodes(
+    reqs: list[int],
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,  # [B, max_blocks] int64
+    block_size: int,
+    sliding_window: int | None,
+) -> DecodeGroup:
+    # Whole blocks are gathered (a few KB each, not one row per token); table
+    # padding points at some block and is masked out.
+    device = block_table.device
+    max_blocks = -(-max(seq_lens[b] for b in reqs) // block_size)
+    positions = torch.arange(max_blocks * block_size, device=device)  # [L]
+    lens = torch.tensor([seq_lens[b] for b in reqs], device=device)  # [n]
+    valid = positions[None, :] < lens[:, None]  # [n, L]
+    if sliding_window is not None:
+        valid &= positions[None, :] > lens[:, None] - 1 - sliding_window
+    rows = torch.tensor(reqs, dtype=torch.long, device=device)
+    return DecodeGroup(
+        token_idx=torch.tensor([query_start_loc[b] for b in reqs], dtype=torch.long, device=device),
+        block_ids=block_table[rows, :max_blocks].flatten(),
+        mask=valid[:, None, None, :],
+    )
 
 
 def _slots(
@@ -177,17 +207,17 @@ class TorchAttentionImpl(AttentionImpl):
                 )
             output[span.query_start : span.query_end] = out[0].transpose(0, 1)  # [Q, H, D]
 
-        if meta.decode_token_idx is not None:
-            num_decodes, max_len = meta.decode_slots.shape
-            gather_shape = (num_decodes, max_len, self.num_kv_heads, self.head_size)
-            slots = meta.decode_slots.flatten()
-            q = query.index_select(0, meta.decode_token_idx)[:, :, None, :]  # [B_dec, H, 1, D]
-            k = key_cache.index_select(0, slots).view(gather_shape).transpose(1, 2)  # [B_dec, KVH, L, D]
-            v = value_cache.index_select(0, slots).view(gather_shape).transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
-            )
-            output.index_copy_(0, meta.decode_token_idx, out[:, :, 0, :])  # [B_dec, H, D]
+        group = self.num_heads // self.num_kv_heads
+        for dec in meta.decode_groups:
+            n, max_len = dec.mask.shape[0], dec.mask.shape[-1]
+            kv_shape = (n, max_len, self.num_kv_heads, self.head_size)
+            # GQA as `group` query rows per KV head: query head h reads KV head
+            # h // group, so [n, H, D] -> [n, KVH, group, D] and K/V are not repeated.
+            q = query.index_select(0, dec.token_idx).view(n, self.num_kv_heads, group, self.head_size)
+            k = kv_cache[0].index_select(0, dec.block_ids).view(kv_shape).transpose(1, 2)  # [n, KVH, L, D]
+            v = kv_cache[1].index_select(0, dec.block_ids).view(kv_shape).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=dec.mask, scale=self.scale)
+            output.index_copy_(0, dec.token_idx, out.reshape(n, self.num_heads, self.head_size))
         return output
 
 

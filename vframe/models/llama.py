@@ -87,13 +87,13 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [T, H, D]
         key: torch.Tensor,  # [T, KVH, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)  # [T, N, D/2] each
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        # In the activation dtype, as transformers does: no float32 round trip.
+        cos, sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
+        num_heads = query.shape[1]
+        qk = torch.cat([query, key], dim=1)  # [T, H + KVH, D]: one rotation for both
+        x1, x2 = qk.chunk(2, dim=-1)  # [T, H + KVH, D/2] each
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return rotated[:, :num_heads], rotated[:, num_heads:]
 
 
 # --------------------------------------------------------------------------- #

@@ -189,8 +189,11 @@ class TorchModelRunner(ModelRunner):
     # ------------------------------------------------------------------ #
 
     def profile(self, is_start: bool) -> None:
-        trace_dir = self.config.observability.torch_profiler_dir or os.environ.get(
-            "VFRAME_TORCH_PROFILER_DIR"
+        # VLLM_TORCH_PROFILER_DIR too, so that vLLM's profiling scripts run unchanged.
+        trace_dir = (
+            self.config.observability.torch_profiler_dir
+            or os.environ.get("VFRAME_TORCH_PROFILER_DIR")
+            or os.environ.get("VLLM_TORCH_PROFILER_DIR")
         )
         if not trace_dir:
             raise ConfigError(

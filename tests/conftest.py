@@ -1,4 +1,4 @@
-"""Session fixtures over the embedded SmolLM2 GGUF: converted once, referenced once."""
+"""Session fixtures: the embedded SmolLM2 GGUF converted once, its transformers reference, one engine."""
 
 from __future__ import annotations
 
@@ -31,3 +31,16 @@ def hf_smollm(smollm: ResolvedModel) -> torch.nn.Module:
         str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    """One float32 engine on the embedded model, shared by the end-to-end tests."""
+    from vframe import LLM
+
+    return LLM(dtype="float32", max_model_len=1024, num_threads=2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(llm_fp32):
+    return llm_fp32.get_tokenizer()
