@@ -45,7 +45,8 @@ def throwaway():
 
 def test_builtin_entries_are_registered_as_lazy_strings():
     assert {
-        kind: {e.name: (e.target, e.source) for e in get_registry(kind).entries()}
+        # Installed contrib plugins add entries of their own; only the built-ins are fixed.
+        kind: {e.name: (e.target, e.source) for e in get_registry(kind).entries() if e.source == "builtin"}
         for kind in ("model", "attention_backend", "scheduler", "kv_cache_manager", "sampler", "model_runner")
     } == {
         "model": {
@@ -64,12 +65,12 @@ def test_builtin_entries_are_registered_as_lazy_strings():
 
 def test_throwaway_plugin_is_found_and_removed(throwaway):
     registry = get_registry("scheduler")
-    assert registry.names() == ["default", "lottery"]
+    assert {"default", "lottery"} <= set(registry.names())
     assert registry.load("lottery") is LotteryScheduler
     assert registry.get("lottery").source == "throwaway"
 
     unregister_plugin("throwaway")
-    assert registry.names() == ["default"]
+    assert "lottery" not in registry.names()
     register_plugin(ThrowawayPlugin(), "throwaway")  # for the fixture's teardown
 
 

@@ -203,7 +203,10 @@ class LlamaModel(nn.Module):
         self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype)
+        # An explicit weight skips Embedding's random init, which on the meta device
+        # would import torch._dynamo (over a second of start-up).
+        weight = torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype)
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, attn_backend, dtype) for _ in range(hf_config.num_hidden_layers)
         )

@@ -72,9 +72,9 @@ class TorchModelRunner(ModelRunner):
         self.hf_config = load_hf_config(self.resolved)
         arch = architecture(self.resolved)
         model_cls = get_registry("model").load(arch)
-        self.dtype = resolve_dtype(
-            self.config.model.dtype, getattr(self.hf_config, "torch_dtype", None), self.device
-        )
+        # A converted GGUF's config names float32, the dtype of its dequantized copy.
+        checkpoint_dtype = None if self.resolved.gguf_file else _checkpoint_dtype(self.hf_config)
+        self.dtype = resolve_dtype(self.config.model.dtype, checkpoint_dtype, self.device)
         self.attn_backend = self._select_attention_backend()
         self.model = load_model(self.resolved, model_cls, self.attn_backend, self.dtype).to(self.device)
         self.model.eval()
@@ -148,9 +148,12 @@ class TorchModelRunner(ModelRunner):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self._kv_shape(num_blocks)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
+        # Attention masks unwritten slots, but a NaN there would still leak through
+        # 0 * NaN: the cache must start finite. On CPU, buffers this large come
+        # from fresh, kernel-zeroed mmap pages, so `empty` is zero without paying
+        # to write gigabytes at start-up; elsewhere zero it explicitly.
+        alloc = torch.empty if self.device.type == "cpu" and _is_large(shape, self.dtype) else torch.zeros
+        self.kv_caches = [alloc(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
 
     # ------------------------------------------------------------------ #
 
@@ -216,6 +219,22 @@ class TorchModelRunner(ModelRunner):
         self._profiler.export_chrome_trace(path)
         self._profiler = None
         logger.info("wrote torch profiler trace to %s", path)
+
+
+def _checkpoint_dtype(hf_config) -> torch.dtype | None:
+    # transformers >= 5 calls it `dtype`, older releases `torch_dtype`.
+    for name in ("dtype", "torch_dtype"):
+        value = hf_config.__dict__.get(name)
+        if isinstance(value, str):
+            value = _DTYPES.get(value)
+        if isinstance(value, torch.dtype):
+            return value
+    return None
+
+
+def _is_large(shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Above glibc's largest mmap threshold (32 MiB), an allocation is always a fresh mmap."""
+    return math.prod(shape) * torch.tensor([], dtype=dtype).element_size() > 64 << 20
 
 
 def _available_memory() -> int:

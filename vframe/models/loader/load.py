@@ -12,6 +12,7 @@ from torch import nn
 
 from vframe.core.interfaces import AttentionBackend
 from vframe.errors import ModelLoadError
+from vframe.models.config import ModelConfig
 from vframe.models.loader.resolve import ResolvedModel
 
 
@@ -29,19 +30,9 @@ def architecture(resolved: ResolvedModel) -> str:
     return architectures[0]
 
 
-def load_hf_config(resolved: ResolvedModel) -> Any:
-    """The transformers config (``PretrainedConfig`` subclass) of the model."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    model_dir = str(resolved.model_dir)
-    try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except ValueError:
-        pass  # a model_type transformers does not know: a plugin's model may still read it
-    try:
-        return PretrainedConfig.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{resolved.model_dir / 'config.json'}: unreadable config ({e})") from e
+def load_hf_config(resolved: ResolvedModel) -> ModelConfig:
+    """The checkpoint's ``config.json`` with transformers' defaults for its model type."""
+    return ModelConfig.from_file(resolved.model_dir / "config.json")
 
 
 def iterate_weights(resolved: ResolvedModel) -> Iterator[tuple[str, torch.Tensor]]:
@@ -73,6 +64,12 @@ def load_tokenizer(resolved: ResolvedModel, tokenizer_override: str | None = Non
     try:
         if source.is_file():
             return AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+        if (source / "tokenizer.json").is_file():
+            # The generic fast tokenizer reads tokenizer.json directly; AutoTokenizer
+            # would first import transformers' model registry (~1.5 s of start-up).
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(source), local_files_only=True)
         return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(
