@@ -57,12 +57,11 @@ class InputBatch:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    @staticmethod
-    def _new_state(new: NewRequestData) -> CachedRequestState:
+    def _new_state(self, new: NewRequestData) -> CachedRequestState:
         sp: SamplingParams = new.sampling_params  # type: ignore[assignment]
         generator = None
         if sp.sampling_type == SamplingType.RANDOM_SEED:
-            generator = torch.Generator().manual_seed(sp.seed)
+            generator = torch.Generator(device=self.device).manual_seed(sp.seed)
         return CachedRequestState(
             req_id=new.req_id,
             token_ids=list(new.all_token_ids),
@@ -131,19 +130,20 @@ class InputBatch:
         states = [self.requests[r] for r in req_ids]
         params = [s.sampling_params for s in states]
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+        dev = self.device
         md = SamplingMetadata(
             temperature=torch.tensor(
-                [1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=torch.float32
+                [1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=torch.float32, device=dev
             ),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool),
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=dev),
             all_greedy=all(greedy),
         )
         if any(p.top_k > 0 for p in params):
-            md.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+            md.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
         if any(p.top_p < 1.0 for p in params):
-            md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+            md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         if any(p.min_p > 0.0 for p in params):
-            md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+            md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
         md.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
         asked = [p.logprobs for p in params if p.logprobs is not None]
         md.max_num_logprobs = max(asked) if asked else None
