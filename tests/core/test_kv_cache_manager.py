@@ -69,3 +69,60 @@ def test_eviction_takes_least_recently_freed_and_tails_first():
     assert kv.allocate_slots(b, 9) == [3, 4, 5, 2, 1]
     # block 1 held a's second block: its hash is gone, block 0 (the head) survives.
     assert kv.get_computed_blocks(make_request("c", 5, offset=0)) == ([0], 2)
+
+
+def test_swap_out_and_in_map_exact_blocks_and_free_swap_space():
+    kv = PagedKVCacheManager(num_blocks=6, block_size=4, enable_caching=False, num_swap_blocks=4)
+    r = make_request("r", 7)
+    assert kv.allocate_slots(r, 7) == [0, 1]
+    r.num_computed_tokens = 7
+    assert kv.swap_out(r) == [(0, 0), (1, 1)]
+    assert kv.num_free_blocks == 6 and kv.swap_usage == 0.5
+    other = make_request("o", 20, offset=50)
+    assert kv.allocate_slots(other, 20) == [2, 3, 4, 5, 1]  # 1 and 0 were freed tail first
+    assert kv.swap_in(r, 1) is None  # 7 computed + 1 new need 2 blocks, 1 is free
+    assert kv.swap_usage == 0.5 and kv.num_free_blocks == 1
+    kv.free(other)
+    assert kv.swap_in(r, 1) == [(0, 0), (1, 1)]
+    assert kv.get_block_ids("r") == [0, 1] and kv.swap_usage == 0.0
+
+
+def test_swap_out_refuses_when_swap_space_is_full():
+    kv = PagedKVCacheManager(num_blocks=6, block_size=4, enable_caching=False, num_swap_blocks=1)
+    r = make_request("r", 7)
+    kv.allocate_slots(r, 7)
+    assert kv.swap_out(r) is None
+    assert kv.get_block_ids("r") == [0, 1]
+
+
+def test_abort_while_swapped_returns_swap_blocks():
+    kv = PagedKVCacheManager(num_blocks=4, block_size=4, enable_caching=False, num_swap_blocks=2)
+    r = make_request("r", 5)
+    kv.allocate_slots(r, 5)
+    kv.swap_out(r)
+    kv.free(r)
+    assert kv.swap_usage == 0.0 and kv.num_free_blocks == 4
+
+
+def test_cache_salt_separates_otherwise_equal_prefixes():
+    kv = PagedKVCacheManager(num_blocks=10, block_size=4, enable_caching=True)
+    a = make_request("a", 9)
+    a.cache_salt = "tenant-1"
+    kv.allocate_slots(a, 9)
+    same_salt = make_request("b", 9)
+    same_salt.cache_salt = "tenant-1"
+    other_salt = make_request("c", 9)
+    other_salt.cache_salt = "tenant-2"
+    no_salt = make_request("d", 9)
+    assert kv.get_computed_blocks(same_salt) == ([0, 1], 8)
+    assert kv.get_computed_blocks(other_salt) == ([], 0)
+    assert kv.get_computed_blocks(no_salt) == ([], 0)
+
+
+def test_sha256_hashes_hit_like_builtin_ones():
+    kv = PagedKVCacheManager(num_blocks=10, block_size=4, enable_caching=True, hash_algo="sha256")
+    kv.allocate_slots(make_request("a", 9), 9)
+    blocks, num_hit = kv.get_computed_blocks(make_request("b", 12))
+    assert (blocks, num_hit) == ([0, 1], 8)
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in kv.req_to_block_hashes["b"])
+    assert kv.get_stats()["prefix_cache_hit_rate"] == 8 / 12

@@ -40,6 +40,24 @@ def test_preemption_does_not_change_outputs(batched):
     assert stats["kv_cache_usage"] == 0.0  # every block came back
 
 
-def test_small_token_budget_chunks_prefill_without_changing_outputs(batched):
-    llm = LLM(dtype="float32", max_num_batched_tokens=4, max_num_seqs=3, num_threads=2)
+@pytest.mark.parametrize("budget", [4, 16, 64, 2048])
+def test_token_budget_does_not_change_outputs(batched, budget):
+    llm = LLM(dtype="float32", max_num_batched_tokens=budget, max_num_seqs=3, num_threads=2)
     assert texts(llm, PROMPTS) == batched
+
+
+def test_prefix_caching_off_gives_the_same_outputs(batched):
+    llm = LLM(dtype="float32", enable_prefix_caching=False, num_threads=2)
+    assert texts(llm, PROMPTS) == batched
+    assert llm.get_stats()["prefix_cache_queries"] == 0
+
+
+def test_swap_preemption_does_not_change_outputs(batched):
+    llm = LLM(
+        dtype="float32", max_model_len=64, kv_cache_memory_bytes=7 * BLOCK_BYTES, num_threads=2,
+        preemption_mode="swap", swap_space=0.05,
+    )
+    assert texts(llm, PROMPTS) == batched
+    stats = llm.get_stats()
+    assert stats["num_swap_preemptions"] > 0
+    assert stats["kv_cache_usage"] == 0.0 and stats["swap_space_usage"] == 0.0

@@ -54,6 +54,10 @@ class LLMEngine:
 
         num_blocks = self.model_runner.determine_num_kv_blocks()
         self.model_runner.initialize_kv_cache(num_blocks)
+        num_swap_blocks = 0
+        if config.scheduler.preemption_mode == "swap":
+            num_swap_blocks = self.model_runner.determine_num_swap_blocks()
+            self.model_runner.initialize_swap_space(num_swap_blocks)
         cache = config.cache
         kv_cls = get_registry("kv_cache_manager").load(config.scheduler.kv_cache_manager)
         self.kv_cache_manager: KVCacheManager = kv_cls(
@@ -61,6 +65,7 @@ class LLMEngine:
             cache.block_size,
             cache.enable_prefix_caching,
             hash_algo=cache.prefix_caching_hash_algo,
+            num_swap_blocks=num_swap_blocks,
         )
         if config.scheduler.max_num_batched_tokens is None:
             budget = _DEFAULT_TOKEN_BUDGET
@@ -82,13 +87,15 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self.startup_s = time.perf_counter() - t0
         logger.info(
-            "vframe ready in %.1fs: %d KV blocks of %d tokens (%d tokens, %.1fx max_model_len=%d)",
+            "vframe ready in %.1fs: %d KV blocks of %d tokens (%d tokens; at most %.1f requests of "
+            "max_model_len=%d at once)%s",
             self.startup_s,
             num_blocks,
             cache.block_size,
             num_blocks * cache.block_size,
             num_blocks * cache.block_size / self.max_model_len,
             self.max_model_len,
+            f"; swap space of {num_swap_blocks} blocks" if num_swap_blocks else "",
         )
         call_lifecycle("vframe_engine_started", engine=self)
 
@@ -121,6 +128,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ #
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """``(text, token ids)`` of a string, a token-id list or a dict with
+        ``prompt`` or ``prompt_token_ids`` (its ``cache_salt`` is read by add_request)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -159,6 +168,9 @@ class LLMEngine:
         if params.output_kind != "final" and params.detokenize and self.tokenizer is None:
             params.detokenize = False
         text, token_ids = self.tokenize_prompt(prompt)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         max_tokens = self._validate_prompt(token_ids, params)
         params.update_from_tokenizer(self.eos_token_ids)
         if self.config.scheduler.scheduling_policy != "priority" and priority != 0:
@@ -179,7 +191,7 @@ class LLMEngine:
                     child_params.seed = params.seed + index
             parent.children[child_id] = index
             children.append(
-                Request(child_id, token_ids, child_params, arrival_time, priority, max_tokens)
+                Request(child_id, token_ids, child_params, arrival_time, priority, max_tokens, cache_salt)
             )
         self.output_processor.add_request(parent)
         for child in children:

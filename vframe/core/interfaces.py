@@ -127,6 +127,15 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_impl_cls() -> type[AttentionImpl]: ...
 
+    @staticmethod
+    def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor) -> None:
+        """Copy blocks ``src_to_dst[:, 0]`` of one layer's cache ``src`` into blocks
+        ``src_to_dst[:, 1]`` of ``dst`` (device <-> swap space). The default assumes
+        the block dimension is dim 1 of ``get_kv_cache_shape``, as in ``(2, num_blocks, ...)``."""
+        src_ids = src_to_dst[:, 0].to(src.device)
+        dst_ids = src_to_dst[:, 1].to(dst.device)
+        dst[:, dst_ids] = src[:, src_ids].to(dst.device)
+
     @classmethod
     def validate_configuration(
         cls,
@@ -156,12 +165,18 @@ class KVCacheManager(ABC):
     reference counts: it asks for slots and gets block ids back, or ``None``."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool, hash_algo: str = "builtin"
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        hash_algo: str = "builtin",
+        num_swap_blocks: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
+        self.num_swap_blocks = num_swap_blocks
 
     @abstractmethod
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -202,6 +217,19 @@ class KVCacheManager(ABC):
     @abstractmethod
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash. False if blocks are still in use."""
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to the swap space and free them.
+
+        Returns the (device block, swap block) copies to make before the next
+        forward pass, or ``None`` (nothing changed) when the swap space is full."""
+        raise NotImplementedError(f"{type(self).__name__} does not support swap preemption")
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Give a swapped-out request device blocks for its computed tokens plus
+        ``num_new_tokens``; returns the (swap block, device block) copies, or
+        ``None`` (nothing changed) when free blocks do not suffice."""
+        raise NotImplementedError(f"{type(self).__name__} does not support swap preemption")
 
     def get_stats(self) -> dict[str, float]:
         return {"kv_cache_usage": self.usage}
@@ -272,6 +300,13 @@ class ModelRunner(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def determine_num_swap_blocks(self) -> int:
+        """How many KV blocks the swap space (``swap_space`` GiB) holds."""
+        raise NotImplementedError(f"{type(self).__name__} does not support swap preemption")
+
+    def initialize_swap_space(self, num_blocks: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support swap preemption")
 
     def profile(self, is_start: bool) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support profiling")

@@ -96,12 +96,22 @@ class SchedulerOutput:
     scheduled_cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    preempted_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)  # recomputed or swapped out
     finished_req_ids: set[str] = field(default_factory=set)
+    # (device block, swap block) to copy out, then (swap block, device block) to copy
+    # in, before this step's forward pass.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        """Nothing runs and nothing moves: no tokens, no preemptions, no swaps."""
+        return (
+            self.total_num_scheduled_tokens == 0
+            and not self.preempted_req_ids
+            and not self.blocks_to_swap_out
+            and not self.blocks_to_swap_in
+        )
 
 
 @dataclass

@@ -12,7 +12,8 @@ from vframe.core.sampling_params import SamplingParams
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
-    PREEMPTED = enum.auto()
+    PREEMPTED = enum.auto()  # blocks freed; recomputed when readmitted
+    SWAPPED = enum.auto()  # blocks copied to the swap space; copied back when readmitted
     # Everything after this line is finished.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
@@ -21,7 +22,7 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
-        return status > RequestStatus.PREEMPTED
+        return status > RequestStatus.SWAPPED
 
     @staticmethod
     def finish_reason(status: RequestStatus) -> FinishReason | None:
@@ -55,12 +56,15 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         max_tokens: int | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        # Part of every block hash: requests with different salts never share KV.
+        self.cache_salt = cache_salt
         # max_tokens resolved against max_model_len by the engine.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.status = RequestStatus.WAITING

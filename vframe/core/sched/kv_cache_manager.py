@@ -31,6 +31,16 @@ def hash_block_tokens(
     return hash((parent_hash, tuple(token_ids)))
 
 
+def root_hash(extra_keys: tuple, algo: str = "builtin") -> BlockHash | None:
+    """The parent of a request's first block: anything besides token ids that
+    changes the KV contents (a cache salt, a LoRA adapter). None when empty."""
+    if not extra_keys:
+        return None
+    if algo == "sha256":
+        return hashlib.sha256(repr(extra_keys).encode()).digest()
+    return hash(("extra", extra_keys))
+
+
 class PagedKVCacheManager(KVCacheManager):
     def __init__(
         self,
@@ -38,9 +48,12 @@ class PagedKVCacheManager(KVCacheManager):
         block_size: int,
         enable_caching: bool,
         hash_algo: str = "builtin",
+        num_swap_blocks: int = 0,
     ) -> None:
-        super().__init__(num_blocks, block_size, enable_caching, hash_algo)
+        super().__init__(num_blocks, block_size, enable_caching, hash_algo, num_swap_blocks)
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.free_swap_blocks: list[int] = list(range(num_swap_blocks - 1, -1, -1))  # pop() -> 0, 1, ...
+        self.req_to_swap_blocks: dict[str, list[int]] = {}
         self.req_to_blocks: dict[str, list[int]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         # How many of a request's blocks are already registered in the cache.
@@ -104,6 +117,43 @@ class PagedKVCacheManager(KVCacheManager):
         self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_block.pop(request.request_id, None)
         self.req_to_block_hashes.pop(request.request_id, None)
+        self.free_swap_blocks.extend(reversed(self.req_to_swap_blocks.pop(request.request_id, [])))
+
+    # ------------------------------------------------------------------ #
+    # swap preemption
+    # ------------------------------------------------------------------ #
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if len(blocks) > len(self.free_swap_blocks):
+            return None
+        swap_blocks = [self.free_swap_blocks.pop() for _ in blocks]
+        self.req_to_swap_blocks[request.request_id] = swap_blocks
+        del self.req_to_blocks[request.request_id]
+        # Shared prefix blocks stay with their other users; only our reference goes.
+        self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_block.pop(request.request_id, None)
+        return list(zip(blocks, swap_blocks))
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        swap_blocks = self.req_to_swap_blocks[request.request_id]
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        num_required = -(-num_tokens // self.block_size)
+        if num_required > self.block_pool.num_free_blocks:
+            return None
+        blocks = self.block_pool.get_new_blocks(num_required)
+        self.req_to_blocks[request.request_id] = blocks
+        del self.req_to_swap_blocks[request.request_id]
+        self.free_swap_blocks.extend(reversed(swap_blocks))
+        if self.enable_caching:
+            self._cache_full_blocks(request, num_tokens)
+        return list(zip(swap_blocks, blocks))
+
+    @property
+    def swap_usage(self) -> float:
+        if not self.num_swap_blocks:
+            return 0.0
+        return 1.0 - len(self.free_swap_blocks) / self.num_swap_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.req_to_blocks.get(request_id, [])
@@ -122,8 +172,10 @@ class PagedKVCacheManager(KVCacheManager):
     def get_stats(self) -> dict[str, float]:
         return {
             "kv_cache_usage": self.usage,
+            "swap_space_usage": self.swap_usage,
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_hit_rate": self.prefix_cache_hits / max(self.prefix_cache_queries, 1),
         }
 
     # ------------------------------------------------------------------ #
@@ -134,7 +186,7 @@ class PagedKVCacheManager(KVCacheManager):
         num_full = request.num_tokens // self.block_size
         token_ids = request.all_token_ids
         for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root_hash(_extra_keys(request), self.hash_algo)
             chunk = token_ids[i * self.block_size : (i + 1) * self.block_size]
             hashes.append(hash_block_tokens(parent, chunk, self.hash_algo))
         return hashes
@@ -153,3 +205,7 @@ class PagedKVCacheManager(KVCacheManager):
         for i in range(start, num_full):
             self.block_pool.cache_block(blocks[i], hashes[i])
         self.num_cached_block[request.request_id] = num_full
+
+
+def _extra_keys(request: Request) -> tuple:
+    return () if request.cache_salt is None else (("cache_salt", request.cache_salt),)

@@ -4,8 +4,11 @@ There are no prefill and decode phases. Each step every request is brought
 closer to ``num_tokens``: running requests first (a decode is one token, a
 prefill chunk as many as the budget allows), then waiting requests while the
 budget, ``max_num_seqs`` and free KV blocks last. When a running request cannot
-get a block, the lowest-priority running request is preempted (recompute:
-its blocks are freed and it goes back to the front of the waiting queue).
+get a block, the lowest-priority running request is preempted and goes back
+to the front of the waiting queue: with ``preemption_mode="recompute"`` its
+blocks are freed and its tokens computed again when readmitted; with ``"swap"``
+its blocks are copied to the swap space and copied back (falling back to
+recompute when the swap space is full).
 """
 
 from __future__ import annotations
@@ -79,10 +82,10 @@ class DefaultScheduler(Scheduler):
         self.enable_chunked_prefill = sc.enable_chunked_prefill
         self.long_prefill_token_threshold = sc.long_prefill_token_threshold
         self.policy = sc.scheduling_policy
-        if sc.preemption_mode != "recompute":
+        self.preemption_mode = sc.preemption_mode
+        if self.preemption_mode == "swap" and not kv_cache_manager.num_swap_blocks:
             raise ConfigError(
-                f"preemption_mode={sc.preemption_mode!r} is not supported by the default "
-                "scheduler yet; use 'recompute'"
+                "preemption_mode='swap' needs a swap space: set swap_space (GiB) > 0"
             )
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(self.waiting_key())
@@ -91,6 +94,9 @@ class DefaultScheduler(Scheduler):
         # Requests the runner has state for; others are sent as new.
         self._runner_known: set[str] = set()
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self._swap_out: list[tuple[int, int]] = []  # copies owed to the runner this step
+        self._swap_in: list[tuple[int, int]] = []
 
     def waiting_key(self) -> Callable[[Request], tuple] | None:
         """Order of the waiting queue: None is first come, first served.
@@ -117,10 +123,14 @@ class DefaultScheduler(Scheduler):
         return len(self.requests)
 
     def get_stats(self) -> dict[str, float]:
+        preempted = (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
         return {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
+            "num_preempted": sum(r.status in preempted for r in self.waiting),
+            "num_swapped": sum(r.status == RequestStatus.SWAPPED for r in self.waiting),
             "num_preemptions": self.num_preemptions,
+            "num_swap_preemptions": self.num_swap_preemptions,
             **self.kv_cache_manager.get_stats(),
         }
 
@@ -164,6 +174,15 @@ class DefaultScheduler(Scheduler):
         # 2. Waiting requests, while budget, seats and blocks last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting.peek()
+            if request.status == RequestStatus.SWAPPED:
+                num_new = self._cap(request.num_tokens - request.num_computed_tokens, budget)
+                copies = self.kv_cache_manager.swap_in(request, num_new)
+                if copies is None:
+                    break
+                self._swap_in.extend(copies)
+                self._admit(request, num_new, [], num_scheduled, new_blocks)
+                budget -= num_new
+                continue
             computed_blocks, num_hit = ([], 0)
             if request.num_computed_tokens == 0:
                 computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
@@ -174,16 +193,26 @@ class DefaultScheduler(Scheduler):
             blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, num_hit)
             if blocks is None:
                 break
-            self.waiting.pop()
             request.num_computed_tokens += num_hit
             request.num_cached_tokens = max(request.num_cached_tokens, num_hit)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            num_scheduled[request.request_id] = num_new
-            new_blocks[request.request_id] = blocks
+            self._admit(request, num_new, blocks, num_scheduled, new_blocks)
             budget -= num_new
 
         return self._make_output(num_scheduled, new_blocks, preempted)
+
+    def _admit(
+        self,
+        request: Request,
+        num_new: int,
+        blocks: list[int],
+        num_scheduled: dict[str, int],
+        new_blocks: dict[str, list[int]],
+    ) -> None:
+        self.waiting.pop()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        num_scheduled[request.request_id] = num_new
+        new_blocks[request.request_id] = blocks
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens
@@ -204,13 +233,23 @@ class DefaultScheduler(Scheduler):
         return max(self.running, key=lambda r: (key(r), r.arrival_time))
 
     def _preempt(self, request: Request) -> None:
+        """Swap the request out if configured and the swap space has room, else
+        free its blocks to recompute it. Either way it waits at the front again."""
         self.running.remove(request)
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        copies = None
+        if self.preemption_mode == "swap":
+            copies = self.kv_cache_manager.swap_out(request)
+        if copies is not None:
+            self._swap_out.extend(copies)
+            request.status = RequestStatus.SWAPPED
+            self.num_swap_preemptions += 1
+        else:
+            self.kv_cache_manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._runner_known.discard(request.request_id)
+        self._runner_known.discard(request.request_id)  # it is sent again in full
         self.waiting.add_front(request)
 
     def _make_output(
@@ -248,8 +287,10 @@ class DefaultScheduler(Scheduler):
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids={r.request_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
+            blocks_to_swap_out=self._swap_out,
+            blocks_to_swap_in=self._swap_in,
         )
-        self.finished_req_ids = set()
+        self.finished_req_ids, self._swap_out, self._swap_in = set(), [], []
         return out
 
     # ------------------------------------------------------------------ #

@@ -57,6 +57,7 @@ class TorchModelRunner(ModelRunner):
         self.sampler = sampler or get_registry("sampler").load(config.sampler.sampler)()
         self.input_batch = InputBatch(self.block_size, self.device)
         self.kv_caches: list[torch.Tensor] = []
+        self.swap_caches: list[torch.Tensor] = []
         self._profiler: torch.profiler.profile | None = None
 
     # ------------------------------------------------------------------ #
@@ -157,11 +158,38 @@ class TorchModelRunner(ModelRunner):
 
     # ------------------------------------------------------------------ #
 
+    def determine_num_swap_blocks(self) -> int:
+        num_blocks = int(self.config.cache.swap_space * (1 << 30)) // self.bytes_per_block()
+        if num_blocks < 1:
+            raise ConfigError(
+                f"swap_space={self.config.cache.swap_space} GiB holds no KV block "
+                f"(one needs {self.bytes_per_block()} bytes); raise it for preemption_mode='swap'"
+            )
+        return num_blocks
+
+    def initialize_swap_space(self, num_blocks: int) -> None:
+        # The swap space lives in host memory whatever the device (pinned on CUDA).
+        pin = self.device.type == "cuda"
+        shape = self._kv_shape(num_blocks)
+        self.swap_caches = [
+            torch.empty(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)
+        ]
+
+    def _swap(self, pairs: list[tuple[int, int]], src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
+        if not pairs:
+            return
+        src_to_dst = torch.tensor(pairs, dtype=torch.long)  # [N, 2]
+        for s, d in zip(src, dst):
+            self.attn_backend.swap_blocks(s, d, src_to_dst)
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # Out first: a block freed by a swap-out may be a swap-in's destination.
+        self._swap(scheduler_output.blocks_to_swap_out, self.kv_caches, self.swap_caches)
+        self._swap(scheduler_output.blocks_to_swap_in, self.swap_caches, self.kv_caches)
         batch = self.input_batch
         batch.update(scheduler_output)
-        if scheduler_output.is_empty:
+        if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
         inputs = batch.prepare(scheduler_output)
         attn_metadata = self.attn_backend.get_metadata_builder_cls()(self.config, self.device).build(
