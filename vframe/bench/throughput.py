@@ -26,6 +26,7 @@ class Result:
     output_tokens: int
     wall_s: float
     startup_s: float
+    num_preemptions: int = 0
 
     @property
     def output_tps(self) -> float:
@@ -90,6 +91,7 @@ def run_vframe(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Resul
         output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         wall_s=wall,
         startup_s=startup,
+        num_preemptions=int(llm.get_stats()["num_preemptions"]),
     )
 
 
@@ -139,6 +141,7 @@ def _print(result: Result) -> None:
         f"{result.prompt_tokens} prompt + {result.output_tokens} output tokens in {result.wall_s:.1f} s | "
         f"output {result.output_tps:.1f} tok/s | total {result.total_tps:.1f} tok/s | "
         f"start-up {result.startup_s:.1f} s"
+        + (f" | {result.num_preemptions} preemptions" if result.num_preemptions else "")
     )
 
 

@@ -105,6 +105,16 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add_throughput_args(tp)
     add_engine_args(tp)
+    from vframe.bench.shared_prefix import add_shared_prefix_args
+
+    sp = bench_sub.add_parser(
+        "shared-prefix",
+        help="64 prompts sharing a 1,024-token prefix: prefix caching on vs off",
+        description="Run the shared-prefix workload of BENCHMARK.md twice, with prefix caching "
+        "on and off, printing output tokens/s for both and their ratio.",
+    )
+    add_shared_prefix_args(sp)
+    add_engine_args(sp)
     return parser
 
 
@@ -171,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             from vframe.bench.throughput import run_throughput
 
             return run_throughput(args, engine_kwargs(args))
+        if args.command == "bench" and args.bench_command == "shared-prefix":
+            from vframe.bench.shared_prefix import run_shared_prefix
+
+            return run_shared_prefix(args, engine_kwargs(args))
     except VFrameError as e:
         print(f"vframe: error: {e}", file=sys.stderr)
         return 2
