@@ -118,3 +118,46 @@ def test_priority_policy_admits_lowest_value_first(policy_order):
         _, core = step(sched)
         order += [c.req_id for c in core if c.finished]
     assert order == expected
+
+
+def test_long_prefill_token_threshold_caps_one_prompt_per_step():
+    sched, _ = make_scheduler(budget=16, long_prefill_token_threshold=5)
+    sched.add_request(request("long", 12))
+    sched.add_request(request("short", 3))
+    out, _ = step(sched)
+    # "long" may take only 5 of the 16 tokens; "short" fits in what is left.
+    assert out.num_scheduled_tokens == {"long": 5, "short": 3}
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"long": 5, "short": 1}
+
+
+def test_swap_preemption_keeps_computed_tokens_and_copies_blocks_back():
+    config = EngineConfig.from_sources(
+        env={}, max_num_batched_tokens=64, max_num_seqs=4, block_size=4, preemption_mode="swap"
+    )
+    kv = PagedKVCacheManager(4, 4, enable_caching=False, num_swap_blocks=4)
+    sched = DefaultScheduler(config, kv)
+    sched.add_request(request("a", 7, max_tokens=4))
+    sched.add_request(request("b", 7, max_tokens=4, offset=100))
+    step(sched)
+    step(sched)
+    out, _ = step(sched)  # position 8 needs a third block each: b is swapped out
+    assert out.preempted_req_ids == {"b"}
+    assert out.blocks_to_swap_out == [(2, 0), (3, 1)]
+    b = sched.requests["b"]
+    assert b.status == RequestStatus.SWAPPED and b.num_computed_tokens == 8
+    while "b" not in {r.request_id for r in sched.running}:
+        out, _ = step(sched)
+    assert out.blocks_to_swap_in and [s for s, _ in out.blocks_to_swap_in] == [0, 1]
+    assert out.num_scheduled_tokens["b"] == 1  # only the pending token: nothing recomputed
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert b.output_token_ids == [7, 7, 7, 7] and kv.num_free_blocks == 4
+
+
+def test_swap_mode_without_swap_space_is_a_config_error():
+    from vframe.errors import ConfigError
+
+    config = EngineConfig.from_sources(env={}, max_num_batched_tokens=8, preemption_mode="swap")
+    with pytest.raises(ConfigError, match="preemption_mode='swap' needs a swap space"):
+        DefaultScheduler(config, PagedKVCacheManager(4, 4, enable_caching=False))
