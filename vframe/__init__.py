@@ -12,12 +12,22 @@ from vframe.version import PLUGIN_API_VERSION, __version__
 
 if TYPE_CHECKING:
     from vframe.core.outputs import CompletionOutput, Logprob, RequestOutput
-    from vframe.core.sampling_params import SamplingParams
+    from vframe.core.sample.beam_search import BeamSearchOutput
+    from vframe.core.sampling_params import (
+        BeamSearchParams,
+        GuidedDecodingParams,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
     from vframe.entrypoints.llm import LLM
 
 _LAZY = {
     "LLM": "vframe.entrypoints.llm",
     "SamplingParams": "vframe.core.sampling_params",
+    "BeamSearchParams": "vframe.core.sampling_params",
+    "StructuredOutputsParams": "vframe.core.sampling_params",
+    "GuidedDecodingParams": "vframe.core.sampling_params",
+    "BeamSearchOutput": "vframe.core.sample.beam_search",
     "RequestOutput": "vframe.core.outputs",
     "CompletionOutput": "vframe.core.outputs",
     "Logprob": "vframe.core.outputs",

@@ -1,16 +1,31 @@
-"""The batched sampler against transformers' logits warpers on the same logits."""
+"""The batched sampler against transformers' logits processors on the same logits."""
+
+import math
 
 import pytest
 import torch
 from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
+from vframe.core.sample.batch_state import RequestSamplingState, SamplingBatch
 from vframe.core.sample.metadata import SamplingMetadata
-from vframe.core.sample.sampler import DefaultSampler, apply_min_p, apply_top_k_top_p
+from vframe.core.sample.sampler import (
+    DefaultSampler,
+    apply_min_p,
+    apply_token_bitmask,
+    apply_top_k_top_p,
+    process_logits,
+)
+from vframe.core.sampling_params import SamplingParams
 
 V = 1000
 
@@ -112,3 +127,158 @@ def test_banned_tokens_are_never_chosen(logits):
     out = DefaultSampler()(logits, md).sampled_token_ids.tolist()
     assert out[0] != top[0] and out[2] != top[2]
     assert out[1] == top[1] and out[3] == top[3]
+
+
+# --------------------------------------------------------------------------- #
+# Per-request rewrites, through the runner's batch state, against transformers
+# --------------------------------------------------------------------------- #
+
+CPU = torch.device("cpu")
+EOS = 2
+
+
+class WordTokenizer:
+    """Bad words in these tests: each character is a token id (a -> 10, b -> 11 ...)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return ([5] if text.startswith(" ") else []) + [10 + ord(c) - ord("a") for c in text.strip()]
+
+
+def states_for(rows: list[tuple[SamplingParams, list[int], list[int]]]) -> list[RequestSamplingState]:
+    """(params, prompt ids, output ids) per row, as the runner holds them."""
+    states = []
+    for params, prompt, output in rows:
+        params.update_from_tokenizer({EOS}, WordTokenizer())
+        states.append(RequestSamplingState(params, prompt + output, len(prompt), CPU))
+    return states
+
+
+def processed(logits: torch.Tensor, rows) -> torch.Tensor:
+    states = states_for(rows)
+    md = SamplingBatch(CPU).metadata(states, logits.shape[-1])
+    return process_logits(logits.clone(), md)
+
+
+def same_distribution(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(torch.isfinite(a), torch.isfinite(b)) and torch.allclose(a.softmax(-1), b.softmax(-1), atol=1e-6)
+
+
+PROMPT = [7, 8, 9, 9, 40]
+OUTPUT = [40, 41, 41, 41, 3]
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.3, 2.0])
+def test_repetition_penalty_over_prompt_and_output_matches_transformers(logits, penalty):
+    ours = processed(logits[:1], [(SamplingParams(repetition_penalty=penalty), PROMPT, OUTPUT)])
+    ref = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([PROMPT + OUTPUT]), logits[:1].clone())
+    assert torch.allclose(ours, ref)
+
+
+def test_presence_and_frequency_penalties_follow_vllm():
+    # vLLM / OpenAI: logit -= frequency * count + presence * (count > 0), over the output only.
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    ours = processed(logits, [(params, [0, 0, 5], [1, 3, 3, 3])])
+    # token 0 and 5 only in the prompt: untouched; 1 once: -0.25-0.5; 3 three times: -0.75-0.5
+    assert ours.tolist() == [[1.0, 2.0 - 0.75, 3.0, 4.0 - 1.25, 5.0, 6.0]]
+
+
+def test_penalty_counts_follow_sampled_tokens_and_rows_keep_their_own(logits):
+    batch = SamplingBatch(CPU)
+    states = states_for(
+        [
+            (SamplingParams(temperature=0.0), PROMPT, []),
+            (SamplingParams(frequency_penalty=1.0), PROMPT, [40]),
+            (SamplingParams(repetition_penalty=1.5, presence_penalty=-0.5), [1, 2], [3]),
+        ]
+    )
+    batch.metadata(states, V)  # gives the penalty rows
+    batch.record_sampled(states, [11, 40, 11])  # counts now: row1 {40: 2}, row2 {3: 1, 11: 1}
+    md = batch.metadata(states, V)
+    ours = process_logits(logits[:3].clone(), md)
+    assert torch.equal(ours[0], logits[0])
+    expected1 = logits[1].clone()
+    expected1[40] -= 2.0
+    assert torch.allclose(ours[1], expected1)
+    ref2 = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([[1, 2, 3, 11]]), logits[2:3].clone())[0]
+    ref2[[3, 11]] += 0.5
+    assert torch.allclose(ours[2], ref2)
+
+
+def test_temperature_matches_transformers(logits):
+    md = metadata([0.7, 1.0, 1.5, 0.3])
+    ours = logits / md.temperature.unsqueeze(1)
+    for i, t in enumerate([0.7, 1.0, 1.5, 0.3]):
+        ref = TemperatureLogitsWarper(t)(None, logits[i : i + 1].clone())
+        assert torch.allclose(ours[i : i + 1].softmax(-1), ref.softmax(-1))
+
+
+def test_logit_bias_matches_transformers_sequence_bias(logits):
+    bias = {5: 10.0, 17: -3.5, 999: 1.25}
+    ours = processed(logits[:1], [(SamplingParams(logit_bias=bias), PROMPT, OUTPUT)])
+    ref = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])(torch.tensor([PROMPT]), logits[:1].clone())
+    assert torch.allclose(ours, ref)
+
+
+def test_allowed_token_ids_match_transformers_prefix_constraint(logits):
+    allowed = [3, 50, 51, 700]
+    ours = processed(logits[:1], [(SamplingParams(allowed_token_ids=allowed), PROMPT, OUTPUT)])
+    ref = PrefixConstrainedLogitsProcessor(lambda _b, _ids: allowed, 1)(torch.tensor([PROMPT]), logits[:1].clone())
+    assert same_distribution(ours, ref)
+
+
+def test_bad_words_match_transformers(logits):
+    # "ab" is [10, 11] and " ab" [5, 10, 11]; "c" is [12] and " c" [5, 12]. The output
+    # ends in 10 (a): "ab" bans 11; " ab" would need [5, 10] at the end; "c" bans 12 always.
+    output = [40, 5, 10]
+    ours = processed(logits[:1], [(SamplingParams(bad_words=["ab", "c"]), [], output)])
+    ref = NoBadWordsLogitsProcessor([[10, 11], [5, 10, 11], [12], [5, 12]])(torch.tensor([output]), logits[:1].clone())
+    assert same_distribution(ours, ref)
+    assert math.isinf(ours[0, 11]) and math.isinf(ours[0, 12]) and math.isfinite(ours[0, 5])
+
+
+def test_min_tokens_matches_transformers(logits):
+    params = SamplingParams(min_tokens=3, stop_token_ids=[7])
+    ours = processed(logits[:1], [(params, PROMPT, [40, 41])])
+    ref = MinNewTokensLengthLogitsProcessor(len(PROMPT), 3, [EOS, 7])(torch.tensor([PROMPT + [40, 41]]), logits[:1].clone())
+    assert same_distribution(ours, ref)
+    after = processed(logits[:1], [(SamplingParams(min_tokens=3, stop_token_ids=[7]), PROMPT, [40, 41, 42])])
+    assert torch.equal(after, logits[:1])
+
+
+def test_token_bitmask_keeps_exactly_the_set_bits():
+    logits = torch.zeros(2, 70)
+    bitmask = torch.full((2, 3), -1, dtype=torch.int32)
+    bitmask[1] = torch.tensor([0b101, 0, -(1 << 31) | 1], dtype=torch.int32)  # tokens 0, 2, 64, 95 (past V)
+    apply_token_bitmask(logits, bitmask)
+    assert torch.isfinite(logits[0]).all()
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 2, 64]
+
+
+def test_plain_batch_builds_no_extras():
+    md = SamplingBatch(CPU).metadata(
+        states_for([(SamplingParams(temperature=0.0), PROMPT, []), (SamplingParams(top_k=5, seed=1), PROMPT, [])]), V
+    )
+    assert not md.needs_processing and md.penalties is None and md.token_bitmask is None
+
+
+def test_mixed_batch_rows_equal_each_row_alone(logits):
+    """Greedy, seeded top-k/top-p, penalties and bias in one step: each row samples
+    what it samples alone."""
+
+    def rows():
+        return [
+            (SamplingParams(temperature=0.0, repetition_penalty=1.2), PROMPT, OUTPUT),
+            (SamplingParams(temperature=0.9, top_k=20, top_p=0.8, seed=11), PROMPT, []),
+            (SamplingParams(temperature=1.1, seed=12, frequency_penalty=0.7, logit_bias={3: 2.0}), PROMPT, OUTPUT),
+            (SamplingParams(temperature=0.0, min_p=0.2, allowed_token_ids=[4, 9, 600]), PROMPT, []),
+        ]
+
+    sampler = DefaultSampler()
+    batch_states = states_for(rows())
+    together = sampler(logits, SamplingBatch(CPU).metadata(batch_states, V)).sampled_token_ids.tolist()
+    alone = []
+    for i, row in enumerate(rows()):
+        md = SamplingBatch(CPU).metadata(states_for([row]), V)
+        alone.append(sampler(logits[i : i + 1], md).sampled_token_ids.item())
+    assert together == alone

@@ -22,6 +22,7 @@ from vframe.core.interfaces import KVCacheManager, ModelRunner, Scheduler
 from vframe.core.output_processor import OutputProcessor, ParentRequest
 from vframe.core.outputs import RequestOutput
 from vframe.core.request import Request, RequestStatus
+from vframe.core.sample.request_setup import SamplingSetup
 from vframe.core.sampling_params import SamplingParams
 from vframe.errors import ConfigError, InvalidRequestError
 from vframe.plugins import get_registry
@@ -51,6 +52,7 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.vocab_size = self.model_runner.vocab_size
         self.eos_token_ids = self._eos_token_ids()
+        self.sampling_setup = SamplingSetup(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
         num_blocks = self.model_runner.determine_num_kv_blocks()
         self.model_runner.initialize_kv_cache(num_blocks)
@@ -165,14 +167,21 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         params = (sampling_params or SamplingParams()).clone()
+        if params.use_beam_search:
+            raise InvalidRequestError(
+                "use_beam_search=True is served by LLM.generate (or LLM.beam_search), not by the engine"
+            )
         if params.output_kind != "final" and params.detokenize and self.tokenizer is None:
             params.detokenize = False
         text, token_ids = self.tokenize_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            token_ids = token_ids[-keep:]
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         max_tokens = self._validate_prompt(token_ids, params)
-        params.update_from_tokenizer(self.eos_token_ids)
+        self.sampling_setup.prepare(params)
         if self.config.scheduler.scheduling_policy != "priority" and priority != 0:
             raise InvalidRequestError(
                 f"priority={priority} needs scheduling_policy='priority' (it is "
@@ -181,14 +190,17 @@ class LLMEngine:
 
         parent = ParentRequest(request_id, text, token_ids, params)
         children: list[Request] = []
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+        num_children = params.best_of or params.n  # the n best of best_of are returned
+        for index in range(num_children):
+            child_id = request_id if num_children == 1 else f"{index}_{request_id}"
             child_params = params
-            if params.n > 1:
+            if num_children > 1:
                 child_params = params.clone()
-                child_params.n = 1
+                child_params.n, child_params.best_of = 1, None
                 if params.seed is not None:
                     child_params.seed = params.seed + index
+                if num_children > params.n and params.logprobs is None:
+                    child_params.logprobs = 0  # the ranking needs each token's logprob
             parent.children[child_id] = index
             children.append(
                 Request(child_id, token_ids, child_params, arrival_time, priority, max_tokens, cache_salt)
@@ -243,7 +255,7 @@ class LLMEngine:
             )
         runner_out = self.model_runner.execute_model(sched_out)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        outputs, stopped = self.output_processor.process(core_outputs)
+        outputs, stopped = self.output_processor.process(core_outputs, runner_out.prompt_logprobs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for out in outputs:

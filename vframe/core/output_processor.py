@@ -1,7 +1,10 @@
 """Turns the core's new token ids into user-facing ``RequestOutput``s.
 
 One user request with ``n`` completions is ``n`` core requests (children) whose
-``CompletionOutput``s are gathered under the parent's id.
+``CompletionOutput``s are gathered under the parent's id; with ``best_of > n``
+there are ``best_of`` children and the ``n`` with the highest cumulative logprob
+are returned, renumbered 0..n-1 best first. Prompt logprobs arrive from the
+model runner chunk by chunk and are kept per parent, by prompt position.
 """
 
 from __future__ import annotations
@@ -9,7 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vframe.core.detokenizer import IncrementalDetokenizer
-from vframe.core.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
+from vframe.core.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    PromptLogprobsChunk,
+    RequestOutput,
+)
 from vframe.core.sampling_params import SamplingParams
 
 
@@ -23,6 +32,12 @@ class ParentRequest:
     num_finished: int = 0
     num_cached_tokens: int = 0
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    # One entry per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
 
 class CompletionState:
@@ -34,7 +49,9 @@ class CompletionState:
         sp = parent.sampling_params
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if sp.logprobs is not None else None
-        self.cumulative_logprob: float | None = 0.0 if sp.logprobs is not None else None
+        # best_of > n ranks completions by it even when logprobs were not asked for.
+        ranked = (sp.best_of or sp.n) > sp.n
+        self.cumulative_logprob: float | None = 0.0 if sp.logprobs is not None or ranked else None
         self.detokenizer: IncrementalDetokenizer | None = None
         self.tokenizer = tokenizer
         # Detokenize every step only when someone looks at the text before the end.
@@ -55,15 +72,12 @@ class CompletionState:
     def add(self, out: EngineCoreOutput) -> str | None:
         """Record new tokens; return a stop string if one ended the text."""
         self.token_ids.extend(out.new_token_ids)
-        if self.logprobs is not None and out.new_logprobs:
+        if self.cumulative_logprob is not None and out.new_logprobs:
             for ids, lps, rank in out.new_logprobs:
-                entry = {tid: Logprob(lp, rank=i) for i, (tid, lp) in enumerate(zip(ids, lps)) if i}
-                entry[ids[0]] = Logprob(lps[0], rank=rank)
-                if self.tokenizer is not None:
-                    for tid, lp in entry.items():
-                        lp.decoded_token = self.tokenizer.decode([tid])
-                self.logprobs.append(entry)
                 self.cumulative_logprob += lps[0]
+                if self.logprobs is not None:
+                    tokenizer = self.tokenizer if self.parent.sampling_params.detokenize else None
+                    self.logprobs.append(logprob_entry(ids, lps, rank, tokenizer))
         if self.incremental:
             return self.detokenizer.update(out.new_token_ids)
         return None
@@ -108,8 +122,15 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(
+        self,
+        outputs: list[EngineCoreOutput],
+        prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None,
+    ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs to hand to users and the child ids stopped by a stop string."""
+        for child_id, chunk in (prompt_logprobs or {}).items():
+            if (state := self.states.get(child_id)) is not None:
+                self._add_prompt_logprobs(state.parent, chunk)
         stopped: list[str] = []
         touched: dict[str, ParentRequest] = {}
         for out in outputs:
@@ -151,14 +172,27 @@ class OutputProcessor:
                 results.append(r)
         return results
 
+    def _add_prompt_logprobs(self, parent: ParentRequest, chunk: PromptLogprobsChunk) -> None:
+        # Positions already filled (by a sibling, or before a preemption) stay as they are.
+        for j, (ids, lps, rank) in enumerate(zip(chunk.token_ids, chunk.logprobs, chunk.ranks)):
+            if parent.prompt_logprobs[chunk.start + j] is None:
+                parent.prompt_logprobs[chunk.start + j] = logprob_entry(ids, lps, rank, self.tokenizer)
+
     def _make_output(self, parent: ParentRequest) -> RequestOutput | None:
         finished = parent.num_finished == len(parent.children)
-        if parent.sampling_params.output_kind == "final" and not finished:
+        sp = parent.sampling_params
+        if sp.output_kind == "final" and not finished:
             return None
         if finished:
             del self.parents[parent.request_id]
         completions = [parent.completions[i] for i in sorted(parent.completions)]
-        if parent.sampling_params.output_kind == "delta":
+        if finished and len(completions) > sp.n:  # best_of > n
+            completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[: sp.n]
+            for index, completion in enumerate(completions):
+                completion.index = index
+                if sp.logprobs is None:
+                    completion.cumulative_logprob = None
+        if sp.output_kind == "delta":
             parent.completions = {}
         return RequestOutput(
             request_id=parent.request_id,
@@ -166,5 +200,17 @@ class OutputProcessor:
             prompt_token_ids=parent.prompt_token_ids,
             outputs=completions,
             finished=finished,
+            prompt_logprobs=parent.prompt_logprobs,
             num_cached_tokens=parent.num_cached_tokens,
         )
+
+
+def logprob_entry(ids: list[int], lps: list[float], rank: int, tokenizer) -> dict[int, Logprob]:
+    """vLLM's per-position dict: the chosen (or prompt) token with its rank, and the
+    top-k tokens with ranks 1..k; a token in both keeps the chosen token's rank."""
+    entry = {tid: Logprob(lp, rank=i) for i, (tid, lp) in enumerate(zip(ids, lps)) if i}
+    entry[ids[0]] = Logprob(lps[0], rank=rank)
+    if tokenizer is not None:
+        for tid, lp in entry.items():
+            lp.decoded_token = tokenizer.decode([tid])
+    return entry

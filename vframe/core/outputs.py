@@ -134,6 +134,19 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     # req_id -> (token ids [1 + K], logprobs [1 + K], rank of chosen)
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # req_id -> the prompt positions computed this step, for requests with prompt_logprobs
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Logprobs of prompt tokens ``start .. start + N - 1`` (``start >= 1``): per
+    position the actual prompt token first, then the top K, and its rank."""
+
+    start: int
+    token_ids: list[list[int]]  # [N][1 + K]
+    logprobs: list[list[float]]  # [N][1 + K]
+    ranks: list[int]  # [N]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The ``vframe`` command line: generate, plugins, bench."""
+"""The ``vframe`` command line: generate, serve, plugins, bench."""
 
 from __future__ import annotations
 
@@ -93,6 +93,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     plugins.add_argument("--plugins", default=None, help="allow-list of entry-point plugins (comma-separated)")
 
+    from vframe.entrypoints.openai.args import add_serve_args
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (default: the embedded SmolLM2-135M-Instruct) on /v1/completions, "
+        "/v1/chat/completions and friends (see docs/serving.md). SIGTERM drains in-flight requests.",
+    )
+    add_serve_args(serve)
+    add_engine_args(serve)
+
     bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="WORKLOAD")
     from vframe.bench.throughput import add_throughput_args
@@ -115,6 +126,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add_shared_prefix_args(sp)
     add_engine_args(sp)
+    from vframe.bench.serve import add_bench_serve_args
+
+    bs = bench_sub.add_parser(
+        "serve",
+        help="the serving workload: the offline prompts streamed at concurrency 1, 4 and 16",
+        description="Send the offline workload's prompts to an OpenAI-compatible server (--base-url, "
+        "or a vframe server started for the run) from concurrent streaming clients and report "
+        "request/s, output tokens/s, TTFT, TPOT and ITL.",
+    )
+    add_bench_serve_args(bs)
+    add_engine_args(bs)
     return parser
 
 
@@ -177,6 +199,14 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.command == "plugins":
             return _cmd_plugins(args)
+        if args.command == "serve":
+            from vframe.entrypoints.openai.api_server import run_server
+
+            return run_server(args, engine_kwargs(args))
+        if args.command == "bench" and args.bench_command == "serve":
+            from vframe.bench.serve import run_bench_serve
+
+            return run_bench_serve(args, engine_kwargs(args))
         if args.command == "bench" and args.bench_command == "throughput":
             from vframe.bench.throughput import run_throughput
 

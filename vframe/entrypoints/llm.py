@@ -9,8 +9,9 @@ from typing import Any
 
 from vframe.core.config import EngineConfig
 from vframe.core.engine import LLMEngine, PromptType
-from vframe.core.outputs import RequestOutput
-from vframe.core.sampling_params import SamplingParams
+from vframe.core.outputs import CompletionOutput, Logprob, RequestOutput
+from vframe.core.sample.beam_search import BeamSearchOutput, BeamSearchSequence, beam_search
+from vframe.core.sampling_params import BeamSearchParams, SamplingParams
 from vframe.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,96 @@ class LLM:
         prompts = list(prompts)
         params = self._per_prompt(sampling_params, len(prompts), "sampling_params")
         priorities = self._per_prompt(priority, len(prompts), "priority", default=0)
+        if any(p.use_beam_search for p in params):
+            return self._generate_with_beam_search(prompts, params, priorities, use_tqdm)
         return self._run(list(zip(prompts, params, priorities)), use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (transformers' ``num_beams`` semantics, see
+        ``vframe/core/sample/beam_search.py``); per prompt the ``beam_width`` best
+        sequences, best first, whose ``tokens`` and ``text`` include the prompt (as in vLLM)."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        engine = self.llm_engine
+        token_prompts = [engine.tokenize_prompt(p)[1] for p in prompts]
+        results = self._beam_search(
+            token_prompts, params.beam_width, params.max_tokens, params.ignore_eos,
+            params.length_penalty, params.early_stopping,
+        )
+        tokenizer = self.get_tokenizer()
+        for beams in results:
+            for beam in beams:
+                beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
+        return [BeamSearchOutput(sequences=beams) for beams in results]
+
+    def _beam_search(
+        self,
+        token_prompts: list[list[int]],
+        beam_width: int,
+        max_tokens: int,
+        ignore_eos: bool,
+        length_penalty: float,
+        early_stopping: bool | str,
+    ) -> list[list[BeamSearchSequence]]:
+        engine = self.llm_engine
+        # A beam cannot grow past max_model_len; a prompt that leaves no room fails in generate().
+        max_tokens = max(1, min(max_tokens, engine.max_model_len - max(len(t) for t in token_prompts)))
+
+        def step(beams: list[list[int]], k: int) -> list[dict[int, Logprob]]:
+            params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True, detokenize=False)
+            outputs = self.generate([{"prompt_token_ids": b} for b in beams], params, use_tqdm=False)
+            return [out.outputs[0].logprobs[0] for out in outputs]
+
+        eos = set() if ignore_eos else engine.eos_token_ids
+        return beam_search(token_prompts, beam_width, max_tokens, eos, length_penalty, early_stopping, step)
+
+    def _generate_with_beam_search(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priorities: list[int],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """``SamplingParams(use_beam_search=True)``: the ``n`` best of ``best_of`` (or
+        ``n``) beams become the completions; other prompts are generated as usual."""
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        plain = [i for i, p in enumerate(params) if not p.use_beam_search]
+        for i, out in zip(plain, self._run([(prompts[i], params[i], priorities[i]) for i in plain], use_tqdm)):
+            results[i] = out
+        tokenizer = self.get_tokenizer()
+        for i, sp in enumerate(params):
+            if not sp.use_beam_search:
+                continue
+            text, prompt_ids = self.llm_engine.tokenize_prompt(prompts[i])
+            [beams] = self._beam_search(
+                [prompt_ids], sp.beam_width, sp.max_tokens or self.llm_engine.max_model_len,
+                sp.ignore_eos, sp.length_penalty, sp.early_stopping,
+            )
+            completions = []
+            for index, beam in enumerate(beams[: sp.n]):
+                token_ids = beam.tokens[len(prompt_ids) :]
+                decoded = ""
+                if tokenizer is not None and sp.detokenize:
+                    decoded = tokenizer.decode(token_ids, skip_special_tokens=sp.skip_special_tokens)
+                completions.append(
+                    CompletionOutput(
+                        index=index,
+                        text=decoded,
+                        token_ids=token_ids,
+                        cumulative_logprob=beam.cum_logprob,
+                        logprobs=beam.logprobs if sp.logprobs is not None else None,
+                        finish_reason=beam.finish_reason,
+                    )
+                )
+            results[i] = RequestOutput(
+                request_id=f"beam_search-{i}", prompt=text, prompt_token_ids=prompt_ids,
+                outputs=completions, finished=True,
+            )
+        return results  # type: ignore[return-value]
 
     def chat(
         self,

@@ -40,3 +40,8 @@ def vframe_register_samplers(register: RegisterFn) -> None:
 @hookimpl
 def vframe_register_model_runners(register: RegisterFn) -> None:
     register("default", "vframe.core.worker.model_runner:TorchModelRunner")
+
+
+@hookimpl
+def vframe_register_structured_output_backends(register: RegisterFn) -> None:
+    register("guidance", "vframe.structured.guidance:GuidanceBackend")

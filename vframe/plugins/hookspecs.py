@@ -104,7 +104,14 @@ def vframe_register_quantizers(register: RegisterFn) -> None:
 @hookspec
 def vframe_register_logits_processors(register: RegisterFn) -> None:
     """Register ``vframe.core.interfaces.LogitsProcessor`` subclasses that
-    requests can ask for by name."""
+    requests can ask for by name (``SamplingParams(logits_processors=["name"])``)."""
+
+
+@hookspec
+def vframe_register_structured_output_backends(register: RegisterFn) -> None:
+    """Register ``vframe.core.sample.structured.StructuredOutputBackend`` subclasses
+    (grammar libraries), selected per request by ``StructuredOutputsParams.backend``
+    (default ``"guidance"``)."""
 
 
 # --------------------------------------------------------------------------- #
@@ -158,6 +165,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "vframe_register_model_runners": "model_runner",
     "vframe_register_quantizers": "quantizer",
     "vframe_register_logits_processors": "logits_processor",
+    "vframe_register_structured_output_backends": "structured_output",
 }
 
 LIFECYCLE_HOOKS: tuple[str, ...] = (

@@ -28,6 +28,7 @@ Kind = Literal[
     "model_runner",
     "quantizer",
     "logits_processor",
+    "structured_output",
 ]
 
 BUILTIN = "builtin"
@@ -42,6 +43,10 @@ _KINDS: dict[str, tuple[str, str | None]] = {
     "model_runner": ("model runner", "vframe.core.interfaces:ModelRunner"),
     "quantizer": ("quantization method", None),
     "logits_processor": ("logits processor", "vframe.core.interfaces:LogitsProcessor"),
+    "structured_output": (
+        "structured-output backend",
+        "vframe.core.sample.structured:StructuredOutputBackend",
+    ),
 }
 KINDS: tuple[str, ...] = tuple(_KINDS)
 

@@ -4,8 +4,12 @@ Order of operations on the logits ``[B, V]``::
 
     raw logits ──► logprobs (if asked; vLLM reports the model's raw distribution)
          │
-         ├─ ban tokens (min_tokens) ─► argmax                       (greedy rows)
-         └─ / temperature ─► min_p ─► top_k ─► top_p ─► sample       (random rows)
+         ▼  (only the parts some row of the batch uses)
+    request logits processors ─► logit_bias ─► allowed_token_ids ─► banned tokens
+    (min_tokens, bad_words) ─► structured-output bitmask ─► penalties
+         │
+         ├─ argmax                                                   (greedy rows)
+         └─ / temperature ─► min_p ─► top_k ─► top_p ─► sample        (random rows)
 
 Random rows sample with the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``,
 which draws from ``p`` without a cumulative sum; seeded rows draw ``q`` from
@@ -19,6 +23,7 @@ import torch
 from vframe.core.interfaces import Sampler
 from vframe.core.outputs import SamplerOutput
 from vframe.core.sample.metadata import SamplingMetadata
+from vframe.core.sample.penalties import apply_penalties
 
 
 class DefaultSampler(Sampler):
@@ -29,10 +34,8 @@ class DefaultSampler(Sampler):
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if md.banned_token_ids:
-            logits = logits.clone()
-            for row, token_ids in md.banned_token_ids:
-                logits[row, token_ids] = float("-inf")
+        if md.needs_processing:
+            logits = process_logits(logits.clone(), md)
 
         greedy = logits.argmax(dim=-1)
         if md.all_greedy:
@@ -60,15 +63,57 @@ class DefaultSampler(Sampler):
     def _gather_logprobs(
         logprobs: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput
     ) -> None:
-        chosen = logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
-        out.sampled_ranks = (logprobs > chosen).sum(dim=1) + 1  # [B]
-        if k > 0:
-            top_lp, top_ids = logprobs.topk(k, dim=-1)  # [B, K]
-            out.logprob_token_ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1)
-            out.logprobs = torch.cat([chosen, top_lp], dim=1)
-        else:
-            out.logprob_token_ids = sampled.unsqueeze(1)
-            out.logprobs = chosen
+        top_ids, top_lp, ranks = gather_logprobs(logprobs, sampled, k)
+        out.logprob_token_ids, out.logprobs, out.sampled_ranks = top_ids, top_lp, ranks
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For ``logprobs [N, V]`` and the chosen ``token_ids [N]``: ids ``[N, 1 + k]`` and
+    logprobs ``[N, 1 + k]`` (the chosen token first, then the top ``k``), and the
+    chosen token's rank ``[N]`` (1 = most likely)."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [N, 1]
+    ranks = (logprobs > chosen).sum(dim=1) + 1  # [N]
+    if k == 0:
+        return token_ids.unsqueeze(1), chosen, ranks
+    top_lp, top_ids = logprobs.topk(k, dim=-1)  # [N, K]
+    return torch.cat([token_ids.unsqueeze(1), top_ids], dim=1), torch.cat([chosen, top_lp], dim=1), ranks
+
+
+def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Every request-specific rewrite of ``logits [B, V]`` (modified in place)."""
+    neg_inf = float("-inf")
+    for row, fn in md.logits_processors:
+        logits[row] = fn(logits[row])
+    if md.logit_bias is not None:
+        rows, token_ids, bias = md.logit_bias
+        logits.index_put_((rows, token_ids), bias, accumulate=True)
+    if md.allowed_token_mask is not None:
+        rows, allowed = md.allowed_token_mask
+        logits[rows] = logits[rows].masked_fill(~allowed, neg_inf)
+    if md.banned_token_ids:
+        rows = [row for row, ids in md.banned_token_ids for _ in ids]
+        token_ids = [t for _, ids in md.banned_token_ids for t in ids]
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(token_ids, device=logits.device)] = neg_inf
+    if md.token_bitmask is not None:
+        apply_token_bitmask(logits, md.token_bitmask)
+    if md.penalties is not None:
+        p = md.penalties
+        logits[p.rows] = apply_penalties(
+            logits[p.rows], p.output_counts, p.prompt_mask, p.presence, p.frequency, p.repetition
+        )
+    return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every token whose bit is 0 in ``bitmask [B, ceil(V/32)]``
+    (bit ``j`` of int32 word ``w`` stands for token ``32 * w + j``)."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
+    allowed = bits.flatten(1)[:, :vocab].to(torch.bool)  # [B, V]
+    logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

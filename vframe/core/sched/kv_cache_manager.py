@@ -64,7 +64,8 @@ class PagedKVCacheManager(KVCacheManager):
     # ------------------------------------------------------------------ #
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        if not self.enable_caching:
+        # prompt_logprobs need the logits of every prompt position: nothing may be skipped.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         block_hashes = self._block_hashes(request)
         # The last token is always recomputed: its logits pick the next token.

@@ -9,8 +9,9 @@ import torch
 
 from vframe.core.interfaces import CommonAttentionMetadata
 from vframe.core.outputs import NewRequestData, SchedulerOutput
+from vframe.core.sample.batch_state import RequestSamplingState, SamplingBatch
 from vframe.core.sample.metadata import SamplingMetadata
-from vframe.core.sampling_params import SamplingParams, SamplingType
+from vframe.core.sampling_params import SamplingParams
 
 
 @dataclass
@@ -21,7 +22,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    generator: torch.Generator | None
+    sampling: RequestSamplingState
 
     @property
     def num_output_tokens(self) -> int:
@@ -46,10 +47,13 @@ class InputBatch:
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
+        self.sampling = SamplingBatch(device)
 
     def update(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.sampling.remove(state.sampling)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = self._new_state(new)
         for cached in so.scheduled_cached_reqs:
@@ -59,17 +63,16 @@ class InputBatch:
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         sp: SamplingParams = new.sampling_params  # type: ignore[assignment]
-        generator = None
-        if sp.sampling_type == SamplingType.RANDOM_SEED:
-            generator = torch.Generator(device=self.device).manual_seed(sp.seed)
+        token_ids = list(new.all_token_ids)
+        num_prompt_tokens = len(new.prompt_token_ids)
         return CachedRequestState(
             req_id=new.req_id,
-            token_ids=list(new.all_token_ids),
-            num_prompt_tokens=len(new.prompt_token_ids),
+            token_ids=token_ids,
+            num_prompt_tokens=num_prompt_tokens,
             sampling_params=sp,
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
-            generator=generator,
+            sampling=RequestSamplingState(sp, token_ids, num_prompt_tokens, self.device),
         )
 
     def prepare(self, so: SchedulerOutput) -> StepInputs:
@@ -126,30 +129,31 @@ class InputBatch:
             logits_indices=to(logits_indices),
         )
 
-    def sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
-        states = [self.requests[r] for r in req_ids]
-        params = [s.sampling_params for s in states]
-        greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
-        dev = self.device
-        md = SamplingMetadata(
-            temperature=torch.tensor(
-                [1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=torch.float32, device=dev
-            ),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=dev),
-            all_greedy=all(greedy),
-        )
-        if any(p.top_k > 0 for p in params):
-            md.top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
-        if any(p.top_p < 1.0 for p in params):
-            md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        if any(p.min_p > 0.0 for p in params):
-            md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
-        md.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        md.max_num_logprobs = max(asked) if asked else None
-        md.banned_token_ids = [
-            (i, sorted(s.sampling_params.all_stop_token_ids))
-            for i, s in enumerate(states)
-            if s.num_output_tokens < s.sampling_params.min_tokens and s.sampling_params.all_stop_token_ids
-        ]
-        return md
+    def sampling_metadata(self, req_ids: list[str], vocab_size: int) -> SamplingMetadata:
+        return self.sampling.metadata([self.requests[r].sampling for r in req_ids], vocab_size)
+
+    def record_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
+        """Append each request's sampled token to its state."""
+        self.sampling.record_sampled([self.requests[r].sampling for r in req_ids], token_ids)
+
+    def prompt_logprobs_rows(self, inputs: StepInputs) -> list[tuple[str, int, list[int], list[int], int]]:
+        """Requests that asked for prompt logprobs and run prompt tokens this step:
+        ``(req_id, first position, rows of the step's hidden states, target token ids, k)``.
+
+        The hidden state at position ``p`` predicts prompt token ``p + 1``; the last
+        prompt position predicts the first output token and is not a prompt logprob.
+        A chunked prefill yields its positions chunk by chunk."""
+        found = []
+        for i, req_id in enumerate(inputs.req_ids):
+            state = self.requests[req_id]
+            if state.sampling_params.prompt_logprobs is None or state.num_output_tokens:
+                continue
+            start = inputs.common.query_start_loc_cpu[i]
+            seq_len = inputs.common.seq_lens_cpu[i]
+            context_len = seq_len - (inputs.common.query_start_loc_cpu[i + 1] - start)
+            end = min(seq_len, state.num_prompt_tokens - 1)
+            if end > context_len:
+                rows = list(range(start, start + end - context_len))
+                targets = state.token_ids[context_len + 1 : end + 1]
+                found.append((req_id, context_len + 1, rows, targets, state.sampling_params.prompt_logprobs))
+        return found

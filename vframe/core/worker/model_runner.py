@@ -16,6 +16,7 @@ import torch
 from vframe.core.config import EngineConfig
 from vframe.core.interfaces import AttentionBackend, ModelRunner, Sampler
 from vframe.core.outputs import ModelRunnerOutput, SchedulerOutput
+from vframe.core.sample.prompt_logprobs import compute_prompt_logprobs
 from vframe.core.worker.input_batch import InputBatch
 from vframe.errors import ConfigError
 from vframe.plugins import get_registry
@@ -196,17 +197,24 @@ class TorchModelRunner(ModelRunner):
             inputs.common
         )
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_metadata)  # [T, E]
+        prompt_logprobs = {}
+        if prompt_rows := batch.prompt_logprobs_rows(inputs):  # only requests that ask
+            prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
         if not inputs.sampled_req_ids:
-            return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids={})
+            return ModelRunnerOutput(
+                req_ids=inputs.req_ids, sampled_token_ids={}, prompt_logprobs=prompt_logprobs
+            )
 
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [B, V]
-        sampler_output = self.sampler(logits, batch.sampling_metadata(inputs.sampled_req_ids))
+        sampling_metadata = batch.sampling_metadata(inputs.sampled_req_ids, logits.shape[-1])
+        sampler_output = self.sampler(logits, sampling_metadata)
         sampled = sampler_output.sampled_token_ids.tolist()
         output = ModelRunnerOutput(
-            req_ids=inputs.req_ids, sampled_token_ids=dict(zip(inputs.sampled_req_ids, sampled))
+            req_ids=inputs.req_ids,
+            sampled_token_ids=dict(zip(inputs.sampled_req_ids, sampled)),
+            prompt_logprobs=prompt_logprobs,
         )
-        for req_id, token_id in output.sampled_token_ids.items():
-            batch.requests[req_id].token_ids.append(token_id)
+        batch.record_sampled(inputs.sampled_req_ids, sampled)
         if sampler_output.logprobs is not None:
             ids = sampler_output.logprob_token_ids.tolist()
             lps = sampler_output.logprobs.tolist()

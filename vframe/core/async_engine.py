@@ -1,0 +1,338 @@
+"""``AsyncLLMEngine``: an ``LLMEngine`` stepping in its own thread, fed from asyncio.
+
+The engine is touched by one thread only, the engine thread. asyncio code talks
+to it through a command queue that the thread drains between steps, and hears
+back through ``loop.call_soon_threadsafe``::
+
+    event loop (HTTP handlers)                 engine thread
+    ---------------------------                -------------------------------------
+    add_request() --- _Add ----> commands ---> drain: engine.add_request()
+                  <-- accepted / error ------- (call_soon_threadsafe)
+    RequestStream <-- RequestOutputs -------- engine.step() -> outputs, stats snapshot
+    abort()       --- _Abort --> commands ---> drain: engine.abort_request()
+
+torch releases the GIL inside its kernels, so the event loop keeps serving HTTP
+while a step computes, and a step never waits for a slow client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vframe.core.config import EngineConfig
+from vframe.core.engine import LLMEngine, PromptType
+from vframe.core.outputs import RequestOutput
+from vframe.core.sampling_params import SamplingParams
+from vframe.errors import VFrameError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(VFrameError):
+    """The engine thread stopped (an error inside a step, or shutdown); no request can run."""
+
+
+class RequestAbortedError(VFrameError):
+    """The server aborted the request (``abort_all``, at shutdown); the outputs so far stand."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int
+    accepted: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """The outputs of one request, in order, ending with a ``finished`` one.
+
+    Iterate it with ``async for``. Leaving the loop early (``break``, an exception,
+    the task being cancelled) must be followed by ``abort()``, which frees the
+    request's KV blocks at the engine's next turn; ``async with`` does that."""
+
+    def __init__(self, request_id: str, engine: AsyncLLMEngine) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Stop generating if still running; a no-op after the last output."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+
+class AsyncLLMEngine:
+    """Runs ``LLMEngine.step()`` in a dedicated thread beside an asyncio event loop.
+
+    Create it, then ``start()`` it from inside the running event loop that will
+    call ``add_request``; ``shutdown()`` aborts what is left and joins the thread.
+    Constant facts about the engine (``tokenizer``, ``max_model_len``, ``config``)
+    are read directly; live numbers come from ``stats``, a snapshot the engine
+    thread refreshes after each step and each batch of commands."""
+
+    def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None) -> None:
+        self.engine = engine
+        self.on_dead = on_dead  # called on the event loop if the engine thread fails
+        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stats: dict[str, float] = dict(engine.get_stats())
+        self.dead_error: BaseException | None = None
+        # Held while queueing an add and while the thread closes its queue for good,
+        # so that no add is queued after the thread's last drain (it would wait forever).
+        self._closing = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    # ------------------------------------------------------------------ #
+    # read-only facts
+    # ------------------------------------------------------------------ #
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """``LLMEngine.get_stats()`` as of the engine thread's last turn."""
+        return self._stats
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ #
+    # lifecycle
+    # ------------------------------------------------------------------ #
+
+    def start(self) -> None:
+        """Start the engine thread; call from inside the event loop that will use it."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncLLMEngine.start() was already called")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="vframe-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Abort every request still running (their streams raise ``RequestAbortedError``),
+        stop the engine thread and wait for it."""
+        self.abort_all("the engine shut down")
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout_s)
+            if self._thread.is_alive():
+                logger.warning("the engine thread did not stop within %.0f s", timeout_s)
+                return
+        self.engine.shutdown()
+
+    # ------------------------------------------------------------------ #
+    # requests (event loop side)
+    # ------------------------------------------------------------------ #
+
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
+        """Queue a request and wait until the engine accepts it.
+
+        Raises what ``LLMEngine.add_request`` raises for bad input
+        (``InvalidRequestError``), or ``EngineDeadError``."""
+        if self.dead_error is not None or self._stop.is_set():
+            raise EngineDeadError(f"the engine is not running ({self.dead_error or 'shut down'})")
+        if self._loop is None:
+            raise RuntimeError("call AsyncLLMEngine.start() first")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = RequestStream(request_id, self)
+        accepted: asyncio.Future[None] = self._loop.create_future()
+        with self._closing:
+            if self._closed:
+                raise EngineDeadError(f"the engine is not running ({self.dead_error or 'shut down'})")
+            self._streams[request_id] = stream
+            self._submit(_Add(request_id, prompt, params, priority, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            stream.abort()  # the add may already have happened
+            self._streams.pop(request_id, None)
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    async def generate(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """``add_request`` and iterate its outputs; aborts the request if the caller stops early."""
+        stream = await self.add_request(request_id, prompt, params, priority)
+        async with stream:
+            async for output in stream:
+                yield output
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; safe to call for one that already finished."""
+        self._streams.pop(request_id, None)
+        if self._thread is not None and self._thread.is_alive():
+            self._submit(_Abort(request_id))
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every request in flight; each stream ends by raising
+        ``RequestAbortedError(reason)`` after the outputs it already has.
+        Returns how many were aborted."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream._put(RequestAbortedError(reason))
+            self.abort(stream.request_id)
+        return len(streams)
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ #
+    # the engine thread
+    # ------------------------------------------------------------------ #
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._wake.clear()
+                self._drain_commands()
+                if not engine.has_unfinished_requests():
+                    self._stats = dict(engine.get_stats())
+                    if self._stop.is_set():
+                        break
+                    self._wake.wait()
+                    continue
+                outputs = engine.step()
+                self._stats = dict(engine.get_stats())
+                if outputs:
+                    self._to_loop(self._deliver, outputs)
+        except BaseException as e:  # a bug or resource error inside a step
+            logger.exception("the engine thread failed; failing every request in flight")
+            self.dead_error = e
+            self._to_loop(self._fail_all, EngineDeadError(f"the engine failed: {e!r}"))
+        finally:
+            with self._closing:
+                self._closed = True
+                self._drain_commands(refuse=True)
+
+    def _drain_commands(self, refuse: bool = False) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Abort):
+                if not refuse:
+                    self.engine.abort_request(command.request_id)
+                continue
+            if refuse or self._stop.is_set():
+                error: BaseException | None = EngineDeadError("the engine is shutting down")
+            else:
+                try:
+                    self.engine.add_request(
+                        command.request_id, command.prompt, command.params, priority=command.priority
+                    )
+                    error = None
+                except Exception as e:  # InvalidRequestError and friends go back to the caller
+                    error = e
+            self._to_loop(_resolve, command.accepted, error)
+
+    def _to_loop(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    # ------------------------------------------------------------------ #
+    # back on the event loop
+    # ------------------------------------------------------------------ #
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:  # aborted by its caller meanwhile
+                continue
+            stream._put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream._put(error)
+        self._streams.clear()
+        if self.on_dead is not None:
+            self.on_dead(error)
+
+
+def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled while waiting
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,55 @@
+"""What the engine completes in a request's ``SamplingParams`` before it is queued:
+everything that needs the tokenizer, the vocabulary or a plugin.
+
+* end-of-sequence ids (unless ``ignore_eos``) and ``bad_words`` token sequences;
+* token ids in ``allowed_token_ids`` / ``logit_bias`` checked against the vocabulary;
+* ``logits_processors`` names resolved in the ``logits_processor`` registry;
+* ``structured_outputs`` compiled by its ``structured_output`` (one
+  backend instance per name, built on first use).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vframe.core.sample.logits_processors import resolve_logits_processors
+from vframe.core.sample.structured import DEFAULT_BACKEND, StructuredOutputBackend
+from vframe.core.sampling_params import SamplingParams
+from vframe.errors import InvalidRequestError
+
+
+class SamplingSetup:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._backends: dict[str, StructuredOutputBackend] = {}
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Fill the engine-side fields of ``params``; raises ``InvalidRequestError``."""
+        params.update_from_tokenizer(self.eos_token_ids, self.tokenizer)
+        for name, ids in (
+            ("allowed_token_ids", params.allowed_token_ids or []),
+            ("logit_bias", list(params.logit_bias or {})),
+        ):
+            out_of_range = [t for t in ids if t >= self.vocab_size]
+            if out_of_range:
+                raise InvalidRequestError(
+                    f"SamplingParams.{name} has token ids out of range [0, {self.vocab_size}): {out_of_range[:5]}"
+                )
+        if params.logits_processors:
+            params._logits_processor_factories = resolve_logits_processors(params.logits_processors)
+        if params.structured_outputs is not None:
+            backend = self.backend(params.structured_outputs.backend or DEFAULT_BACKEND)
+            params._grammar = backend.compile(params.structured_outputs)
+
+    def backend(self, name: str) -> StructuredOutputBackend:
+        backend = self._backends.get(name)
+        if backend is None:
+            from vframe.plugins import get_registry
+
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured_outputs needs a tokenizer (skip_tokenizer_init is set)")
+            cls = get_registry("structured_output").load(name)
+            backend = self._backends[name] = cls(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return backend

@@ -1,0 +1,315 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app on uvicorn around an ``AsyncLLMEngine``.
+
+``build_app`` wires routes, errors, API-key checking and metrics around an
+engine; ``run_server`` is ``vframe serve``: load the engine, bind, serve until
+SIGTERM or SIGINT, then drain in-flight requests (up to ``--shutdown-timeout``),
+abort the rest and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from vframe.core.async_engine import AsyncLLMEngine
+from vframe.core.config import EngineConfig
+from vframe.entrypoints.openai.chat import create_chat_completion
+from vframe.entrypoints.openai.completions import create_completion
+from vframe.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from vframe.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from vframe.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from vframe.entrypoints.openai.serving import ServingContext
+from vframe.errors import ConfigError
+from vframe.version import __version__
+
+logger = logging.getLogger("vframe.serve")
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Reachable without the API key: probes, scrapes and the API's own description.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+_ENDPOINTS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", *OPEN_PATHS}
+)
+# After --shutdown-timeout every response is ending (its request aborted); uvicorn
+# cancels whatever is still open this much later.
+_RESPONSE_GRACE_S = 5.0
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 500, 503)
+}
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine thread and shuts it down."""
+    metrics = ServerMetrics(lambda: engine.stats)
+    ctx = ServingContext(engine, served_model_name, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        in_flight = engine.num_in_flight
+        if in_flight:
+            logger.warning("aborting %d requests still in flight", in_flight)
+        await engine.shutdown()
+
+    app = FastAPI(
+        title="vframe",
+        version=__version__,
+        description="OpenAI-compatible API of the vframe inference engine (see docs/serving.md).",
+        lifespan=lifespan,
+    )
+    app.state.ctx = ctx
+    install_error_handlers(app)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        """Complete prompts (texts or token ids); ``stream: true`` answers with server-sent events."""
+        return await create_completion(ctx, request, raw_request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        """Answer a conversation, formatted with the model's chat template."""
+        return await create_chat_completion(ctx, request, raw_request)
+
+    def model_card() -> ModelCard:
+        return ModelCard(
+            id=served_model_name, root=str(engine.config.model.model or EMBEDDED_MODEL_NAME),
+            max_model_len=engine.max_model_len,
+        )
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
+    async def retrieve_model(model: str) -> ModelCard:
+        ctx.check_model(model)
+        return model_card()
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        """Token ids of a ``prompt``, or of ``messages`` rendered with the chat template."""
+        ctx.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise APIError.bad_request("give exactly one of prompt and messages", param="prompt")
+        if request.prompt is not None:
+            add_special = True if request.add_special_tokens is None else request.add_special_tokens
+            ids = ctx.text_prompt(request.prompt, add_special_tokens=add_special).token_ids
+        else:
+            assert request.messages is not None
+            prompt = ctx.chat_prompt(
+                request.messages, request.add_generation_prompt, request.continue_final_message,
+                request.chat_template_kwargs,
+            )
+            ids = prompt.token_ids
+            if request.add_special_tokens:
+                ids = ctx.text_prompt(prompt.text or "", add_special_tokens=True).token_ids
+        strs = ctx.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        ctx.check_model(request.model)
+        bad = [t for t in request.tokens if t >= engine.vocab_size]
+        if bad:
+            raise APIError.bad_request(f"token ids out of range [0, {engine.vocab_size}): {bad[:5]}", param="tokens")
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode(request.tokens))
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        """200 while the engine thread runs; 503 once it has failed or stopped."""
+        if not engine.is_running:
+            reason = engine.dead_error or "shutting down"
+            return error_response(503, f"the engine is not running: {reason}")
+        return JSONResponse({})
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus_metrics() -> Response:
+        """Prometheus text exposition (see docs/serving.md for every series)."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)  # outermost: counts 401s too
+    return app
+
+
+class APIKeyMiddleware:
+    """401 unless ``Authorization: Bearer <api key>``, except on ``OPEN_PATHS``."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        message = (
+            "Incorrect API key provided" if given else "Missing API key: send 'Authorization: Bearer <key>'"
+        )
+        response = error_response(401, message, code="invalid_api_key")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+
+class HTTPMetricsMiddleware:
+    """Counts every HTTP request by endpoint and status code when its response ends."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.counter = metrics.http_requests
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # an exception before the response started
+
+        async def send_and_record(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self.counter.labels(_endpoint(scope["path"]), str(status)).inc()
+
+
+def _endpoint(path: str) -> str:
+    if path in _ENDPOINTS:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return "other"
+
+
+# --------------------------------------------------------------------------- #
+# vframe serve
+# --------------------------------------------------------------------------- #
+
+
+def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    """``vframe serve``: returns the process exit status."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model_tag is not None:
+        if engine_kwargs.get("model") not in (None, args.model_tag):
+            raise ConfigError(
+                f"the model is given twice: {args.model_tag!r} and --model {engine_kwargs['model']!r}; give one"
+            )
+        engine_kwargs["model"] = args.model_tag
+    api_key = args.api_key or os.environ.get("VFRAME_API_KEY") or None
+    config = EngineConfig.from_sources(config_file=args.config_file, **engine_kwargs)
+    if config.model.skip_tokenizer_init:
+        raise ConfigError("vframe serve needs the tokenizer (texts, chat templates): drop skip_tokenizer_init")
+    served_name = args.served_model_name or config.model.model or EMBEDDED_MODEL_NAME
+    sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
+    host, port = sock.getsockname()[:2]
+    engine = AsyncLLMEngine.from_config(config)
+    app = build_app(engine, served_name, api_key)
+    server = _Server(
+        uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            access_log=not args.no_access_log,
+            # A backstop only: _Server aborts what still generates at shutdown_timeout,
+            # which ends every response; uvicorn cancels whatever is left after this.
+            timeout_graceful_shutdown=args.shutdown_timeout + _RESPONSE_GRACE_S,
+            timeout_keep_alive=5,
+        ),
+        engine,
+        args.shutdown_timeout,
+    )
+    # uvicorn handles SIGTERM/SIGINT itself (stop accepting, drain, lifespan shutdown)
+    # and then raises the signal again under the handler it found. A no-op handler
+    # makes that second delivery harmless, so a graceful shutdown exits with status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+
+    def on_engine_dead(error: BaseException) -> None:
+        # A server whose engine is gone can only answer 503: exit non-zero so that
+        # a supervisor restarts it.
+        logger.error("the engine failed (%r); shutting the server down", error)
+        server.should_exit = True
+
+    engine.on_dead = on_engine_dead
+    url_host = f"[{host}]" if ":" in host else host
+    logger.info(
+        "serving %r on http://%s:%d/v1 (API key %s)", served_name, url_host, port, "required" if api_key else "off"
+    )
+    server.run(sockets=[sock])
+    return 0 if server.started and engine.dead_error is None else 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM stops accepting and waits for open
+    responses; after ``shutdown_timeout`` seconds vframe aborts the requests
+    still generating, so that their clients get what was generated so far with
+    ``finish_reason: "abort"`` rather than a cut connection."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        n = self.engine.num_in_flight
+        if n:
+            logger.info("draining %d request(s) in flight, for up to %.0f s", n, self.shutdown_timeout)
+        timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._abort_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _abort_in_flight(self) -> None:
+        n = self.engine.abort_all(f"the server shut down (--shutdown-timeout {self.shutdown_timeout:g} s)")
+        if n:
+            logger.warning("aborted %d request(s) still in flight after %.0f s", n, self.shutdown_timeout)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; pick another --host or --port") from e
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,170 @@
+"""``POST /v1/chat/completions``: messages rendered with the model's chat template.
+
+A stream starts with one ``{"role": "assistant", "content": ""}`` delta per
+choice, then content deltas; the last delta of a choice carries its
+``finish_reason``; with ``stream_options.include_usage`` a final chunk with no
+choices carries the usage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from vframe.core.outputs import Logprob
+from vframe.entrypoints.openai.errors import APIError
+from vframe.entrypoints.openai.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+)
+from vframe.entrypoints.openai.serving import (
+    SSE_DONE,
+    Choice,
+    ClosingStreamingResponse,
+    Generation,
+    ServingContext,
+    finite,
+    sse,
+    sse_error,
+    top_logprobs,
+    until_disconnected,
+)
+from vframe.errors import InvalidRequestError
+
+
+async def create_chat_completion(
+    ctx: ServingContext, request: ChatCompletionRequest, raw_request: Request
+) -> Response:
+    arrival = time.perf_counter()
+    model = ctx.check_model(request.model)
+    try:
+        params = request.to_sampling_params()
+    except InvalidRequestError as e:
+        raise APIError.from_invalid_request(e, "messages") from e
+    prompt = ctx.chat_prompt(
+        request.messages, request.add_generation_prompt, request.continue_final_message, request.chat_template_kwargs
+    )
+    explicit = request.requested_max_tokens is not None
+    ctx.check_length(prompt, params.max_tokens, explicit, "messages")
+    request_id = ctx.new_id("chatcmpl")
+    generation = await ctx.start(request_id, [prompt], params, request.priority, "messages", arrival)
+    run = _Run(request, model, request_id, generation)
+    if request.stream:
+        return ClosingStreamingResponse(run.stream(), on_close=generation.close)
+    try:
+        return await until_disconnected(raw_request, run.collect())
+    finally:
+        generation.close()
+
+
+class _Run:
+    """One chat request in flight and how to answer it."""
+
+    def __init__(self, request: ChatCompletionRequest, model: str, request_id: str, generation: Generation) -> None:
+        self.request = request
+        self.model = model
+        self.request_id = request_id
+        self.generation = generation
+        self.created = int(time.time())
+        self.top_k = (request.top_logprobs or 0) if request.logprobs else None
+
+    async def collect(self) -> Response:
+        choices = {j: Choice() for j in range(self.request.n)}
+        async with contextlib.aclosing(self.generation.outputs()) as outputs:
+            async for _, output in outputs:
+                for completion in output.outputs:
+                    choices[completion.index].add(completion)
+        response = ChatCompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                ChatCompletionChoice(
+                    index=index,
+                    message=ChatResponseMessage(content=choice.text),
+                    logprobs=self._logprobs(choice.logprobs),
+                    finish_reason=choice.finish_reason or "abort",  # none: the server aborted it
+                    stop_reason=choice.stop_reason,
+                )
+                for index, choice in sorted(choices.items())
+            ],
+            usage=self.generation.usage(sum(c.num_tokens for c in choices.values())),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def stream(self) -> AsyncIterator[str]:
+        num_tokens = 0
+        unfinished = set(range(self.request.n))
+        try:
+            yield sse(
+                self._chunk(
+                    [ChatChunkChoice(index=j, delta=ChatDelta(role="assistant", content="")) for j in range(self.request.n)]
+                )
+            )
+            async with contextlib.aclosing(self.generation.outputs()) as outputs:
+                async for _, output in outputs:
+                    chunk_choices = []
+                    for completion in output.outputs:
+                        num_tokens += len(completion.token_ids)
+                        if not (completion.text or completion.finish_reason or completion.logprobs):
+                            continue
+                        pairs = zip(completion.token_ids, completion.logprobs or [])
+                        if completion.finish_reason is not None:
+                            unfinished.discard(completion.index)
+                        chunk_choices.append(
+                            ChatChunkChoice(
+                                index=completion.index,
+                                delta=ChatDelta(content=completion.text),
+                                logprobs=self._logprobs(pairs),
+                                finish_reason=completion.finish_reason,
+                                stop_reason=completion.stop_reason,
+                            )
+                        )
+                    if chunk_choices:
+                        yield sse(self._chunk(chunk_choices))
+            if self.generation.aborted and unfinished:
+                yield sse(
+                    self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason="abort") for i in sorted(unfinished)])
+                )
+        except Exception as e:  # the engine died mid-stream: tell the client in-band
+            yield sse_error(e)
+        else:
+            if self.request.include_usage:
+                chunk = self._chunk([])
+                chunk.usage = self.generation.usage(num_tokens)
+                yield sse(chunk)
+        yield SSE_DONE
+
+    def _chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices)
+
+    def _logprobs(self, pairs: Iterable[tuple[int, dict[int, Logprob]]]) -> ChatLogprobs | None:
+        if self.top_k is None:
+            return None
+        content = []
+        for token_id, entry in pairs:
+            chosen = entry[token_id]
+            content.append(
+                ChatTokenLogprob(
+                    **_token(chosen),
+                    top_logprobs=[ChatTopLogprob(**_token(lp)) for _, lp in top_logprobs(entry, self.top_k)],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+
+def _token(lp: Logprob) -> dict:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": finite(lp.logprob), "bytes": list(token.encode("utf-8"))}

@@ -1,0 +1,180 @@
+"""``POST /v1/completions``: text or token-id prompts, streamed or not.
+
+Choice ``i * n + j`` is the ``j``-th sequence of the ``i``-th prompt, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from vframe.core.outputs import CompletionOutput
+from vframe.entrypoints.openai.errors import APIError
+from vframe.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from vframe.entrypoints.openai.serving import (
+    SSE_DONE,
+    Choice,
+    ClosingStreamingResponse,
+    Generation,
+    Prompt,
+    ServingContext,
+    finite,
+    sse,
+    sse_error,
+    top_logprobs,
+    until_disconnected,
+)
+from vframe.errors import InvalidRequestError
+
+
+async def create_completion(ctx: ServingContext, request: CompletionRequest, raw_request: Request) -> Response:
+    arrival = time.perf_counter()
+    model = ctx.check_model(request.model)
+    try:
+        params = request.to_sampling_params()
+    except InvalidRequestError as e:
+        raise APIError.from_invalid_request(e, "prompt") from e
+    prompts = _prompts(ctx, request.prompt)
+    explicit = "max_tokens" in request.model_fields_set
+    for prompt in prompts:
+        ctx.check_length(prompt, params.max_tokens, explicit, "prompt")
+    request_id = ctx.new_id("cmpl")
+    generation = await ctx.start(request_id, prompts, params, request.priority, "prompt", arrival)
+    run = _Run(request, model, request_id, generation, len(prompts))
+    if request.stream:
+        return ClosingStreamingResponse(run.stream(), on_close=generation.close)
+    try:
+        return await until_disconnected(raw_request, run.collect())
+    finally:
+        generation.close()
+
+
+def _prompts(ctx: ServingContext, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    if isinstance(prompt, str):
+        return [ctx.text_prompt(prompt)]
+    if not prompt:
+        raise APIError.bad_request("prompt is an empty list: give a text or token ids", param="prompt")
+    if isinstance(prompt[0], int):
+        return [Prompt(None, list(prompt))]  # type: ignore[arg-type]
+    if isinstance(prompt[0], str):
+        return [ctx.text_prompt(p) for p in prompt]  # type: ignore[arg-type]
+    return [Prompt(None, list(p)) for p in prompt]  # type: ignore[union-attr]
+
+
+class _Run:
+    """One completion request in flight and how to answer it."""
+
+    def __init__(
+        self, request: CompletionRequest, model: str, request_id: str, generation: Generation, num_prompts: int
+    ) -> None:
+        self.request = request
+        self.model = model
+        self.request_id = request_id
+        self.generation = generation
+        self.num_prompts = num_prompts
+        self.created = int(time.time())
+
+    async def collect(self) -> Response:
+        n = self.request.n
+        choices = {i * n + j: Choice() for i in range(self.num_prompts) for j in range(n)}
+        async with contextlib.aclosing(self.generation.outputs()) as outputs:
+            async for i, output in outputs:
+                for completion in output.outputs:
+                    choices[i * n + completion.index].add(completion)
+        response = CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                CompletionChoice(
+                    index=index,
+                    text=choice.text,
+                    logprobs=self._logprobs(choice.logprobs, 0),
+                    finish_reason=choice.finish_reason or "abort",  # none: the server aborted it
+                    stop_reason=choice.stop_reason,
+                )
+                for index, choice in sorted(choices.items())
+            ],
+            usage=self._usage(sum(c.num_tokens for c in choices.values())),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def stream(self) -> AsyncIterator[str]:
+        n = self.request.n
+        num_tokens = 0
+        offsets: dict[int, int] = {}  # choice -> characters sent, for text_offset
+        unfinished = set(range(self.num_prompts * n))
+        try:
+            async with contextlib.aclosing(self.generation.outputs()) as outputs:
+                async for i, output in outputs:
+                    chunk_choices = []
+                    for completion in output.outputs:
+                        index = i * n + completion.index
+                        num_tokens += len(completion.token_ids)
+                        if not (completion.text or completion.finish_reason or completion.logprobs):
+                            continue
+                        offset = offsets.get(index, 0)
+                        logprobs = self._logprobs(_pairs(completion), offset)
+                        offsets[index] = offset + len(completion.text)
+                        if completion.finish_reason is not None:
+                            unfinished.discard(index)
+                        chunk_choices.append(
+                            CompletionChoice(
+                                index=index,
+                                text=completion.text,
+                                logprobs=logprobs,
+                                finish_reason=completion.finish_reason,
+                                stop_reason=completion.stop_reason,
+                            )
+                        )
+                    if chunk_choices:
+                        yield sse(self._chunk(chunk_choices))
+            if self.generation.aborted and unfinished:
+                yield sse(self._chunk([CompletionChoice(index=i, text="", finish_reason="abort") for i in sorted(unfinished)]))
+        except Exception as e:  # the engine died mid-stream: tell the client in-band
+            yield sse_error(e)
+        else:
+            if self.request.include_usage:
+                yield sse(self._chunk([], usage=self._usage(num_tokens)))
+        yield SSE_DONE
+
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+    def _usage(self, num_generated: int) -> UsageInfo:
+        return self.generation.usage(num_generated)
+
+    def _logprobs(self, pairs: list, text_offset: int) -> CompletionLogprobs | None:
+        k = self.request.logprobs
+        if k is None:
+            return None
+        result = CompletionLogprobs()
+        for token_id, entry in pairs:
+            chosen = entry[token_id]
+            token = chosen.decoded_token or ""
+            result.tokens.append(token)
+            result.token_logprobs.append(finite(chosen.logprob))
+            result.top_logprobs.append(
+                {(lp.decoded_token or ""): finite(lp.logprob) for _, lp in top_logprobs(entry, k)}
+            )
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+        return result
+
+
+def _pairs(completion: CompletionOutput) -> list:
+    if completion.logprobs is None:
+        return []
+    return list(zip(completion.token_ids, completion.logprobs))

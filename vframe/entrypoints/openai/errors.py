@@ -1,0 +1,140 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure a client can cause is a 4xx naming the offending field: pydantic
+validation errors, vframe's ``InvalidRequestError`` (raised by ``SamplingParams``
+and the engine's prompt checks), unknown routes and models. Anything else is a
+500 whose message says it is the server's fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vframe.core.async_engine import EngineDeadError
+from vframe.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client with ``status_code`` in OpenAI's shape."""
+
+    def __init__(
+        self, status_code: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @classmethod
+    def bad_request(cls, message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+        return cls(400, message, param=param, code=code)
+
+    @classmethod
+    def from_invalid_request(cls, error: InvalidRequestError, prompt_field: str) -> APIError:
+        """Map the engine's message to the API field it is about."""
+        message = str(error)
+        match = re.match(r"SamplingParams\.(\w+)=", message)
+        if match:
+            param: str | None = match.group(1)
+        elif "prompt" in message:
+            param = prompt_field
+        elif "max_tokens" in message or "KV cache" in message:
+            param = "max_tokens"
+        elif message.startswith("priority"):
+            param = "priority"
+        else:
+            param = None
+        return cls.bad_request(message, param=param)
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status_code, self.message, param=self.param, code=self.code)
+
+
+def error_response(
+    status_code: int, message: str, *, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    error_type = _TYPES.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status_code)
+
+
+def validation_error_response(error: RequestValidationError) -> JSONResponse:
+    """400 listing every invalid field; ``param`` is the first one."""
+    problems: list[str] = []
+    params: list[str] = []
+    for err in error.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field = ".".join(loc)
+        if err.get("type") == "json_invalid":
+            problems.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})")
+            continue
+        if err.get("type") == "extra_forbidden":
+            problems.append(f"{field}: unknown parameter")
+        elif not field:
+            problems.append(f"the body must be a JSON object with the request's fields ({err['msg']})")
+        else:
+            if err.get("type") == "value_error":  # our own validators say what they got
+                problems.append(f"{field}: {err['msg'].removeprefix('Value error, ')}")
+            else:
+                shown = "" if err.get("type") == "missing" else f" (got {_short(err.get('input'))})"
+                problems.append(f"{field}: {err['msg']}{shown}")
+        if field:
+            params.append(field)
+    return error_response(400, "; ".join(problems), param=params[0] if params else None)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see /docs for the API"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        response = error_response(exc.status_code, message)
+        if exc.headers:
+            response.headers.update(exc.headers)
+        return response
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error while serving %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error ({type(exc).__name__}); see the server log")

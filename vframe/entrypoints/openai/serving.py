@@ -1,0 +1,305 @@
+"""What the completion and chat handlers share: the model check, tokenization,
+the context-length check, starting engine requests and reading their outputs.
+
+Tokenization happens here, on the event loop, with the server's own copy of the
+tokenizer: the engine thread only ever sees token ids, and the two threads never
+share a tokenizer object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from vframe.core.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError, RequestStream
+from vframe.core.outputs import CompletionOutput, Logprob, RequestOutput
+from vframe.core.sampling_params import SamplingParams
+from vframe.entrypoints.openai.errors import APIError
+from vframe.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from vframe.entrypoints.openai.protocol import ChatMessage, UsageInfo
+from vframe.errors import ConfigError, InvalidRequestError
+
+
+@dataclass
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+class ServingContext:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, metrics: ServerMetrics) -> None:
+        if engine.tokenizer is None:
+            raise ConfigError("the OpenAI server needs a tokenizer; do not set skip_tokenizer_init")
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.metrics = metrics
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.max_model_len = engine.max_model_len
+
+    # ------------------------------------------------------------------ #
+    # input
+    # ------------------------------------------------------------------ #
+
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model != self.served_model_name:
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.served_model_name}' "
+                "(see /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+        return self.served_model_name
+
+    def text_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
+        return Prompt(text, self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> Prompt:
+        if add_generation_prompt and continue_final_message:
+            raise APIError.bad_request(
+                "add_generation_prompt and continue_final_message cannot both be true",
+                param="continue_final_message",
+            )
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+        except Exception as e:  # jinja2 errors raised by the template itself ("roles must alternate")
+            raise APIError.bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
+        # The rendered template already holds the special tokens it wants.
+        return self.text_prompt(text, add_special_tokens=False)
+
+    def check_length(self, prompt: Prompt, max_tokens: int | None, explicit: bool, prompt_field: str) -> None:
+        """OpenAI's rule: the prompt plus an explicitly requested ``max_tokens``
+        must fit the context; a default ``max_tokens`` is capped instead."""
+        n = len(prompt.token_ids)
+        wanted = n + (max_tokens if explicit and max_tokens is not None else 1)
+        if wanted <= self.max_model_len:
+            return
+        asked = f" plus max_tokens={max_tokens}" if explicit and max_tokens is not None else ""
+        raise APIError.bad_request(
+            f"This model's maximum context length is {self.max_model_len} tokens, but the request "
+            f"needs {wanted} ({n} in the prompt{asked}); shorten the prompt"
+            + (" or lower max_tokens" if asked else ""),
+            param=prompt_field if not asked or n >= self.max_model_len else "max_tokens",
+            code="context_length_exceeded",
+        )
+
+    # ------------------------------------------------------------------ #
+    # running
+    # ------------------------------------------------------------------ #
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    async def start(
+        self,
+        request_id: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        priority: int,
+        prompt_field: str,
+        arrival: float,
+    ) -> Generation:
+        """One engine request per prompt; all or none are started."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
+                streams.append(await self.engine.add_request(engine_id, engine_prompt, params, priority))
+        except BaseException as e:
+            for stream in streams:
+                stream.abort()
+            if isinstance(e, InvalidRequestError):
+                raise APIError.from_invalid_request(e, prompt_field) from e
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e)) from e
+            raise
+        return Generation(self.metrics, streams, prompts, params.n, arrival)
+
+
+class Generation:
+    """The engine requests of one API request (one per prompt) and their metrics.
+
+    ``close()`` must run however the request ends, even if ``outputs()`` was never
+    iterated (a client that leaves before the first byte): it aborts what still
+    runs, which frees its KV blocks, and records the outcome."""
+
+    def __init__(
+        self, metrics: ServerMetrics, streams: list[RequestStream], prompts: list[Prompt], n: int, arrival: float
+    ) -> None:
+        self.streams = streams
+        self.n = n
+        self.timers = [RequestTimer(metrics, arrival, len(p.token_ids)) for p in prompts]
+        self.num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        self.aborted = False  # by the server (shutdown): the answer so far is sent, ending in "abort"
+        self._closed = False
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(prompt index, RequestOutput)`` as they come, every prompt's stream merged.
+        Ends early, with ``aborted`` set, if the server aborts the request."""
+        try:
+            async with contextlib.aclosing(_merge(self.streams)) as merged:
+                async for i, output in merged:
+                    self.timers[i].observe(output)
+                    yield i, output
+        except RequestAbortedError:
+            self.aborted = True
+
+    def usage(self, num_generated: int) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=num_generated,
+            total_tokens=self.num_prompt_tokens + num_generated,
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for stream, timer in zip(self.streams, self.timers):
+            aborted = self.aborted or not stream.finished
+            stream.abort()
+            timer.finish(self.n, aborted)
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that runs ``on_close`` when it ends for any reason:
+    done, client gone (the body iterator may never have started), or cancelled."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def until_disconnected(raw_request: Request, work: Awaitable[Response]) -> Response:
+    """Run ``work`` unless the client goes away first, in which case cancel it
+    (which aborts its engine requests) and answer into the void."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        return await task
+    return Response(status_code=499)  # client closed the connection; nobody reads this
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+@dataclass
+class Choice:
+    """One sequence's accumulated output, gathered from delta outputs."""
+
+    text_parts: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[tuple[int, dict[int, Logprob]]] = field(default_factory=list)  # (token id, entry)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, completion: CompletionOutput) -> None:
+        self.text_parts.append(completion.text)
+        self.num_tokens += len(completion.token_ids)
+        if completion.logprobs is not None:
+            self.logprobs.extend(zip(completion.token_ids, completion.logprobs))
+        if completion.finish_reason is not None:
+            self.finish_reason = completion.finish_reason
+            self.stop_reason = completion.stop_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf: an impossible token gets vLLM's floor instead."""
+    return max(logprob, -9999.0)
+
+
+def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The ``k`` most likely tokens of one position, most likely first."""
+    ranked = [(tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k]
+    return sorted(ranked, key=lambda item: item[1].rank)[:k]
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(error: Exception) -> str:
+    """An error after the response started: OpenAI clients raise it from the stream."""
+    return sse({"error": {"message": f"generation failed: {error}", "type": "server_error", "param": None, "code": None}})
