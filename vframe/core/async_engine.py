@@ -13,6 +13,13 @@ back through ``loop.call_soon_threadsafe``::
 
 torch releases the GIL inside its kernels, so the event loop keeps serving HTTP
 while a step computes, and a step never waits for a slow client.
+
+The engine is also *built* in the engine thread (``AsyncLLMEngine(config)``): with
+OpenMP (libgomp), once two threads have each run parallel torch work, there are
+more OpenMP threads than cores and the runtime stops spin-waiting between
+parallel regions; every small op then pays a futex wake-up. Measured on 2 cores:
+a decode step of SmolLM2 took 36 ms in the thread that loaded the model and
+58 ms in a second thread. So no torch work should run in the event loop's thread.
 """
 
 from __future__ import annotations
@@ -108,8 +115,14 @@ class AsyncLLMEngine:
     are read directly; live numbers come from ``stats``, a snapshot the engine
     thread refreshes after each step and each batch of commands."""
 
-    def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None) -> None:
-        self.engine = engine
+    def __init__(
+        self, engine: EngineConfig | LLMEngine, on_dead: Callable[[BaseException], None] | None = None
+    ) -> None:
+        """``engine``: an ``EngineConfig`` to build the engine in the engine thread
+        (what a server wants, see the module docstring), or an ``LLMEngine`` built
+        elsewhere, which then must not be used by any other thread."""
+        self._config = engine if isinstance(engine, EngineConfig) else None
+        self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
         self.on_dead = on_dead  # called on the event loop if the engine thread fails
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -117,7 +130,9 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._stats: dict[str, float] = dict(engine.get_stats())
+        self._loaded = threading.Event()
+        self._load_error: BaseException | None = None
+        self._stats: dict[str, float] = {}
         self.dead_error: BaseException | None = None
         # Held while queueing an add and while the thread closes its queue for good,
         # so that no add is queued after the thread's last drain (it would wait forever).
@@ -126,7 +141,10 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
-        return cls(LLMEngine(config))
+        """Build the engine in the engine thread and wait until it is loaded."""
+        engine = cls(config)
+        engine.load()
+        return engine
 
     # ------------------------------------------------------------------ #
     # read-only facts
@@ -134,19 +152,25 @@ class AsyncLLMEngine:
 
     @property
     def config(self) -> EngineConfig:
-        return self.engine.config
+        return self._loaded_engine.config
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self._loaded_engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._loaded_engine.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.vocab_size
+        return self._loaded_engine.vocab_size
+
+    @property
+    def _loaded_engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise RuntimeError("the engine is not loaded yet: call AsyncLLMEngine.load() first")
+        return self.engine
 
     @property
     def stats(self) -> dict[str, float]:
@@ -165,13 +189,23 @@ class AsyncLLMEngine:
     # lifecycle
     # ------------------------------------------------------------------ #
 
+    def load(self) -> None:
+        """Start the engine thread, which builds the engine when given a config;
+        returns once it is ready, or raises what building it raised."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._thread_main, name="vframe-engine", daemon=True)
+            self._thread.start()
+        self._loaded.wait()
+        if self._load_error is not None:
+            raise self._load_error
+
     def start(self) -> None:
-        """Start the engine thread; call from inside the event loop that will use it."""
-        if self._thread is not None:
+        """Serve requests from the running event loop; loads the engine first if needed.
+        Call it from inside that loop (a server's startup)."""
+        if self._loop is not None:
             raise RuntimeError("AsyncLLMEngine.start() was already called")
+        self.load()
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="vframe-engine", daemon=True)
-        self._thread.start()
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort every request still running (their streams raise ``RequestAbortedError``),
@@ -183,8 +217,6 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join, timeout_s)
             if self._thread.is_alive():
                 logger.warning("the engine thread did not stop within %.0f s", timeout_s)
-                return
-        self.engine.shutdown()
 
     # ------------------------------------------------------------------ #
     # requests (event loop side)
@@ -254,8 +286,21 @@ class AsyncLLMEngine:
     # the engine thread
     # ------------------------------------------------------------------ #
 
-    def _run(self) -> None:
-        engine = self.engine
+    def _thread_main(self) -> None:
+        try:
+            if self.engine is None:
+                assert self._config is not None
+                self.engine = LLMEngine(self._config)
+            self._stats = dict(self.engine.get_stats())
+        except BaseException as e:  # a bad model path, out of memory: load() raises it
+            self._load_error = e
+            self._closed = True
+            return
+        finally:
+            self._loaded.set()
+        self._run(self.engine)
+
+    def _run(self, engine: LLMEngine) -> None:
         try:
             while True:
                 self._wake.clear()
@@ -274,12 +319,15 @@ class AsyncLLMEngine:
             logger.exception("the engine thread failed; failing every request in flight")
             self.dead_error = e
             self._to_loop(self._fail_all, EngineDeadError(f"the engine failed: {e!r}"))
+        else:
+            engine.shutdown()
         finally:
             with self._closing:
                 self._closed = True
                 self._drain_commands(refuse=True)
 
     def _drain_commands(self, refuse: bool = False) -> None:
+        assert self.engine is not None
         while True:
             try:
                 command = self._commands.get_nowait()

@@ -72,12 +72,21 @@ class Server:
         return current
 
 
+def server_env() -> dict[str, str]:
+    """The environment of a test server. OpenMP threads sleep between parallel
+    regions instead of spinning: the test machine's cores are shared with other
+    suites, and spinning threads that lose their core slow small ops by two orders
+    of magnitude (docs/serving.md, "CPU threads"). Correctness does not depend on it."""
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    env.pop("VFRAME_API_KEY", None)
+    return env
+
+
 def start_server(tmp_path: Path, *extra: str, api_key: str | None = API_KEY, timeout_s: float = 180.0) -> Server:
     log_path = tmp_path / "server.log"
     command = [sys.executable, "-m", "vframe.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", "0",
                *SERVER_FLAGS, *extra]
-    env = dict(os.environ)
-    env.pop("VFRAME_API_KEY", None)
+    env = server_env()
     if api_key is not None:
         command += ["--api-key", api_key]
     with open(log_path, "w") as log:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from openai_server import server_env
+
 
 def test_bench_serve_starts_a_server_measures_each_level_and_stops_it(tmp_path: Path):
     out_json = tmp_path / "serve.json"
@@ -14,7 +16,7 @@ def test_bench_serve_starts_a_server_measures_each_level_and_stops_it(tmp_path: 
         [sys.executable, "-m", "vframe.entrypoints.cli", "bench", "serve", "--num-prompts", "3",
          "--output-len", "4", "--max-input-len", "48", "--concurrency", "1,3", "--dtype", "float32",
          "--output-json", str(out_json)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=server_env(),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "concurrency   1: 3 requests" in proc.stdout

@@ -105,3 +105,41 @@ def test_chat_logprobs(client: openai.OpenAI):
     assert [t.top_logprobs for t in without_top.choices[0].logprobs.content] == [[], []]
     plain = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=2)
     assert plain.choices[0].logprobs is None
+
+
+def test_response_format_json_schema_gives_valid_json(client: openai.OpenAI):
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 30},
+            "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+        },
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give the capital of France and its population as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+        temperature=0,
+        max_tokens=120,
+    )
+    assert resp.choices[0].finish_reason == "stop"  # the grammar closed the object
+    jsonschema.validate(json.loads(resp.choices[0].message.content), schema)
+
+
+def test_logit_bias_and_penalties_reach_the_sampler(client: openai.OpenAI):
+    # +100 on one token makes it the greedy choice at every step.
+    resp = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logit_bias={"28120": 100}
+    )
+    assert resp.choices[0].text == "hello" * 4
+    penalized = client.completions.create(
+        model=MODEL, prompt="1, 1, 1, 1, 1,", max_tokens=8, temperature=0, frequency_penalty=2.0
+    )
+    plain = client.completions.create(model=MODEL, prompt="1, 1, 1, 1, 1,", max_tokens=8, temperature=0)
+    assert penalized.choices[0].text != plain.choices[0].text

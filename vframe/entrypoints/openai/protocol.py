@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from vframe.core.sampling_params import SamplingParams
+from vframe.core.sampling_params import SamplingParams, StructuredOutputsParams
 from vframe.entrypoints.openai.errors import APIError
 
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
@@ -64,6 +64,31 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def to_structured(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise APIError.bad_request(
+                "response_format of type json_schema needs json_schema.schema", param="response_format"
+            )
+        return StructuredOutputsParams(json=self.json_schema.schema_)
+
+
 class _GenerationRequest(_Request):
     """Sampling fields common to completions and chat completions."""
 
@@ -78,9 +103,13 @@ class _GenerationRequest(_Request):
     stop_token_ids: TokenIds | None = Field(None, description="vLLM extension")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="only 0 is supported")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported (only empty)")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM extension")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object, or json_schema (structured output)"
+    )
     ignore_eos: bool = Field(False, description="vLLM extension: keep going past end-of-sequence")
     min_tokens: int = Field(0, ge=0, description="vLLM extension")
     include_stop_str_in_output: bool = Field(False, description="vLLM extension")
@@ -102,13 +131,6 @@ class _GenerationRequest(_Request):
         return _check_union(value, ok, "a string or a list of strings")
 
     def _check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise APIError.bad_request(
-                    f"{name}={getattr(self, name)} is not supported by vframe yet; leave it at 0", param=name
-                )
-        if self.logit_bias:
-            raise APIError.bad_request("logit_bias is not supported by vframe yet", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError.bad_request("stream_options is only allowed with stream=true", param="stream_options")
 
@@ -130,6 +152,11 @@ class _GenerationRequest(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            structured_outputs=self.response_format.to_structured() if self.response_format else None,
             output_kind="delta",
         )
 
@@ -243,7 +270,6 @@ class ChatCompletionRequest(_GenerationRequest):
     max_tokens: int | None = Field(None, ge=1, description="deprecated name of max_completion_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported (only empty)")
     tool_choice: str | dict[str, Any] | None = Field(None, description="only 'none' or 'auto' without tools")
     parallel_tool_calls: bool | None = None
@@ -258,11 +284,6 @@ class ChatCompletionRequest(_GenerationRequest):
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError.bad_request(
-                "structured output (response_format other than {'type': 'text'}) is not supported yet",
-                param="response_format",
-            )
         if self.tools:
             raise APIError.bad_request("tool calling is not supported by vframe yet", param="tools")
         if self.tool_choice not in (None, "none", "auto"):
