@@ -244,6 +244,8 @@ def started_server(
     if config_file is not None:
         command += ["--config", config_file]
     command += _server_flags(engine_kwargs)
+    # A SIGTERM to the benchmark must still stop the server (the finally below).
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with tempfile.NamedTemporaryFile("w+", prefix="vframe-serve-", suffix=".log") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -261,6 +263,7 @@ def started_server(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _wait_until_serving(process: subprocess.Popen, log_path: str, timeout_s: float) -> str:
