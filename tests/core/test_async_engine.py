@@ -158,3 +158,13 @@ def test_a_failing_step_fails_every_request_and_refuses_new_ones(llm_engine: LLM
     monkeypatch.undo()
     llm_engine.abort_request("doomed")  # leave the shared engine clean
     assert not llm_engine.has_unfinished_requests()
+
+
+def test_a_model_that_cannot_load_raises_from_load(tmp_path):
+    from vframe.core.config import EngineConfig
+    from vframe.errors import ModelLoadError
+
+    engine = AsyncLLMEngine(EngineConfig.from_sources(model=str(tmp_path / "missing.gguf")))
+    with pytest.raises(ModelLoadError, match="missing.gguf"):
+        engine.load()
+    assert not engine.is_running
