@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.vframe-installed
 CONTRIB := $(wildcard contrib/vframe-plugin-*)
 
-.PHONY: demo test test-slow test-gpu bench install clean
+.PHONY: demo test test-slow test-gpu test-reliability coverage bench install clean
 
 $(STAMP): pyproject.toml $(wildcard contrib/*/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,19 @@ test-slow: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(VENV)/bin/pytest -q -m gpu
+
+# The whole reliability suite (tests/reliability/README.md): its quick part also runs
+# in `make test`; about 10 minutes on 2 cores, loopback only.
+test-reliability: $(STAMP)
+	$(VENV)/bin/pytest -q -m 'not gpu' tests/reliability
+
+# Line coverage of vframe, `vframe serve` subprocesses included ([tool.coverage.*] in
+# pyproject.toml); a selection: make coverage PYTEST_ARGS=tests/entrypoints/openai
+PYTEST_ARGS ?=
+coverage: $(STAMP)
+	rm -f .coverage .coverage.*
+	$(PY) -m coverage run -m pytest -q $(PYTEST_ARGS); status=$$?; \
+	$(PY) -m coverage combine -q && $(PY) -m coverage report; exit $$status
 
 bench: $(STAMP)
 	$(VENV)/bin/vframe bench throughput --backend both

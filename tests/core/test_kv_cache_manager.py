@@ -40,7 +40,11 @@ def test_prefix_hit_shares_full_blocks_and_leaves_last_token_to_compute():
     r0 = make_request("r0", 13)
     assert kv.get_computed_blocks(r0) == ([], 0)
     assert kv.allocate_slots(r0, 13) == [0, 1, 2, 3]
+    r1 = make_request("r1", 14)  # same first 13 tokens, one more
+    # Allocated is not computed: nothing hits until the step that writes the KV ran.
+    assert kv.get_computed_blocks(r1) == ([], 0)
     r0.num_computed_tokens = 13
+    kv.cache_blocks(r0, 13)
 
     r1 = make_request("r1", 14)  # same first 13 tokens, one more
     blocks, num_hit = kv.get_computed_blocks(r1)
@@ -64,6 +68,7 @@ def test_eviction_takes_least_recently_freed_and_tails_first():
     a = make_request("a", 5, offset=0)  # blocks 0,1 full + 2 partial
     assert kv.allocate_slots(a, 5) == [0, 1, 2]
     a.num_computed_tokens = 5
+    kv.cache_blocks(a, 5)
     kv.free(a)  # freed tail first: 2, 1, 0 join after the never-used 3, 4, 5
     b = make_request("b", 9, offset=100)
     assert kv.allocate_slots(b, 9) == [3, 4, 5, 2, 1]
@@ -109,6 +114,7 @@ def test_cache_salt_separates_otherwise_equal_prefixes():
     a = make_request("a", 9)
     a.cache_salt = "tenant-1"
     kv.allocate_slots(a, 9)
+    kv.cache_blocks(a, 9)
     same_salt = make_request("b", 9)
     same_salt.cache_salt = "tenant-1"
     other_salt = make_request("c", 9)
@@ -121,7 +127,9 @@ def test_cache_salt_separates_otherwise_equal_prefixes():
 
 def test_sha256_hashes_hit_like_builtin_ones():
     kv = PagedKVCacheManager(num_blocks=10, block_size=4, enable_caching=True, hash_algo="sha256")
-    kv.allocate_slots(make_request("a", 9), 9)
+    a = make_request("a", 9)
+    kv.allocate_slots(a, 9)
+    kv.cache_blocks(a, 9)
     blocks, num_hit = kv.get_computed_blocks(make_request("b", 12))
     assert (blocks, num_hit) == ([0, 1], 8)
     assert all(isinstance(h, bytes) and len(h) == 32 for h in kv.req_to_block_hashes["b"])

@@ -1,4 +1,5 @@
-"""The batched sampler against transformers' logits processors on the same logits."""
+"""The batched sampler against transformers' logits processors on the same logits, and
+the distribution of its random rows over many seeded draws."""
 
 import math
 
@@ -11,7 +12,6 @@ from transformers.generation.logits_process import (
     PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
-    TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
@@ -61,6 +61,25 @@ def test_min_p_matches_transformers(logits, min_p):
     assert torch.equal(kept(ours), kept(ref))
 
 
+@pytest.mark.parametrize(
+    ("temperature", "kept_ids"),
+    [
+        # probabilities at T=1: 0.40 0.25 0.15 0.09 0.06 0.05; min_p=0.2 keeps p >= 0.08
+        (1.0, [0, 1, 2, 3]),
+        # min_p applies after temperature: at T=0.5 (p ~ p1**2: 0.62 0.24 0.09 0.03 ...)
+        # the threshold is 0.12
+        (0.5, [0, 1]),
+    ],
+)
+def test_min_p_filters_random_rows(temperature, kept_ids):
+    row = [math.log(p) for p in [0.40, 0.25, 0.15, 0.09, 0.06, 0.05]]
+    counts = draw_counts(row, temperature, min_p=torch.full((NUM_DRAWS,), 0.2))
+    assert [i for i, c in enumerate(counts) if c > 0] == kept_ids, counts
+    tempered = softmax(row, temperature)
+    renormalized = [tempered[i] / sum(tempered[j] for j in kept_ids) if i in kept_ids else 0.0 for i in range(len(row))]
+    assert within_5_sigma(counts, renormalized), counts
+
+
 def test_rows_keep_their_own_parameters(logits):
     top_k = torch.tensor([0, 3, 0, 10])
     top_p = torch.tensor([1.0, 1.0, 0.5, 0.9])
@@ -86,17 +105,51 @@ def metadata(temps, seeds=None, **kw):
     )
 
 
-def test_greedy_rows_take_the_argmax_and_random_rows_follow_the_distribution(logits):
+def test_greedy_rows_take_the_argmax_alone_and_beside_random_rows(logits):
     sampler = DefaultSampler()
     out = sampler(logits, metadata([0.0, 0.0, 0.0, 0.0]))
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
-    # a peaked row sampled 2000 times: frequencies follow softmax(logits / T)
-    row = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    counts = torch.zeros(4)
-    for _ in range(2000):
-        counts[sampler(row, metadata([1.0])).sampled_token_ids[0]] += 1
-    expected = TemperatureLogitsWarper(1.0)(None, row).softmax(-1)[0]
-    assert torch.allclose(counts / 2000, expected, atol=0.04)
+    mixed = sampler(logits, metadata([0.0, 1.0, 0.0, 1.0], seeds=[None, 1, None, 2])).sampled_token_ids
+    assert mixed[[0, 2]].tolist() == logits[[0, 2]].argmax(-1).tolist()
+
+
+# --------------------------------------------------------------------------- #
+# The distribution of random rows, from many seeded draws
+# --------------------------------------------------------------------------- #
+
+ROW = [2.0, 1.0, 0.5, 0.0, -1.0, -3.0]
+NUM_DRAWS = 20_000
+
+
+def draw_counts(row: list[float], temperature: float, **kw) -> list[int]:
+    """How often each token of ``row`` is drawn in NUM_DRAWS rows of one step, row
+    ``i`` seeded with ``i``: deterministic, and the draws are independent."""
+    md = metadata([temperature] * NUM_DRAWS, seeds=list(range(NUM_DRAWS)), **kw)
+    sampled = DefaultSampler()(torch.tensor([row]).expand(NUM_DRAWS, -1), md).sampled_token_ids
+    return torch.bincount(sampled, minlength=len(row)).tolist()
+
+
+def softmax(row: list[float], temperature: float) -> list[float]:
+    """Written out in float64, independently of the sampler's torch code."""
+    weights = [math.exp((x - max(row)) / temperature) for x in row]
+    return [w / sum(weights) for w in weights]
+
+
+def within_5_sigma(counts: list[int], probs: list[float]) -> bool:
+    """Every frequency within 5 binomial standard deviations sqrt(p (1 - p) / n) of
+    its probability (plus one draw for rounding): for NUM_DRAWS = 20000 and p = 0.5,
+    +-0.018."""
+    n = sum(counts)
+    return all(abs(c / n - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1 / n for c, p in zip(counts, probs))
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 1.5])
+def test_random_rows_follow_softmax_of_logits_over_temperature(temperature):
+    counts = draw_counts(ROW, temperature)
+    assert within_5_sigma(counts, softmax(ROW, temperature)), counts
+    if temperature != 1.0:
+        # The bound has the power to see a temperature that was not applied.
+        assert not within_5_sigma(counts, softmax(ROW, 1.0))
 
 
 def test_seeded_row_is_independent_of_the_rest_of_the_batch(logits):
@@ -205,14 +258,6 @@ def test_penalty_counts_follow_sampled_tokens_and_rows_keep_their_own(logits):
     assert torch.allclose(ours[2], ref2)
 
 
-def test_temperature_matches_transformers(logits):
-    md = metadata([0.7, 1.0, 1.5, 0.3])
-    ours = logits / md.temperature.unsqueeze(1)
-    for i, t in enumerate([0.7, 1.0, 1.5, 0.3]):
-        ref = TemperatureLogitsWarper(t)(None, logits[i : i + 1].clone())
-        assert torch.allclose(ours[i : i + 1].softmax(-1), ref.softmax(-1))
-
-
 def test_logit_bias_matches_transformers_sequence_bias(logits):
     bias = {5: 10.0, 17: -3.5, 999: 1.25}
     ours = processed(logits[:1], [(SamplingParams(logit_bias=bias), PROMPT, OUTPUT)])
@@ -271,7 +316,7 @@ def test_mixed_batch_rows_equal_each_row_alone(logits):
             (SamplingParams(temperature=0.0, repetition_penalty=1.2), PROMPT, OUTPUT),
             (SamplingParams(temperature=0.9, top_k=20, top_p=0.8, seed=11), PROMPT, []),
             (SamplingParams(temperature=1.1, seed=12, frequency_penalty=0.7, logit_bias={3: 2.0}), PROMPT, OUTPUT),
-            (SamplingParams(temperature=0.0, min_p=0.2, allowed_token_ids=[4, 9, 600]), PROMPT, []),
+            (SamplingParams(temperature=0.8, seed=13, min_p=0.2, allowed_token_ids=[4, 9, 600]), PROMPT, []),
         ]
 
     sampler = DefaultSampler()

@@ -15,7 +15,17 @@ from vframe.errors import InvalidRequestError
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"best_of": 1, "n": 2}, r"SamplingParams.best_of=1 is invalid: must be an integer >= n \(2\)"),
+        ({"best_of": 1, "n": 2}, r"SamplingParams.best_of=1 is invalid: must be an integer in \[n \(2\), 1024\]"),
+        ({"n": 10**9}, r"n=1000000000 is invalid: must be an integer in \[1, 1024\]"),
+        # issue 9 item 5: numbers that passed a sign check and then broke a step
+        ({"top_k": 2**63}, r"top_k=9223372036854775808 is invalid"),
+        ({"seed": 2**64}, r"seed=18446744073709551616 is invalid: must be a 64-bit integer"),
+        ({"seed": -(2**63) - 1}, r"seed=-9223372036854775809 is invalid"),
+        ({"stop_token_ids": [2**70]}, r"stop_token_ids=\[1180591620717411303424\] is invalid"),
+        ({"max_tokens": 2**64}, r"max_tokens=18446744073709551616 is invalid"),
+        ({"logprobs": 2**63}, r"logprobs=9223372036854775808 is invalid"),
+        ({"logit_bias": {5: 1e39}}, r"logit_bias=\{5: 1e\+39\} is invalid: must map non-negative token ids to numbers in \[-100, 100\]"),
+        ({"logit_bias": {2**64: 1.0}}, r"logit_bias=.* is invalid"),
         ({"best_of": 3, "temperature": 0.0}, r"best_of=3 is invalid: must be 1 with greedy sampling"),
         ({"best_of": 3, "output_kind": "delta"}, r"best_of=3 is invalid: must equal n when streaming"),
         ({"presence_penalty": 2.5}, r"presence_penalty=2.5 is invalid: must be in \[-2.0, 2.0\]"),
@@ -39,6 +49,21 @@ from vframe.errors import InvalidRequestError
 def test_invalid_values_name_the_field(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_child_seeds_wrap_to_64_bits():
+    assert SamplingParams(seed=2**64 - 1, n=2).child_seed(1) == 0
+    assert SamplingParams(seed=7, n=3).child_seed(2) == 9
+    assert SamplingParams(seed=-1, n=2).child_seed(0) == 2**64 - 1  # torch's reading of -1
+    assert SamplingParams(n=2).child_seed(1) is None
+
+
+def test_clone_shares_a_deeply_nested_schema():
+    schema: dict = {"type": "string"}
+    for _ in range(300):
+        schema = {"type": "object", "properties": {"a": schema}}
+    sp = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+    assert sp.clone().structured_outputs is sp.structured_outputs  # was a RecursionError
 
 
 def test_defaults_and_normalization():

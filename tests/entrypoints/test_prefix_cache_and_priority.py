@@ -81,14 +81,17 @@ def test_parallel_samples_share_the_prompt_blocks():
     engine = llm.llm_engine
     prompt = list(range(2000, 2053))  # 3 full blocks + 5 tokens
     engine.add_request("par", {"prompt_token_ids": prompt}, SamplingParams(n=4, temperature=1.0, max_tokens=3))
-    engine.step()  # the prompt runs once; the other three hit its blocks in the same step
     kv = engine.kv_cache_manager
+    engine.step()  # the prompt runs once; the siblings wait for its blocks to be written
+    assert kv.get_block_ids("0_par") and not any(kv.get_block_ids(f"{i}_par") for i in (1, 2, 3))
+    engine.step()  # now they are hits
     tables = [kv.get_block_ids(f"{i}_par") for i in range(4)]
     shared = tables[0][:3]
     assert all(t[:3] == shared for t in tables)
     assert [kv.block_pool.blocks[b].ref_cnt for b in shared] == [4, 4, 4]
     assert len({t[3] for t in tables}) == 4  # each completion continues in its own block
     assert kv.block_pool.num_free_blocks == kv.num_blocks - 3 - 4
+    assert engine.get_stats()["prefix_cache_hits"] == 3 * 48
     while engine.has_unfinished_requests():
         engine.step()
     assert kv.usage == 0.0

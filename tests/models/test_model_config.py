@@ -1,10 +1,15 @@
-"""vframe's config.json reader agrees with transformers' config classes."""
+"""vframe's config.json reader agrees with transformers' config classes and refuses
+broken files by name."""
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlamaConfig, MistralConfig
 
+from vframe import LLM
+from vframe.errors import ModelLoadError
 from vframe.models.config import ModelConfig
 from vframe.models.llama import get_head_dim, rope_inv_freq
 
@@ -44,3 +49,63 @@ def test_sparse_config_json_takes_transformers_defaults(tmp_path):
         assert getattr(ours, name) == getattr(ref, name), name
     assert ours.head_dim == 16
     assert rope_inv_freq(ours, 16).tolist() == rope_inv_freq(ref, 16).tolist()
+
+
+# --------------------------------------------------------------------------- #
+# A broken config.json fails when it is read, naming file, field, value and rule
+# --------------------------------------------------------------------------- #
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+
+BROKEN = [
+    ("hidden_size", "abc", """'hidden_size': "abc" (expected an integer from 1 to 65536)"""),
+    ("vocab_size", 1e10, "'vocab_size': 10000000000.0 (expected an integer from 1 to 16777216)"),
+    ("vocab_size", 2**24 + 1, "'vocab_size': 16777217 (expected an integer from 1 to 16777216)"),
+    ("max_position_embeddings", 0, "'max_position_embeddings': 0 (expected an integer from 1 to 16777216)"),
+    ("architectures", "LlamaForCausalLM",
+     """'architectures': "LlamaForCausalLM" (expected a list of class names, e.g. ["LlamaForCausalLM"])"""),
+    ("architectures", [None], """'architectures': [null] (expected a list of class names, e.g. ["LlamaForCausalLM"])"""),
+    ("num_hidden_layers", True, "'num_hidden_layers': true (expected an integer from 1 to 1024)"),
+    ("num_attention_heads", None, "'num_attention_heads': null (expected an integer from 1 to 1024)"),
+    ("head_dim", -64, "'head_dim': -64 (expected an integer from 1 to 1024 or null)"),
+    ("tie_word_embeddings", "false", """'tie_word_embeddings': "false" (expected true or false)"""),
+    ("rms_norm_eps", 0, "'rms_norm_eps': 0 (expected a number greater than 0 and at most 1)"),
+    ("rope_theta", float("inf"), "'rope_theta': Infinity (expected a number greater than 0)"),
+    ("rope_scaling", "linear", """'rope_scaling': "linear" (expected an object or null)"""),
+    ("num_key_value_heads", 3, "'num_key_value_heads': 3 (expected a divisor of num_attention_heads=4)"),
+    ("hidden_size", 66, "'hidden_size': 66 (expected a multiple of num_attention_heads=4, or a head_dim field)"),
+]
+
+
+def write_model_dir(path: Path, config: dict) -> Path:
+    """A model directory: this config.json and a one-tensor safetensors file."""
+    from safetensors.torch import save_file
+
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({"x": torch.zeros(2)}, str(path / "model.safetensors"))
+    return path / "config.json"
+
+
+@pytest.mark.parametrize(("field", "value", "message"), BROKEN, ids=[f"{f}={v!r}" for f, v, _ in BROKEN])
+def test_broken_config_json_names_file_field_value_and_rule(tmp_path, field, value, message):
+    path = write_model_dir(tmp_path, TINY_LLAMA | {field: value})
+    with pytest.raises(ModelLoadError) as info:
+        ModelConfig.from_file(path)
+    assert str(info.value) == f"{path}: invalid value for {message}"
+
+
+@pytest.mark.parametrize(("field", "value", "message"), BROKEN[:5], ids=[f for f, _, _ in BROKEN[:5]])
+def test_llm_on_a_broken_config_json_raises_the_named_error(tmp_path, field, value, message):
+    path = write_model_dir(tmp_path, TINY_LLAMA | {field: value})
+    with pytest.raises(ModelLoadError) as info:
+        LLM(model=str(tmp_path))
+    assert str(info.value) == f"{path}: invalid value for {message}"
+
+
+def test_explicit_head_dim_need_not_divide_hidden_size(tmp_path):
+    path = write_model_dir(tmp_path, TINY_LLAMA | {"hidden_size": 66, "head_dim": 16})
+    assert ModelConfig.from_file(path).head_dim == 16

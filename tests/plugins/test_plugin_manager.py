@@ -170,7 +170,7 @@ BROKEN = {
     ),
     "oldapi": (
         'VFRAME_PLUGIN_API = "0.3"\n',
-        "plugin 'oldapi' targets vframe plugin API 0.3, but this vframe provides 1.0",
+        "plugin 'oldapi' targets vframe plugin API 0.3, but this vframe provides 1.1",
     ),
     "wrapper": (
         """

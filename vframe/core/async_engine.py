@@ -14,6 +14,10 @@ back through ``loop.call_soon_threadsafe``::
 torch releases the GIL inside its kernels, so the event loop keeps serving HTTP
 while a step computes, and a step never waits for a slow client.
 
+Work that depends on one request only and can take long is done before the
+request reaches the engine thread: ``compile_structured_output`` compiles a
+grammar in a worker thread, so that no step waits for it.
+
 The engine is also *built* in the engine thread (``AsyncLLMEngine(config)``): with
 OpenMP (libgomp), once two threads have each run parallel torch work, there are
 more OpenMP threads than cores and the runtime stops spin-waiting between
@@ -29,6 +33,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +143,8 @@ class AsyncLLMEngine:
         # so that no add is queued after the thread's last drain (it would wait forever).
         self._closing = threading.Lock()
         self._closed = False
+        # Grammar compilation: llguidance releases the GIL while it builds a lexer.
+        self._compile_pool = ThreadPoolExecutor(2, thread_name_prefix="vframe-grammar")
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -211,6 +218,7 @@ class AsyncLLMEngine:
         """Abort every request still running (their streams raise ``RequestAbortedError``),
         stop the engine thread and wait for it."""
         self.abort_all("the engine shut down")
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -252,6 +260,14 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             raise
         return stream
+
+    async def compile_structured_output(self, params: SamplingParams) -> None:
+        """Compile ``params.structured_outputs`` into ``params`` in a worker thread;
+        ``add_request`` then skips the compile on the engine thread. Raises what the
+        backend raises for a bad constraint (``InvalidRequestError``)."""
+        setup = self._loaded_engine.sampling_setup
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._compile_pool, setup.compile_structured_output, params)
 
     async def generate(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0

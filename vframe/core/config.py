@@ -38,6 +38,9 @@ class ModelSection(BaseModel):
     max_model_len: int | None = Field(None, ge=1, description="context length; defaults to the model's")
     seed: int = Field(0, description="seed of the engine's random generator (unseeded sampling)")
     skip_tokenizer_init: bool = Field(False, description="no tokenizer: prompts must be token ids")
+    max_logprobs: int = Field(
+        20, ge=-1, description="largest logprobs / prompt_logprobs a request may ask for; -1 = the vocabulary size"
+    )
     trust_remote_code: bool = Field(
         False, description="accepted for vLLM compatibility; vframe never runs code shipped with a model"
     )
@@ -57,6 +60,11 @@ class CacheSection(BaseModel):
     )
     swap_space: float = Field(4.0, ge=0.0, description="GiB of CPU swap space for swap preemption")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="exact number of KV blocks")
+    debug_verify_kv_tokens: bool = Field(
+        False,
+        description="debug: remember the token id written to every KV slot and check each step that "
+        "every slot a request reads holds that request's token (catches prefix-cache poisoning; slow)",
+    )
 
     @field_validator("block_size")
     @classmethod

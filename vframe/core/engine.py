@@ -20,7 +20,7 @@ from typing import Any
 from vframe.core.config import EngineConfig
 from vframe.core.interfaces import KVCacheManager, ModelRunner, Scheduler
 from vframe.core.output_processor import OutputProcessor, ParentRequest
-from vframe.core.outputs import RequestOutput
+from vframe.core.outputs import RequestError, RequestOutput
 from vframe.core.request import Request, RequestStatus
 from vframe.core.sample.request_setup import SamplingSetup
 from vframe.core.sampling_params import SamplingParams
@@ -52,7 +52,9 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.vocab_size = self.model_runner.vocab_size
         self.eos_token_ids = self._eos_token_ids()
-        self.sampling_setup = SamplingSetup(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.sampling_setup = SamplingSetup(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, config.model.max_logprobs
+        )
 
         num_blocks = self.model_runner.determine_num_kv_blocks()
         self.model_runner.initialize_kv_cache(num_blocks)
@@ -164,7 +166,7 @@ class LLMEngine:
         """Validate and queue a request; returns its id. Bad input raises
         ``InvalidRequestError`` and leaves the engine untouched."""
         request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
-        if request_id in self.output_processor.parents:
+        if request_id in self.output_processor.parents or request_id in self.output_processor.states:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         params = (sampling_params or SamplingParams()).clone()
         if params.use_beam_search:
@@ -193,12 +195,18 @@ class LLMEngine:
         num_children = params.best_of or params.n  # the n best of best_of are returned
         for index in range(num_children):
             child_id = request_id if num_children == 1 else f"{index}_{request_id}"
+            if child_id != request_id and (
+                child_id in self.output_processor.states or child_id in self.output_processor.parents
+            ):
+                raise InvalidRequestError(
+                    f"request_id {request_id!r} with n={num_children} needs the id {child_id!r} for one "
+                    "of its completions, and a request in flight uses it; choose another request_id"
+                )
             child_params = params
             if num_children > 1:
                 child_params = params.clone()
                 child_params.n, child_params.best_of = 1, None
-                if params.seed is not None:
-                    child_params.seed = params.seed + index
+                child_params.seed = params.child_seed(index)
                 if num_children > params.n and params.logprobs is None:
                     child_params.logprobs = 0  # the ranking needs each token's logprob
             parent.children[child_id] = index
@@ -246,6 +254,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ #
 
     def step(self) -> list[RequestOutput]:
+        """One engine step. A step that raises fails the requests that ran in it
+        (``finish_reason="error"``), and only those: nothing they computed becomes
+        a prefix-cache hit, and every other request goes on in the next step."""
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and self.scheduler.has_unfinished_requests():
@@ -253,9 +264,17 @@ class LLMEngine:
                 f"the scheduler made no progress with {self.scheduler.get_num_unfinished_requests()} "
                 "unfinished requests"
             )
-        runner_out = self.model_runner.execute_model(sched_out)
-        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        outputs, stopped = self.output_processor.process(core_outputs, runner_out.prompt_logprobs)
+        prompt_logprobs = None
+        try:
+            runner_out = self.model_runner.execute_model(sched_out)
+        except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
+            logger.exception("a step of %d requests failed; failing those requests", len(sched_out.num_scheduled_tokens))
+            error = RequestError(f"the engine step running this request failed: {type(e).__name__}: {e}")
+            core_outputs = self.scheduler.fail_requests(dict.fromkeys(sched_out.num_scheduled_tokens, error))
+        else:
+            core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+            prompt_logprobs = runner_out.prompt_logprobs
+        outputs, stopped = self.output_processor.process(core_outputs, prompt_logprobs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for out in outputs:
@@ -270,7 +289,8 @@ class LLMEngine:
         return outputs
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        """Abort requests by id; unknown, finished and repeated ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(dict.fromkeys(request_ids))
         child_ids = [
             child
             for rid in ids

@@ -24,10 +24,11 @@ if TYPE_CHECKING:
     from vframe.core.outputs import (
         EngineCoreOutput,
         ModelRunnerOutput,
+        RequestError,
         SamplerOutput,
         SchedulerOutput,
     )
-    from vframe.core.request import Request
+    from vframe.core.request import Request, RequestStatus
     from vframe.core.sample.metadata import SamplingMetadata
 
 
@@ -195,7 +196,21 @@ class KVCacheManager(ABC):
 
         Returns the block ids newly appended to the request's block table, or
         ``None`` when there are not enough free blocks (someone must be preempted).
-        On ``None`` nothing has changed."""
+        On ``None`` nothing has changed. New blocks are not prefix-cache hits for
+        anyone until ``cache_blocks`` says their KV is written."""
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """The step that computed the request's tokens up to ``num_computed_tokens``
+        has run: its full blocks may now be found by ``get_computed_blocks``.
+        Called by the scheduler after every successful step, for every request
+        that ran in it and still holds its blocks. A manager without a prefix
+        cache need not override it."""
+
+    def is_being_computed(self, request: Request) -> bool:
+        """Whether the block after the request's prefix-cache hits is being computed
+        in this step by another request: the scheduler then admits it next step,
+        when that block is a hit, instead of computing the same prefix twice."""
+        return False
 
     @abstractmethod
     def free(self, request: Request) -> None:
@@ -265,7 +280,28 @@ class Scheduler(ABC):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, check stop conditions, free finished requests."""
+        """Append sampled tokens, check stop conditions, free finished requests.
+
+        Registers the step's computed blocks with ``KVCacheManager.cache_blocks``
+        and finishes ``runner_output.failed`` requests with ``finish_reason="error"``
+        and ``runner_output.stopped`` ones as stopped."""
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests for a reason found outside the core (a stop string) and
+        free their blocks. Unknown ids are ignored. (Plugin API 1.1: declared here;
+        the engine has always called it.)"""
+        raise NotImplementedError(f"{type(self).__name__} must implement Scheduler.finish_requests")
+
+    def fail_requests(self, errors: dict[str, RequestError]) -> list[EngineCoreOutput]:
+        """Finish requests (``req_id -> why``) with ``finish_reason="error"``: used
+        when a step raised, for the requests that ran in it, and for the runner's
+        ``ModelRunnerOutput.failed``. Nothing of a failed step may become a
+        prefix-cache hit. Returns one finished output per request. (Plugin API 1.1.)"""
+        from vframe.core.outputs import EngineCoreOutput, FinishReason
+        from vframe.core.request import RequestStatus
+
+        self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
+        return [EngineCoreOutput(r, [], finish_reason=FinishReason.ERROR, error=e) for r, e in errors.items()]
 
     @abstractmethod
     def has_unfinished_requests(self) -> bool: ...

@@ -17,6 +17,7 @@ from vframe.core.outputs import (
     EngineCoreOutput,
     Logprob,
     PromptLogprobsChunk,
+    RequestError,
     RequestOutput,
 )
 from vframe.core.sampling_params import SamplingParams
@@ -82,7 +83,9 @@ class CompletionState:
             return self.detokenizer.update(out.new_token_ids)
         return None
 
-    def completion(self, finish_reason: str | None, stop_reason, delta: bool) -> CompletionOutput:
+    def completion(
+        self, finish_reason: str | None, stop_reason, delta: bool, error: RequestError | None = None
+    ) -> CompletionOutput:
         if self.detokenizer is not None and not self.incremental and finish_reason is not None:
             self.detokenizer.update(self.token_ids, stop_checked=False)
         text = (
@@ -105,6 +108,7 @@ class CompletionState:
             logprobs=logprobs,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
+            error=error,
         )
 
 
@@ -148,7 +152,7 @@ class OutputProcessor:
             sp = parent.sampling_params
             if finish_reason is not None or sp.output_kind != "final":
                 parent.completions[state.index] = state.completion(
-                    finish_reason, stop_reason, delta=sp.output_kind == "delta"
+                    finish_reason, stop_reason, delta=sp.output_kind == "delta", error=out.error
                 )
             if finish_reason is not None:
                 parent.num_finished += 1

@@ -25,6 +25,22 @@ class Logprob:
     decoded_token: str | None = None
 
 
+@dataclass(frozen=True)
+class RequestError:
+    """Why the engine gave up on one completion (``finish_reason="error"``).
+
+    ``caused_by_request``: the request's own parameters made it impossible (its
+    constraints leave no token allowed) -- a client error, HTTP 400 when served;
+    otherwise a plugin or the engine failed (HTTP 500). Either way only this
+    request ends; every other request goes on."""
+
+    message: str
+    caused_by_request: bool = False
+
+    def __str__(self) -> str:
+        return self.message
+
+
 # One dict per generated position: token id -> Logprob (chosen token + top-k).
 SampleLogprobs = list[dict[int, Logprob]]
 
@@ -36,8 +52,11 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
+    # Why the engine gave up on this completion (finish_reason "error"): a logits
+    # processor or grammar that raised, or constraints that leave no token allowed.
+    error: RequestError | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -58,6 +77,7 @@ class FinishReason(str, Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
 
 
 # --------------------------------------------------------------------------- #
@@ -121,6 +141,12 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None  # [B, 1 + K] chosen token first
     logprobs: torch.Tensor | None = None  # [B, 1 + K]
     sampled_ranks: torch.Tensor | None = None  # [B] rank of the chosen token (1 = most likely)
+    # Rows whose request-specific code (a logits processor) raised: row -> why.
+    # Their sampled token is meaningless; the runner fails those requests alone.
+    failed_rows: dict[int, RequestError] = field(default_factory=dict)
+    # Rows where every token ended up at -inf (allowed ids, bad words, min_tokens and
+    # a grammar that exclude each other): nothing can be sampled.
+    no_valid_token_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -136,6 +162,11 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
     # req_id -> the prompt positions computed this step, for requests with prompt_logprobs
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # Requests that cannot go on (req_id -> why); only they fail, the step stands.
+    failed: dict[str, RequestError] = field(default_factory=dict)
+    # Requests whose grammar is complete while something else (min_tokens, a ban)
+    # forbids its end-of-sequence token: they stop here, without a new token.
+    stopped: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -157,6 +188,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: RequestError | None = None  # with finish_reason ERROR
 
     @property
     def finished(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from vframe.core.outputs import FinishReason
+from vframe.core.outputs import FinishReason, RequestError
 from vframe.core.sampling_params import SamplingParams
 
 
@@ -19,6 +19,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # failed alone: a plugin raised, or no token was allowed
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -34,6 +35,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -74,6 +76,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        self.error: RequestError | None = None  # set with FINISHED_ERROR
 
     @property
     def num_prompt_tokens(self) -> int:

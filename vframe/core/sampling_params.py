@@ -19,6 +19,11 @@ from typing import Any, Union
 from vframe.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+_INT64_MAX = 2**63 - 1
+# Seeds are 64-bit: torch takes [-2**63, 2**64 - 1] (negative ones as two's complement).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_N = 1024  # completions per request (n, best_of): each is a sequence in the engine
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 
 # A per-request logits processor: a callable ``(output_token_ids, logits[V]) -> logits[V]``
 # (or ``(prompt_token_ids, output_token_ids, logits[V])``), the name of a registered
@@ -37,7 +42,8 @@ def _bad(owner: str, name: str, value: object, rule: str) -> InvalidRequestError
 
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """A 64-bit integer (not a bool): anything larger cannot become a tensor."""
+    return isinstance(x, int) and not isinstance(x, bool) and -_INT64_MAX - 1 <= x <= _INT64_MAX
 
 
 def _is_number(x: object) -> bool:
@@ -184,10 +190,10 @@ class SamplingParams:
         def bad(name: str, value: object, rule: str) -> InvalidRequestError:
             return _bad("SamplingParams", name, value, rule)
 
-        if not _is_int(self.n) or self.n < 1:
-            raise bad("n", self.n, "must be an integer >= 1")
-        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
-            raise bad("best_of", self.best_of, f"must be an integer >= n ({self.n}) or None")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
+        if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_N):
+            raise bad("best_of", self.best_of, f"must be an integer in [n ({self.n}), {MAX_N}] or None")
         for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
             value = getattr(self, name)
             if not _is_number(value) or not lo <= value <= hi:
@@ -199,15 +205,17 @@ class SamplingParams:
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", self.top_k, "must be 0 or -1 (disabled) or a positive integer")
+            raise bad("top_k", self.top_k, f"must be 0 or -1 (disabled) or a positive integer <= {_INT64_MAX}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", self.seed, "must be an integer or None")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise bad("seed", self.seed, f"must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}] or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "must be a non-empty string or a list of them")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative token ids")
+            raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative 64-bit token ids")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "must be an integer >= 1 or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -231,9 +239,16 @@ class SamplingParams:
             raise bad("output_kind", self.output_kind, "must be 'final', 'cumulative' or 'delta'")
         if self.logit_bias is not None and (
             not isinstance(self.logit_bias, dict)
-            or any(k < 0 or not _is_number(v) for k, v in self.logit_bias.items())
+            or any(
+                not _is_int(k) or k < 0 or not _is_number(v) or abs(v) > MAX_LOGIT_BIAS
+                for k, v in self.logit_bias.items()
+            )
         ):
-            raise bad("logit_bias", self.logit_bias, "must map non-negative token ids to finite numbers")
+            raise bad(
+                "logit_bias",
+                self.logit_bias,
+                f"must map non-negative token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            )
         if self.allowed_token_ids is not None and (
             not isinstance(self.allowed_token_ids, (list, tuple))
             or not self.allowed_token_ids
@@ -326,10 +341,21 @@ class SamplingParams:
         return self.best_of or self.n
 
     def clone(self) -> SamplingParams:
-        """A deep copy that shares the user's logits processors and the compiled
-        grammar (callables may hold state the user owns; grammars are immutable)."""
-        shared = [*(self.logits_processors or []), *self._logits_processor_factories, self._grammar]
+        """A deep copy that shares the user's logits processors, the structured-output
+        request and the compiled grammar (callables may hold state the user owns;
+        the constraint is read only, and a deeply nested JSON schema must not hit
+        the recursion limit of ``copy.deepcopy``)."""
+        shared = [
+            *(self.logits_processors or []),
+            *self._logits_processor_factories,
+            self._grammar,
+            self.structured_outputs,
+        ]
         return copy.deepcopy(self, memo={id(obj): obj for obj in shared if obj is not None})
+
+    def child_seed(self, index: int) -> int | None:
+        """The seed of completion ``index`` of ``n``: ``seed + index``, wrapped to 64 bits."""
+        return None if self.seed is None else (self.seed + index) % 2**64
 
 
 @dataclass

@@ -152,7 +152,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         sp_kwargs["ignore_eos"] = True
     sp_kwargs.setdefault("max_tokens", 128)
     params = SamplingParams(**sp_kwargs)
-    llm = LLM(model=args.model, config_file=args.config_file, **engine_kwargs(args))
+    llm = LLM(config_file=args.config_file, **({"model": args.model} | engine_kwargs(args)))
     if args.prompt:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
     else:

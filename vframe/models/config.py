@@ -3,16 +3,89 @@
 transformers' config classes pull in its model registry at import (about two
 seconds of every start-up); vframe only needs the fields. Missing fields take
 transformers' defaults for the model type, so a config that transformers reads
-reads the same here (``tests/models/test_config.py`` compares them).
+reads the same here (``tests/models/test_model_config.py`` compares them).
+
+Every field vframe reads is checked against ``FIELD_RULES`` when the file is read,
+so a broken ``config.json`` fails there, naming the file, the field, the value and
+what is allowed, not later inside the model.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vframe.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """What one ``config.json`` field may hold. ``low`` and ``high`` are inclusive
+    bounds of numbers; ``null`` is allowed only if ``optional``."""
+
+    kind: type  # int, float (any JSON number), bool, str, list or dict
+    low: float | None = None
+    high: float | None = None
+    positive: bool = False  # a float that must be > 0
+    optional: bool = False
+    hint: str | None = None  # what is allowed, where the kind says too little
+    items: type | None = None  # of a list: every item is a non-empty value of this type
+
+    def allows(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        if isinstance(value, bool) != (self.kind is bool):
+            return False  # JSON true is not the integer 1, nor 1 a boolean
+        if not isinstance(value, (int, float) if self.kind is float else self.kind):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False  # Python's json reads NaN and Infinity
+        if self.items is not None and not all(isinstance(item, self.items) and item for item in value):
+            return False
+        if self.positive and value <= 0:
+            return False
+        if self.low is not None and value < self.low:
+            return False
+        return self.high is None or value <= self.high
+
+    def describe(self) -> str:
+        if self.hint:
+            return self.hint
+        text = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object"}[self.kind]
+        if self.low is not None and self.high is not None:
+            text += f" from {self.low} to {self.high}"
+        elif self.positive:
+            text += " greater than 0" + (f" and at most {self.high}" if self.high is not None else "")
+        return text + (" or null" if self.optional else "")
+
+
+# Every field vframe's models read. The bounds are far above any released model
+# (the largest vocabularies are ~256k, contexts ~10M) and catch typos and unit slips
+# before they become an out-of-memory error or a crash inside the model.
+FIELD_RULES: dict[str, FieldRule] = {
+    "architectures": FieldRule(list, items=str, optional=True, hint='a list of class names, e.g. ["LlamaForCausalLM"]'),
+    "model_type": FieldRule(str),
+    "vocab_size": FieldRule(int, 1, 2**24),
+    "hidden_size": FieldRule(int, 1, 2**16),
+    "intermediate_size": FieldRule(int, 1, 2**18),
+    "num_hidden_layers": FieldRule(int, 1, 1024),
+    "num_attention_heads": FieldRule(int, 1, 1024),
+    "num_key_value_heads": FieldRule(int, 1, 1024, optional=True),
+    "head_dim": FieldRule(int, 1, 1024, optional=True),
+    "max_position_embeddings": FieldRule(int, 1, 2**24),
+    "sliding_window": FieldRule(int, 1, 2**24, optional=True),
+    "rms_norm_eps": FieldRule(float, high=1, positive=True),
+    "rope_theta": FieldRule(float, positive=True),
+    "rope_scaling": FieldRule(dict, optional=True),
+    "rope_parameters": FieldRule(dict, optional=True),
+    "hidden_act": FieldRule(str),
+    "tie_word_embeddings": FieldRule(bool),
+    "attention_bias": FieldRule(bool),
+    "mlp_bias": FieldRule(bool),
+}
 
 _LLAMA_DEFAULTS: dict[str, Any] = {
     "vocab_size": 32000,
@@ -45,7 +118,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 class ModelConfig:
     """Fields of ``config.json`` as attributes, defaults filled in for known model types."""
 
-    def __init__(self, data: dict[str, Any]) -> None:
+    def __init__(self, data: dict[str, Any], source: str | Path = "config.json") -> None:
+        """``source`` names the file in error messages."""
+        _check_fields(data, source)
         self.__dict__.update(_DEFAULTS.get(data.get("model_type", ""), {}))
         self.__dict__.update(data)
         if "rope_parameters" not in data and "rope_theta" in self.__dict__:
@@ -53,11 +128,19 @@ class ModelConfig:
             scaling = dict(self.__dict__.get("rope_scaling") or {})
             scaling.setdefault("rope_type", scaling.pop("type", "default"))
             self.rope_parameters = {"rope_theta": self.rope_theta, **scaling}
-        if getattr(self, "num_attention_heads", None):
+        heads = getattr(self, "num_attention_heads", None)
+        if heads:
             if getattr(self, "num_key_value_heads", None) is None:
-                self.num_key_value_heads = self.num_attention_heads
-            if getattr(self, "head_dim", None) is None and getattr(self, "hidden_size", None):
-                self.head_dim = self.hidden_size // self.num_attention_heads
+                self.num_key_value_heads = heads
+            if heads % self.num_key_value_heads:
+                raise _invalid(source, "num_key_value_heads", self.num_key_value_heads,
+                               f"a divisor of num_attention_heads={heads}")
+            hidden = getattr(self, "hidden_size", None)
+            if getattr(self, "head_dim", None) is None and hidden:
+                if hidden % heads:
+                    raise _invalid(source, "hidden_size", hidden,
+                                   f"a multiple of num_attention_heads={heads}, or a head_dim field")
+                self.head_dim = hidden // heads
 
     @classmethod
     def from_file(cls, path: Path) -> ModelConfig:
@@ -67,7 +150,17 @@ class ModelConfig:
             raise ModelLoadError(f"{path}: unreadable config ({e})") from e
         if not isinstance(data, dict):
             raise ModelLoadError(f"{path}: expected a JSON object")
-        return cls(data)
+        return cls(data, path)
 
     def __repr__(self) -> str:
         return f"ModelConfig({self.__dict__!r})"
+
+
+def _invalid(source: str | Path, name: str, value: Any, expected: str) -> ModelLoadError:
+    return ModelLoadError(f"{source}: invalid value for {name!r}: {json.dumps(value)} (expected {expected})")
+
+
+def _check_fields(data: dict[str, Any], source: str | Path) -> None:
+    for name, rule in FIELD_RULES.items():
+        if name in data and not rule.allows(data[name]):
+            raise _invalid(source, name, data[name], rule.describe())

@@ -183,7 +183,9 @@ def call_lifecycle(hook_name: str, **kwargs: Any) -> None:
     for listener in listeners:
         try:
             listener.function(**{a: kwargs[a] for a in listener.argnames})
-        except Exception as e:  # noqa: BLE001 - a plugin must never crash the engine
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a plugin must never crash the engine, not even by SystemExit
             _disable(hook_name, listener, e)
 
 
@@ -403,7 +405,7 @@ def _listeners(hook_name: str) -> tuple[_Listener, ...]:
     return listeners
 
 
-def _disable(hook_name: str, listener: _Listener, error: Exception) -> None:
+def _disable(hook_name: str, listener: _Listener, error: BaseException) -> None:
     with _lock:
         _state.disabled.add((listener.plugin, hook_name))
         _state.listeners.pop(hook_name, None)

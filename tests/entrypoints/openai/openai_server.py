@@ -82,10 +82,17 @@ def server_env() -> dict[str, str]:
     return env
 
 
-def start_server(tmp_path: Path, *extra: str, api_key: str | None = API_KEY, timeout_s: float = 180.0) -> Server:
+def start_server(
+    tmp_path: Path,
+    *extra: str,
+    api_key: str | None = API_KEY,
+    timeout_s: float = 180.0,
+    entry: list[str] | None = None,
+) -> Server:
+    """``entry``: what runs the CLI (default ``python -m vframe.entrypoints.cli``)."""
     log_path = tmp_path / "server.log"
-    command = [sys.executable, "-m", "vframe.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-               *SERVER_FLAGS, *extra]
+    entry = entry or [sys.executable, "-m", "vframe.entrypoints.cli"]
+    command = [*entry, "serve", "--host", "127.0.0.1", "--port", "0", *SERVER_FLAGS, *extra]
     env = server_env()
     if api_key is not None:
         command += ["--api-key", api_key]

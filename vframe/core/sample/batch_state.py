@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from vframe.core.outputs import RequestError
 from vframe.core.sample.logits_processors import RequestLogitsProcessors
 from vframe.core.sample.metadata import PenaltyInputs, SamplingMetadata
 from vframe.core.sample.penalties import PenaltyCounts
@@ -210,15 +211,24 @@ class SamplingBatch:
             prompt_mask=counts.prompt_mask.index_select(0, slots),  # [P, V]
         )
 
-    def record_sampled(self, states: list[RequestSamplingState], sampled: list[int]) -> None:
-        """Append each request's sampled token; advance grammars and penalty counts."""
+    def record_sampled(self, states: list[RequestSamplingState], sampled: list[int]) -> dict[int, RequestError]:
+        """Append each request's sampled token; advance grammars and penalty counts.
+        Returns the rows whose grammar refused (or failed on) the token."""
         penalty_slots: list[int] = []
         penalty_tokens: list[int] = []
-        for state, token_id in zip(states, sampled):
+        refused: dict[int, RequestError] = {}
+        for row, (state, token_id) in enumerate(zip(states, sampled)):
             state.token_ids.append(token_id)
             if state.needs_processing:
                 if state.grammar is not None:
-                    state.grammar.accept_token(token_id)
+                    try:
+                        accepted = state.grammar.accept_token(token_id)
+                    except Exception as e:  # noqa: BLE001 - the grammar library is plugin code
+                        accepted, why = False, f"{type(e).__name__}: {e}"
+                    else:
+                        why = "the sampled token is not allowed by the grammar"
+                    if not accepted:
+                        refused[row] = RequestError(f"structured output failed at token {token_id}: {why}")
                 if state.penalty_row is not None:
                     penalty_slots.append(state.penalty_row)
                     penalty_tokens.append(token_id)
@@ -226,3 +236,4 @@ class SamplingBatch:
             self.penalty_counts.record(
                 torch.tensor(penalty_slots, device=self.device), torch.tensor(penalty_tokens, device=self.device)
             )
+        return refused

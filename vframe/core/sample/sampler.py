@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from vframe.core.interfaces import Sampler
-from vframe.core.outputs import SamplerOutput
+from vframe.core.outputs import RequestError, SamplerOutput
 from vframe.core.sample.metadata import SamplingMetadata
 from vframe.core.sample.penalties import apply_penalties
 
@@ -35,7 +35,12 @@ class DefaultSampler(Sampler):
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if md.needs_processing:
-            logits = process_logits(logits.clone(), md)
+            logits = process_logits(logits.clone(), md, out.failed_rows)
+            # A row of only -inf would "sample" token 0: report it instead.
+            no_token = ~(logits.amax(dim=-1) > float("-inf"))  # [B]; NaN counts too
+            if no_token.any():
+                out.no_valid_token_rows = no_token.nonzero().flatten().tolist()
+                logits[no_token] = 0.0  # keeps the rest of the batch's arithmetic finite
 
         greedy = logits.argmax(dim=-1)
         if md.all_greedy:
@@ -81,11 +86,25 @@ def gather_logprobs(
     return torch.cat([token_ids.unsqueeze(1), top_ids], dim=1), torch.cat([chosen, top_lp], dim=1), ranks
 
 
-def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Every request-specific rewrite of ``logits [B, V]`` (modified in place)."""
+def process_logits(
+    logits: torch.Tensor, md: SamplingMetadata, failed_rows: dict[int, RequestError] | None = None
+) -> torch.Tensor:
+    """Every request-specific rewrite of ``logits [B, V]`` (modified in place).
+
+    A logits processor that raises (or returns something that is not a ``[V]``
+    tensor) fails its own row, recorded in ``failed_rows``; without that dict
+    the exception propagates."""
     neg_inf = float("-inf")
     for row, fn in md.logits_processors:
-        logits[row] = fn(logits[row])
+        try:
+            new = fn(logits[row])
+            if not isinstance(new, torch.Tensor) or new.shape != logits[row].shape:
+                raise TypeError(f"it returned {type(new).__name__} {getattr(new, 'shape', '')}, not a [V] tensor")
+            logits[row] = new
+        except Exception as e:
+            if failed_rows is None:
+                raise
+            failed_rows[row] = RequestError(f"a logits processor failed: {type(e).__name__}: {e}")
     if md.logit_bias is not None:
         rows, token_ids, bias = md.logit_bias
         logits.index_put_((rows, token_ids), bias, accumulate=True)

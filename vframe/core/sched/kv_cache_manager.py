@@ -8,6 +8,12 @@ and its own token ids, so equal prefixes map to equal hash chains::
 
 A new request looks its chain up block by block; the hits are shared (ref_cnt
 grows) and their tokens are not computed again.
+
+A block becomes a hit only once its KV is written: ``allocate_slots`` hands out
+blocks, and ``cache_blocks`` registers them after the step that computed them
+has run. A block allocated in a step that then fails, or whose request is
+preempted before the step runs, is never registered, so no later request can
+find unwritten KV under a valid hash.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class PagedKVCacheManager(KVCacheManager):
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         # How many of a request's blocks are already registered in the cache.
         self.num_cached_block: dict[str, int] = {}
+        # Hashes of full blocks being computed in the current step (not hits yet), per request.
+        self.req_to_pending: dict[str, list[BlockHash]] = {}
+        self._pending: dict[BlockHash, int] = {}  # hash -> requests computing it
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -109,10 +118,45 @@ class PagedKVCacheManager(KVCacheManager):
         new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
         req_blocks.extend(new_blocks)
         if self.enable_caching:
-            self._cache_full_blocks(request, num_computed + num_new_tokens)
+            self._mark_pending(request, num_computed, num_computed + num_new_tokens)
         return new_blocks
 
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self._clear_pending(request.request_id)
+        if self.enable_caching and request.request_id in self.req_to_blocks:
+            self._cache_full_blocks(request, num_computed_tokens)
+
+    def is_being_computed(self, request: Request) -> bool:
+        """Whether the request's first block that is not a hit is being computed,
+        this step, by a request already scheduled: it will be a hit next step."""
+        if not self._pending or not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return False
+        hashes = self._block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        for block_hash in hashes[:max_hit_blocks]:
+            if self.block_pool.get_cached_block(block_hash) is None:
+                return block_hash in self._pending
+        return False
+
+    def _mark_pending(self, request: Request, start: int, end: int) -> None:
+        """Full blocks in token range ``[start, end)`` whose ids are known are computed now."""
+        first, last = start // self.block_size, min(end, request.num_tokens) // self.block_size
+        if first >= last:
+            return
+        hashes = self._block_hashes(request)[first:last]
+        self.req_to_pending.setdefault(request.request_id, []).extend(hashes)
+        for block_hash in hashes:
+            self._pending[block_hash] = self._pending.get(block_hash, 0) + 1
+
+    def _clear_pending(self, request_id: str) -> None:
+        for block_hash in self.req_to_pending.pop(request_id, ()):
+            if self._pending[block_hash] == 1:
+                del self._pending[block_hash]
+            else:
+                self._pending[block_hash] -= 1
+
     def free(self, request: Request) -> None:
+        self._clear_pending(request.request_id)
         blocks = self.req_to_blocks.pop(request.request_id, [])
         # Tail first, so that a chain's tail is evicted before its head.
         self.block_pool.free_blocks(reversed(blocks))
@@ -129,6 +173,7 @@ class PagedKVCacheManager(KVCacheManager):
         if len(blocks) > len(self.free_swap_blocks):
             return None
         swap_blocks = [self.free_swap_blocks.pop() for _ in blocks]
+        self._clear_pending(request.request_id)
         self.req_to_swap_blocks[request.request_id] = swap_blocks
         del self.req_to_blocks[request.request_id]
         # Shared prefix blocks stay with their other users; only our reference goes.
@@ -146,8 +191,6 @@ class PagedKVCacheManager(KVCacheManager):
         self.req_to_blocks[request.request_id] = blocks
         del self.req_to_swap_blocks[request.request_id]
         self.free_swap_blocks.extend(reversed(swap_blocks))
-        if self.enable_caching:
-            self._cache_full_blocks(request, num_tokens)
         return list(zip(swap_blocks, blocks))
 
     @property
@@ -193,10 +236,10 @@ class PagedKVCacheManager(KVCacheManager):
         return hashes
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register the blocks that become full once ``num_tokens`` are computed.
+        """Register the blocks that are full once ``num_tokens`` are computed.
 
         Only tokens already known (prompt and sampled) can be hashed, so a block
-        is registered once both its KV is being computed and its ids are known."""
+        is registered once both its KV is computed and its ids are known."""
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         start = self.num_cached_block.get(request.request_id, 0)
         if num_full <= start:

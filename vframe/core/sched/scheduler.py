@@ -23,7 +23,9 @@ from vframe.core.interfaces import KVCacheManager, Scheduler
 from vframe.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    FinishReason,
     ModelRunnerOutput,
+    RequestError,
     NewRequestData,
     SchedulerOutput,
 )
@@ -185,6 +187,8 @@ class DefaultScheduler(Scheduler):
                 continue
             computed_blocks, num_hit = ([], 0)
             if request.num_computed_tokens == 0:
+                if self.kv_cache_manager.is_being_computed(request):
+                    break  # its prefix is being computed now: a hit next step
                 computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - request.num_computed_tokens - num_hit
             if not self.enable_chunked_prefill and num_new > budget:
@@ -298,12 +302,23 @@ class DefaultScheduler(Scheduler):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        # The step ran: the KV of every scheduled token is written, so full blocks
+        # may become prefix-cache hits now (never before, see kv_cache_manager.py).
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        outputs = self.fail_requests(runner_output.failed)
         finished: list[tuple[Request, RequestStatus]] = []
+        for req_id in runner_output.stopped:
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                finished.append((request, RequestStatus.FINISHED_STOPPED))
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.STOP))
         for req_id, token_id in runner_output.sampled_token_ids.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+                continue  # aborted, preempted or failed while the step ran
             request.append_output_token_ids([token_id])
             status = self._check_stop(request, token_id)
             logprobs = runner_output.logprobs.get(req_id)
@@ -320,6 +335,26 @@ class DefaultScheduler(Scheduler):
             outputs.append(out)
         for request, status in finished:
             self._finish([request], status)
+        return outputs
+
+    def fail_requests(self, errors: dict[str, RequestError]) -> list[EngineCoreOutput]:
+        """Finish requests with ``finish_reason="error"`` (``req_id -> why``) and free
+        their blocks; the others are untouched. Unknown ids are ignored."""
+        outputs = []
+        failed = []
+        for req_id, error in errors.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            request.error = error
+            failed.append(request)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id, [], finish_reason=FinishReason.ERROR, error=error,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        self._finish(failed, RequestStatus.FINISHED_ERROR)
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from vframe.core.interfaces import CommonAttentionMetadata
-from vframe.core.outputs import NewRequestData, SchedulerOutput
+from vframe.core.outputs import NewRequestData, RequestError, SchedulerOutput
 from vframe.core.sample.batch_state import RequestSamplingState, SamplingBatch
 from vframe.core.sample.metadata import SamplingMetadata
 from vframe.core.sampling_params import SamplingParams
@@ -49,17 +49,25 @@ class InputBatch:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampling = SamplingBatch(device)
 
-    def update(self, so: SchedulerOutput) -> None:
+    def update(self, so: SchedulerOutput) -> dict[str, RequestError]:
+        """Apply the scheduler's decision. A new request whose sampling state cannot
+        be built (a logits-processor plugin or a grammar raising) is left out of
+        the step and returned with the reason; the others run."""
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self.sampling.remove(state.sampling)
+        failed: dict[str, RequestError] = {}
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = self._new_state(new)
+            try:
+                self.requests[new.req_id] = self._new_state(new)
+            except Exception as e:  # noqa: BLE001 - user and plugin code runs in there
+                failed[new.req_id] = RequestError(f"setting up sampling failed: {type(e).__name__}: {e}")
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        return failed
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         sp: SamplingParams = new.sampling_params  # type: ignore[assignment]
@@ -76,7 +84,7 @@ class InputBatch:
         )
 
     def prepare(self, so: SchedulerOutput) -> StepInputs:
-        req_ids = list(so.num_scheduled_tokens)
+        req_ids = [r for r in so.num_scheduled_tokens if r in self.requests]  # failed ones are out
         states = [self.requests[r] for r in req_ids]
         num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, len(req_ids))
         context_lens = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
@@ -132,9 +140,12 @@ class InputBatch:
     def sampling_metadata(self, req_ids: list[str], vocab_size: int) -> SamplingMetadata:
         return self.sampling.metadata([self.requests[r].sampling for r in req_ids], vocab_size)
 
-    def record_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
-        """Append each request's sampled token to its state."""
-        self.sampling.record_sampled([self.requests[r].sampling for r in req_ids], token_ids)
+    def record_sampled(self, req_ids: list[str], token_ids: list[int]) -> dict[str, RequestError]:
+        """Append each request's sampled token to its state; returns the requests
+        whose grammar refused its token (those must not go on)."""
+        states = [self.requests[r].sampling for r in req_ids]
+        refused = self.sampling.record_sampled(states, token_ids)
+        return {req_ids[i]: error for i, error in refused.items()}
 
     def prompt_logprobs_rows(self, inputs: StepInputs) -> list[tuple[str, int, list[int], list[int], int]]:
         """Requests that asked for prompt logprobs and run prompt tokens this step:

@@ -15,9 +15,11 @@ import torch
 
 from vframe.core.config import EngineConfig
 from vframe.core.interfaces import AttentionBackend, ModelRunner, Sampler
-from vframe.core.outputs import ModelRunnerOutput, SchedulerOutput
+from vframe.core.outputs import ModelRunnerOutput, RequestError, SamplerOutput, SchedulerOutput
+from vframe.core.sample.metadata import SamplingMetadata
 from vframe.core.sample.prompt_logprobs import compute_prompt_logprobs
 from vframe.core.worker.input_batch import InputBatch
+from vframe.core.worker.kv_token_check import KVTokenCheck
 from vframe.errors import ConfigError
 from vframe.plugins import get_registry
 
@@ -60,6 +62,8 @@ class TorchModelRunner(ModelRunner):
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
         self._profiler: torch.profiler.profile | None = None
+        # Debug mode (cache.debug_verify_kv_tokens): the token id behind every KV slot.
+        self.kv_token_check: KVTokenCheck | None = None
 
     # ------------------------------------------------------------------ #
 
@@ -156,6 +160,8 @@ class TorchModelRunner(ModelRunner):
         # to write gigabytes at start-up; elsewhere zero it explicitly.
         alloc = torch.empty if self.device.type == "cpu" and _is_large(shape, self.dtype) else torch.zeros
         self.kv_caches = [alloc(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        if self.config.cache.debug_verify_kv_tokens:
+            self.kv_token_check = KVTokenCheck(num_blocks * self.block_size)
 
     # ------------------------------------------------------------------ #
 
@@ -188,11 +194,18 @@ class TorchModelRunner(ModelRunner):
         # Out first: a block freed by a swap-out may be a swap-in's destination.
         self._swap(scheduler_output.blocks_to_swap_out, self.kv_caches, self.swap_caches)
         self._swap(scheduler_output.blocks_to_swap_in, self.swap_caches, self.kv_caches)
+        if self.kv_token_check is not None:
+            self.kv_token_check.swap(scheduler_output.blocks_to_swap_out, self.block_size, out=True)
+            self.kv_token_check.swap(scheduler_output.blocks_to_swap_in, self.block_size, out=False)
         batch = self.input_batch
-        batch.update(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids={})
+        failed = batch.update(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0 or len(failed) == len(
+            scheduler_output.num_scheduled_tokens
+        ):
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids={}, failed=failed)
         inputs = batch.prepare(scheduler_output)
+        if self.kv_token_check is not None:
+            self.kv_token_check.verify_and_record(inputs, batch)
         attn_metadata = self.attn_backend.get_metadata_builder_cls()(self.config, self.device).build(
             inputs.common
         )
@@ -200,30 +213,62 @@ class TorchModelRunner(ModelRunner):
         prompt_logprobs = {}
         if prompt_rows := batch.prompt_logprobs_rows(inputs):  # only requests that ask
             prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
+        output = ModelRunnerOutput(
+            req_ids=inputs.req_ids, sampled_token_ids={}, prompt_logprobs=prompt_logprobs, failed=failed
+        )
         if not inputs.sampled_req_ids:
-            return ModelRunnerOutput(
-                req_ids=inputs.req_ids, sampled_token_ids={}, prompt_logprobs=prompt_logprobs
-            )
+            return output
 
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [B, V]
         sampling_metadata = batch.sampling_metadata(inputs.sampled_req_ids, logits.shape[-1])
         sampler_output = self.sampler(logits, sampling_metadata)
         sampled = sampler_output.sampled_token_ids.tolist()
-        output = ModelRunnerOutput(
-            req_ids=inputs.req_ids,
-            sampled_token_ids=dict(zip(inputs.sampled_req_ids, sampled)),
-            prompt_logprobs=prompt_logprobs,
-        )
-        batch.record_sampled(inputs.sampled_req_ids, sampled)
+        self._collect_row_failures(inputs.sampled_req_ids, sampler_output, sampling_metadata, output)
+        going_on = [(r, t) for r, t in zip(inputs.sampled_req_ids, sampled) if r not in output.failed]
+        going_on = [(r, t) for r, t in going_on if r not in output.stopped]
+        if going_on:
+            req_ids, tokens = map(list, zip(*going_on))
+            output.sampled_token_ids = dict(going_on)
+            output.failed.update(batch.record_sampled(req_ids, tokens))
+            for req_id in output.failed:
+                output.sampled_token_ids.pop(req_id, None)
         if sampler_output.logprobs is not None:
             ids = sampler_output.logprob_token_ids.tolist()
             lps = sampler_output.logprobs.tolist()
             ranks = sampler_output.sampled_ranks.tolist()
             for i, req_id in enumerate(inputs.sampled_req_ids):
                 k = batch.requests[req_id].sampling_params.logprobs
-                if k is not None:
+                if k is not None and req_id in output.sampled_token_ids:
                     output.logprobs[req_id] = (ids[i][: k + 1], lps[i][: k + 1], ranks[i])
         return output
+
+    def _collect_row_failures(
+        self,
+        req_ids: list[str],
+        sampler_output: SamplerOutput,
+        md: SamplingMetadata,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Turn the sampler's failed rows and rows without an allowed token into
+        per-request outcomes. A row with nothing allowed whose grammar does allow
+        a stop token is complete: min_tokens or a ban kept it from ending, and
+        the grammar wins, so it stops. Any other such row is a request whose
+        constraints exclude every token: it fails, as the client's error."""
+        for row, error in sampler_output.failed_rows.items():
+            output.failed[req_ids[row]] = error
+        for row in sampler_output.no_valid_token_rows:
+            req_id = req_ids[row]
+            if req_id in output.failed:
+                continue
+            params = self.input_batch.requests[req_id].sampling_params
+            if md.token_bitmask is not None and _allows_any(md.token_bitmask[row], params.all_stop_token_ids):
+                output.stopped.add(req_id)
+                continue
+            output.failed[req_id] = RequestError(
+                "no token is allowed at this position: the request's allowed_token_ids, bad_words, "
+                "logit_bias, min_tokens, logits processors and structured output exclude every token",
+                caused_by_request=True,
+            )
 
     # ------------------------------------------------------------------ #
 
@@ -255,6 +300,12 @@ class TorchModelRunner(ModelRunner):
         self._profiler.export_chrome_trace(path)
         self._profiler = None
         logger.info("wrote torch profiler trace to %s", path)
+
+
+def _allows_any(bitmask_row: torch.Tensor, token_ids: set[int]) -> bool:
+    """Whether any of ``token_ids`` has its bit set in one grammar bitmask row ``[W]``."""
+    words = bitmask_row.tolist()
+    return any(t // 32 < len(words) and (words[t // 32] >> (t % 32)) & 1 for t in token_ids)
 
 
 def _checkpoint_dtype(hf_config) -> torch.dtype | None:

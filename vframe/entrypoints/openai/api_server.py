@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
-import os
 import signal
 import socket
 from collections.abc import AsyncIterator
@@ -27,7 +25,15 @@ from vframe.core.async_engine import AsyncLLMEngine
 from vframe.core.config import EngineConfig
 from vframe.entrypoints.openai.chat import create_chat_completion
 from vframe.entrypoints.openai.completions import create_completion
+from vframe.entrypoints.openai.args import ServerPolicy
 from vframe.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from vframe.entrypoints.openai.guards import (
+    OPEN_PATHS,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    HostCheckMiddleware,
+    is_loopback,
+)
 from vframe.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vframe.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -49,8 +55,6 @@ from vframe.version import __version__
 logger = logging.getLogger("vframe.serve")
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
-# Reachable without the API key: probes, scrapes and the API's own description.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 _ENDPOINTS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", *OPEN_PATHS}
 )
@@ -58,14 +62,18 @@ _ENDPOINTS = frozenset(
 # cancels whatever is still open this much later.
 _RESPONSE_GRACE_S = 5.0
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 500, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)
 }
 
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app; its lifespan starts the engine thread and shuts it down."""
+def build_app(
+    engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None, policy: ServerPolicy | None = None
+) -> FastAPI:
+    """The app; its lifespan starts the engine thread and shuts it down.
+    ``policy`` (default: ``ServerPolicy(api_key=api_key)``) sets what clients may send."""
+    policy = policy or ServerPolicy(api_key=api_key)
     metrics = ServerMetrics(lambda: engine.stats)
-    ctx = ServingContext(engine, served_model_name, metrics)
+    ctx = ServingContext(engine, served_model_name, metrics, policy.trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -74,6 +82,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         in_flight = engine.num_in_flight
         if in_flight:
             logger.warning("aborting %d requests still in flight", in_flight)
+        ctx.prompts.shutdown()
         await engine.shutdown()
 
     app = FastAPI(
@@ -118,17 +127,19 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
             raise APIError.bad_request("give exactly one of prompt and messages", param="prompt")
         if request.prompt is not None:
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
-            ids = ctx.text_prompt(request.prompt, add_special_tokens=add_special).token_ids
+            [prompt] = await ctx.prompts.texts([request.prompt], add_special_tokens=add_special)
+            ids = prompt.token_ids
         else:
             assert request.messages is not None
-            prompt = ctx.chat_prompt(
+            prompt = await ctx.prompts.chat(
                 request.messages, request.add_generation_prompt, request.continue_final_message,
-                request.chat_template_kwargs,
+                request.chat_template_kwargs, request.chat_template,
             )
             ids = prompt.token_ids
             if request.add_special_tokens:
-                ids = ctx.text_prompt(prompt.text or "", add_special_tokens=True).token_ids
-        strs = ctx.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+                [prompt] = await ctx.prompts.texts([prompt.text or ""], add_special_tokens=True, field="messages")
+                ids = prompt.token_ids
+        strs = await ctx.prompts.token_strs(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
@@ -137,7 +148,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         bad = [t for t in request.tokens if t >= engine.vocab_size]
         if bad:
             raise APIError.bad_request(f"token ids out of range [0, {engine.vocab_size}): {bad[:5]}", param="tokens")
-        return DetokenizeResponse(prompt=ctx.tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=await ctx.prompts.decode(request.tokens))
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
@@ -156,33 +167,15 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # Added innermost first: a request meets the metrics, then the Host check,
+    # the API key and the body limit.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=policy.max_request_body_bytes)
+    if policy.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=policy.api_key)
+    if policy.check_host:
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=policy.allowed_hosts)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)  # outermost: counts 401s too
     return app
-
-
-class APIKeyMiddleware:
-    """401 unless ``Authorization: Bearer <api key>``, except on ``OPEN_PATHS``."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._expected):
-            await self.app(scope, receive, send)
-            return
-        message = (
-            "Incorrect API key provided" if given else "Missing API key: send 'Authorization: Bearer <key>'"
-        )
-        response = error_response(401, message, code="invalid_api_key")
-        response.headers["WWW-Authenticate"] = "Bearer"
-        await response(scope, receive, send)
 
 
 class HTTPMetricsMiddleware:
@@ -232,7 +225,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
                 f"the model is given twice: {args.model_tag!r} and --model {engine_kwargs['model']!r}; give one"
             )
         engine_kwargs["model"] = args.model_tag
-    api_key = args.api_key or os.environ.get("VFRAME_API_KEY") or None
+    policy = ServerPolicy.from_args(args, loopback=is_loopback(args.host))
     config = EngineConfig.from_sources(config_file=args.config_file, **engine_kwargs)
     if config.model.skip_tokenizer_init:
         raise ConfigError("vframe serve needs the tokenizer (texts, chat templates): drop skip_tokenizer_init")
@@ -240,7 +233,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
     host, port = sock.getsockname()[:2]
     engine = AsyncLLMEngine.from_config(config)
-    app = build_app(engine, served_name, api_key)
+    app = build_app(engine, served_name, policy=policy)
     server = _Server(
         uvicorn.Config(
             app,
@@ -269,7 +262,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     engine.on_dead = on_engine_dead
     url_host = f"[{host}]" if ":" in host else host
     logger.info(
-        "serving %r on http://%s:%d/v1 (API key %s)", served_name, url_host, port, "required" if api_key else "off"
+        "serving %r on http://%s:%d/v1 (API key %s)", served_name, url_host, port,
+        "required" if policy.api_key else "off",
     )
     server.run(sockets=[sock])
     return 0 if server.started and engine.dead_error is None else 1

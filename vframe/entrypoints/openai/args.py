@@ -3,8 +3,46 @@
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import dataclass
 
 DEFAULT_PORT = 8000
+# Big enough for a full 131,072-token context sent as token ids (about 7 bytes
+# each in JSON, 0.9 MB) with room to spare; small enough that parsing a body,
+# which happens on the event loop, stays near 20 ms.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 2 * 2**20
+
+
+@dataclass(frozen=True)
+class ServerPolicy:
+    """What the server accepts from clients, set by the operator's flags."""
+
+    api_key: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # Host names the server answers; None: loopback names, checked only when the
+    # server listens on a loopback address without an API key (DNS rebinding).
+    allowed_hosts: list[str] | None = None
+    check_host: bool = False
+    trust_request_chat_template: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, loopback: bool) -> ServerPolicy:
+        api_key = args.api_key or os.environ.get("VFRAME_API_KEY") or None
+        hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()] if args.allowed_hosts else None
+        return cls(
+            api_key=api_key,
+            max_request_body_bytes=args.max_request_body_bytes,
+            allowed_hosts=hosts,
+            check_host=hosts is not None or (loopback and api_key is None),
+            trust_request_chat_template=args.trust_request_chat_template,
+        )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text}")
+    return value
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +64,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--shutdown-timeout", type=float, default=30.0,
         help="seconds a SIGTERM waits for in-flight requests before aborting them",
+    )
+    server.add_argument(
+        "--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="refuse request bodies larger than this with 413 (default: 2 MiB)",
+    )
+    server.add_argument(
+        "--allowed-hosts", default=None,
+        help="comma-separated Host names the server answers ('*': any). Default: on a loopback --host "
+        "without an API key, loopback names only (DNS-rebinding protection); otherwise any",
+    )
+    server.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="let requests send their own chat template (chat_template), rendered sandboxed with a time bound",
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     server.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")

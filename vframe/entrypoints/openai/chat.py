@@ -41,7 +41,6 @@ from vframe.entrypoints.openai.serving import (
     top_logprobs,
     until_disconnected,
 )
-from vframe.errors import InvalidRequestError
 
 
 async def create_chat_completion(
@@ -51,13 +50,18 @@ async def create_chat_completion(
     model = ctx.check_model(request.model)
     try:
         params = request.to_sampling_params()
-    except InvalidRequestError as e:
-        raise APIError.from_invalid_request(e, "messages") from e
-    prompt = ctx.chat_prompt(
-        request.messages, request.add_generation_prompt, request.continue_final_message, request.chat_template_kwargs
+    except (ValueError, TypeError, RecursionError) as e:  # InvalidRequestError is a ValueError
+        raise APIError.from_request_error(e, "messages") from e
+    prompt = await ctx.prompts.chat(
+        request.messages,
+        request.add_generation_prompt,
+        request.continue_final_message,
+        request.chat_template_kwargs,
+        request.chat_template,
     )
     explicit = request.requested_max_tokens is not None
     ctx.check_length(prompt, params.max_tokens, explicit, "messages")
+    await ctx.prepare(params, "messages")
     request_id = ctx.new_id("chatcmpl")
     generation = await ctx.start(request_id, [prompt], params, request.priority, "messages", arrival)
     run = _Run(request, model, request_id, generation)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from vframe.core.outputs import CompletionOutput
 from vframe.entrypoints.openai.errors import APIError
+from vframe.entrypoints.openai.prompts import Prompt
 from vframe.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -26,7 +27,6 @@ from vframe.entrypoints.openai.serving import (
     Choice,
     ClosingStreamingResponse,
     Generation,
-    Prompt,
     ServingContext,
     finite,
     sse,
@@ -34,7 +34,6 @@ from vframe.entrypoints.openai.serving import (
     top_logprobs,
     until_disconnected,
 )
-from vframe.errors import InvalidRequestError
 
 
 async def create_completion(ctx: ServingContext, request: CompletionRequest, raw_request: Request) -> Response:
@@ -42,12 +41,13 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     model = ctx.check_model(request.model)
     try:
         params = request.to_sampling_params()
-    except InvalidRequestError as e:
-        raise APIError.from_invalid_request(e, "prompt") from e
-    prompts = _prompts(ctx, request.prompt)
+    except (ValueError, TypeError, RecursionError) as e:  # InvalidRequestError is a ValueError
+        raise APIError.from_request_error(e, "prompt") from e
+    prompts = await _prompts(ctx, request.prompt)
     explicit = "max_tokens" in request.model_fields_set
     for prompt in prompts:
         ctx.check_length(prompt, params.max_tokens, explicit, "prompt")
+    await ctx.prepare(params, "prompt")
     request_id = ctx.new_id("cmpl")
     generation = await ctx.start(request_id, prompts, params, request.priority, "prompt", arrival)
     run = _Run(request, model, request_id, generation, len(prompts))
@@ -59,15 +59,14 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
         generation.close()
 
 
-def _prompts(ctx: ServingContext, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+async def _prompts(ctx: ServingContext, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    """The validated ``prompt`` field (never empty) as prompts; texts tokenized off the loop."""
     if isinstance(prompt, str):
-        return [ctx.text_prompt(prompt)]
-    if not prompt:
-        raise APIError.bad_request("prompt is an empty list: give a text or token ids", param="prompt")
+        return await ctx.prompts.texts([prompt])
     if isinstance(prompt[0], int):
         return [Prompt(None, list(prompt))]  # type: ignore[arg-type]
     if isinstance(prompt[0], str):
-        return [ctx.text_prompt(p) for p in prompt]  # type: ignore[arg-type]
+        return await ctx.prompts.texts(prompt)  # type: ignore[arg-type]
     return [Prompt(None, list(p)) for p in prompt]  # type: ignore[union-attr]
 
 

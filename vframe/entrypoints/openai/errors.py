@@ -2,8 +2,10 @@
 
 Every failure a client can cause is a 4xx naming the offending field: pydantic
 validation errors, vframe's ``InvalidRequestError`` (raised by ``SamplingParams``
-and the engine's prompt checks), unknown routes and models. Anything else is a
-500 whose message says it is the server's fault.
+and the engine's prompt checks) and any ``ValueError``, ``TypeError`` or
+``RecursionError`` raised while a request is prepared (a schema nested too deep
+to copy), unknown routes and models, bodies over the size limit. Anything else
+is a 500 whose message says it is the server's fault.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vframe.core.async_engine import EngineDeadError
-from vframe.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +51,28 @@ class APIError(Exception):
         return cls(400, message, param=param, code=code)
 
     @classmethod
-    def from_invalid_request(cls, error: InvalidRequestError, prompt_field: str) -> APIError:
+    def from_request_error(cls, error: Exception, prompt_field: str) -> APIError:
+        """A 400 for what preparing a request raised, naming the API field it is about."""
+        if isinstance(error, RecursionError):
+            return cls.bad_request(
+                "the request is nested too deeply to process (a JSON schema or a value with hundreds of "
+                "levels); flatten it",
+                param="response_format" if prompt_field == "response_format" else None,
+            )
+        return cls.from_invalid_request(error, prompt_field)
+
+    @classmethod
+    def from_invalid_request(cls, error: Exception, prompt_field: str) -> APIError:
         """Map the engine's message to the API field it is about."""
-        message = str(error)
+        message = str(error) or type(error).__name__
         match = re.match(r"SamplingParams\.(\w+)=", message)
         if match:
             param: str | None = match.group(1)
+        elif message.startswith("structured_outputs"):  # the engine's name of response_format
+            param = "response_format"
+            message = re.sub(r"^structured_outputs\.json\b", "response_format.json_schema", message)
+        elif "logits processor" in message:
+            param = "logits_processors"
         elif "prompt" in message:
             param = prompt_field
         elif "max_tokens" in message or "KV cache" in message:
@@ -88,7 +105,10 @@ def validation_error_response(error: RequestValidationError) -> JSONResponse:
         if err.get("type") == "json_invalid":
             problems.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})")
             continue
-        if err.get("type") == "extra_forbidden":
+        if err.get("type") == "lone_surrogate":  # protocol._Body: the path is in the context
+            field = err["ctx"]["path"]
+            problems.append(err["msg"])
+        elif err.get("type") == "extra_forbidden":
             problems.append(f"{field}: unknown parameter")
         elif not field:
             problems.append(f"the body must be a JSON object with the request's fields ({err['msg']})")
@@ -125,7 +145,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        response = error_response(exc.status_code, message)
+        code = "request_too_large" if exc.status_code == 413 else None
+        response = error_response(exc.status_code, message, code=code)
         if exc.headers:
             response.headers.update(exc.headers)
         return response

@@ -5,19 +5,32 @@ parameter is an error rather than silently ignored; a few fields that clients
 send but that change nothing here (``user``, ``store``, ``metadata`` ...) are
 accepted. vLLM's extensions (``top_k``, ``min_p``, ``ignore_eos``,
 ``stop_token_ids`` ...) are accepted with vLLM's meanings.
+
+Types are strict: ``"max_tokens": "8"`` or ``"stream": "false"`` is a 400, not
+coerced (an integer is still a valid float: ``"temperature": 1``). A string
+holding a lone UTF-16 surrogate (``"\\ud800"``, valid JSON but not Unicode)
+is a 400 naming the field. What the server refuses is in the models, so that
+``/openapi.json`` does not describe bodies that fail; a rule across fields,
+which JSON schema cannot say, is in the field's description.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, WithJsonSchema, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from vframe.core.sampling_params import SamplingParams, StructuredOutputsParams
 from vframe.entrypoints.openai.errors import APIError
 
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+_T = TypeVar("_T")
+_NonEmpty = Annotated[_T, Field(min_length=1)]  # a string or a list with at least one item
+NonEmptyText = _NonEmpty[str]
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -32,7 +45,46 @@ def _check_union(value: Any, ok: bool, expected: str) -> Any:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=True)
+
+
+class _Body(_Request):
+    """A whole request body: every string in it (keys too) must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        found = _find_surrogate(data, ())
+        if found is not None:
+            path, index, char = found
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "{path}: contains a lone UTF-16 surrogate ({char}) at character {index}, which is not "
+                "Unicode text; send valid UTF-8",
+                {"path": path, "char": f"\\u{ord(char):04x}", "index": index},
+            )
+        return data
+
+
+def _find_surrogate(value: Any, path: tuple[str, ...]) -> tuple[str, int, str] | None:
+    """(field path, index, character) of the first lone surrogate in a JSON value."""
+    if isinstance(value, str):
+        match = _SURROGATE.search(value)
+        return (".".join(path) or "body", match.start(), match.group()) if match else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _find_surrogate(key, (*path, "<key>")) or _find_surrogate(item, (*path, str(key)))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _find_surrogate(item, (*path, str(i)))
+            if found:
+                return found
+    return None
+
+
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
 
 
 class _Response(BaseModel):
@@ -64,18 +116,22 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(_Request):
     name: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="required")
     strict: bool | None = None
     description: str | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Request):
     """OpenAI's ``response_format``: free text, any JSON object, or a JSON schema."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+    json_schema: JsonSchemaFormat | None = Field(
+        None,
+        description="required with type json_schema. The schema is compiled within llguidance's parser "
+        "limits and a time bound (see docs/serving.md); one it cannot enforce is a 400",
+    )
 
     def to_structured(self) -> StructuredOutputsParams | None:
         if self.type == "text":
@@ -89,7 +145,19 @@ class ResponseFormat(BaseModel):
         return StructuredOutputsParams(json=self.json_schema.schema_)
 
 
-class _GenerationRequest(_Request):
+_BIAS = {"type": "number", "minimum": -100, "maximum": 100}
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]],
+    WithJsonSchema({"type": "object", "patternProperties": {"^[0-9]+$": _BIAS}, "additionalProperties": False}),
+]
+
+
+class LogitsProcessorRef(_Request):
+    name: str = Field(min_length=1, description="a name registered in the logits_processor plugin registry")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="constructor arguments")
+
+
+class _GenerationRequest(_Body):
     """Sampling fields common to completions and chat completions."""
 
     model: str | None = Field(None, description="served model name; omitted = the served model")
@@ -98,15 +166,15 @@ class _GenerationRequest(_Request):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="vLLM extension: 0 or -1 disables top-k")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extension")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit signed integer (as vLLM)")
     stop: str | list[str] | None = Field(None, description="stop strings, not included in the text")
     stop_token_ids: TokenIds | None = Field(None, description="vLLM extension")
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream=true")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM extension")
-    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit")
+    logit_bias: LogitBias | None = Field(None, description="token id -> bias added to its logit")
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object, or json_schema (structured output)"
     )
@@ -115,7 +183,12 @@ class _GenerationRequest(_Request):
     include_stop_str_in_output: bool = Field(False, description="vLLM extension")
     skip_special_tokens: bool = Field(True, description="vLLM extension")
     spaces_between_special_tokens: bool = Field(True, description="vLLM extension")
-    priority: int = Field(0, description="vLLM extension: needs --scheduling-policy priority")
+    priority: int = Field(0, description="vLLM extension: non-zero needs --scheduling-policy priority")
+    logits_processors: list[Annotated[str, Field(min_length=1)] | LogitsProcessorRef] | None = Field(
+        None,
+        description="vLLM extension: logits processors by name, registered by the server's plugins in the "
+        "logits_processor registry (a name, or {name, kwargs}); an unknown name is a 400 listing the known ones",
+    )
     # Accepted and ignored: they describe the caller, not the generation.
     user: str | None = None
     store: bool | None = None
@@ -133,6 +206,24 @@ class _GenerationRequest(_Request):
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError.bad_request("stream_options is only allowed with stream=true", param="stream_options")
+
+    def _logits_processors(self) -> list[str | tuple[str, dict[str, Any]]] | None:
+        if not self.logits_processors:
+            return None
+        from vframe.plugins import get_registry
+
+        known = get_registry("logits_processor").names()
+        specs: list[str | tuple[str, dict[str, Any]]] = []
+        for i, ref in enumerate(self.logits_processors):
+            name = ref if isinstance(ref, str) else ref.name
+            if name not in known:
+                raise APIError.bad_request(
+                    f"logits_processors.{i}: unknown logits processor {name!r}; this server knows "
+                    f"{sorted(known) or 'none'} (registered by its plugins)",
+                    param="logits_processors",
+                )
+            specs.append(name if isinstance(ref, str) else (name, dict(ref.kwargs)))
+        return specs
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._check_unsupported()
@@ -157,6 +248,7 @@ class _GenerationRequest(_Request):
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias,
             structured_outputs=self.response_format.to_structured() if self.response_format else None,
+            logits_processors=self._logits_processors(),
             output_kind="delta",
         )
 
@@ -177,14 +269,14 @@ class UsageInfo(_Response):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
-        description="a text, a list of texts, a list of token ids, or a list of those"
+    prompt: NonEmptyText | _NonEmpty[list[NonEmptyText]] | _NonEmpty[TokenIds] | _NonEmpty[list[_NonEmpty[TokenIds]]] = (
+        Field(description="a text, a list of texts, a list of token ids, or a list of those; none of them empty")
     )
     max_tokens: int | None = Field(16, ge=1, description="tokens to generate; null = up to the context length")
     logprobs: int | None = Field(None, ge=0, le=20, description="also return the top-k logprobs of each token")
-    echo: bool = Field(False, description="not supported (only false)")
+    echo: Literal[False] = Field(False, description="not supported (only false)")
     best_of: int | None = Field(None, ge=1, description="only equal to n (no beam search)")
-    suffix: str | None = Field(None, description="not supported (only null)")
+    suffix: None = Field(None, description="not supported (only null)")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -193,19 +285,25 @@ class CompletionRequest(_GenerationRequest):
             isinstance(value, list)
             and (all(isinstance(p, str) for p in value) or all(_is_token_ids(p) for p in value))
         )
-        return _check_union(value, ok, "a string, a list of strings, a list of token ids or a list of those")
+        _check_union(value, ok, "a string, a list of strings, a list of token ids or a list of those")
+        if not value or (isinstance(value, list) and not all(value)):
+            raise ValueError("the prompt is empty: give a non-empty text or token ids")
+        return value
+
+    @field_validator("echo", "suffix", mode="before")
+    @classmethod
+    def _unsupported(cls, value: Any, info: Any) -> Any:
+        if value is not None and value is not False:  # 0 == False, but is not false
+            raise ValueError(f"{info.field_name}={_short_repr(value)} is not supported by vframe yet")
+        return value
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise APIError.bad_request("echo=true is not supported by vframe yet", param="echo")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError.bad_request(
                 f"best_of={self.best_of} is not supported: vframe returns every sequence it generates; "
                 "use n instead",
                 param="best_of",
             )
-        if self.suffix is not None:
-            raise APIError.bad_request("suffix is not supported by vframe", param="suffix")
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
@@ -239,9 +337,7 @@ class CompletionResponse(_Response):
 # --------------------------------------------------------------------------- #
 
 
-class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TextContentPart(_Request):
     type: Literal["text"]
     text: str
 
@@ -250,7 +346,7 @@ class ChatMessage(BaseModel):
     """One message. Only text content is supported; other fields a client may
     echo back (``tool_calls``, ``refusal`` ...) are accepted and ignored."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
@@ -264,18 +360,40 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
+_CHAT_TEMPLATE_HELP = (
+    "vLLM extension: a Jinja chat template replacing the model's; a 400 unless the server runs with "
+    "--trust-request-chat-template"
+)
+_TEMPLATE_KWARGS_HELP = (
+    "vLLM extension: extra variables for the chat template; not 'tools' (unsupported), not the template "
+    "call's own arguments (tokenize, return_dict ...); 'chat_template' as for the top-level field"
+)
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="tokens to generate; null = up to the context")
     max_tokens: int | None = Field(None, ge=1, description="deprecated name of max_completion_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported (only empty)")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="only 'none' or 'auto' without tools")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs=true")
+    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = Field(
+        None, description="not supported (only empty)"
+    )
+    tool_choice: Literal["none", "auto"] | None = Field(None, description="only 'none' or 'auto' (no tools)")
     parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = Field(True, description="vLLM extension")
+    add_generation_prompt: bool = Field(True, description="vLLM extension; not together with continue_final_message")
     continue_final_message: bool = Field(False, description="vLLM extension")
-    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension")
+    chat_template: str | None = Field(None, description=_CHAT_TEMPLATE_HELP)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description=_TEMPLATE_KWARGS_HELP)
+
+    @field_validator("tools", "tool_choice", mode="before")
+    @classmethod
+    def _no_tools(cls, value: Any, info: Any) -> Any:
+        if info.field_name == "tools" and value:
+            raise ValueError("tool calling is not supported by vframe yet")
+        if info.field_name == "tool_choice" and value not in (None, "none", "auto"):
+            raise ValueError(f"tool_choice={_short_repr(value)} needs tools, which are not supported")
+        return value
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -284,12 +402,14 @@ class ChatCompletionRequest(_GenerationRequest):
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-        if self.tools:
-            raise APIError.bad_request("tool calling is not supported by vframe yet", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError.bad_request("tool_choice needs tools, which are not supported", param="tool_choice")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(self.requested_max_tokens, logprobs)
+
+
+def _short_repr(value: Any) -> str:
+    """The value as the client wrote it (JSON), shortened."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class ChatTopLogprob(_Response):
@@ -371,18 +491,19 @@ class ModelList(_Response):
     data: list[ModelCard]
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Body):
     """Either ``prompt`` (a text) or ``messages`` (rendered with the chat template)."""
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str | None = Field(None, description="give exactly one of prompt and messages")
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = Field(
         None, description="default: true for a prompt, false for messages (the template has them)"
     )
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = Field(None, description=_CHAT_TEMPLATE_HELP)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description=_TEMPLATE_KWARGS_HELP)
     return_token_strs: bool = False
 
 
@@ -393,7 +514,7 @@ class TokenizeResponse(_Response):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: TokenIds
 

@@ -1,16 +1,17 @@
-"""What the completion and chat handlers share: the model check, tokenization,
-the context-length check, starting engine requests and reading their outputs.
+"""What the completion and chat handlers share: the model check, the
+context-length check, preparing sampling parameters, starting engine requests
+and reading their outputs.
 
-Tokenization happens here, on the event loop, with the server's own copy of the
-tokenizer: the engine thread only ever sees token ids, and the two threads never
-share a tokenizer object.
+Prompts are built off the event loop (``prompts.py``); a request's grammar is
+compiled off the event loop and off the engine thread
+(``AsyncLLMEngine.compile_structured_output``): the engine thread only ever
+sees token ids and compiled grammars.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,25 +27,30 @@ from vframe.core.outputs import CompletionOutput, Logprob, RequestOutput
 from vframe.core.sampling_params import SamplingParams
 from vframe.entrypoints.openai.errors import APIError
 from vframe.entrypoints.openai.metrics import RequestTimer, ServerMetrics
-from vframe.entrypoints.openai.protocol import ChatMessage, UsageInfo
-from vframe.errors import ConfigError, InvalidRequestError
+from vframe.entrypoints.openai.prompts import Prompt, PromptBuilder
+from vframe.entrypoints.openai.protocol import UsageInfo
+from vframe.errors import ConfigError, PluginError
 
-
-@dataclass
-class Prompt:
-    text: str | None
-    token_ids: list[int]
+# Compiling a response_format grammar (llguidance, bounded by its parser limits)
+# longer than this is refused; the compile then ends in its worker thread.
+GRAMMAR_TIMEOUT_S = 10.0
 
 
 class ServingContext:
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_name: str,
+        metrics: ServerMetrics,
+        trust_request_chat_template: bool = False,
+    ) -> None:
         if engine.tokenizer is None:
             raise ConfigError("the OpenAI server needs a tokenizer; do not set skip_tokenizer_init")
         self.engine = engine
         self.served_model_name = served_model_name
         self.metrics = metrics
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len = engine.max_model_len
+        self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len, trust_request_chat_template)
 
     # ------------------------------------------------------------------ #
     # input
@@ -61,34 +67,20 @@ class ServingContext:
             )
         return self.served_model_name
 
-    def text_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
-        return Prompt(text, self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-
-    def chat_prompt(
-        self,
-        messages: list[ChatMessage],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> Prompt:
-        if add_generation_prompt and continue_final_message:
-            raise APIError.bad_request(
-                "add_generation_prompt and continue_final_message cannot both be true",
-                param="continue_final_message",
-            )
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    async def prepare(self, params: SamplingParams, prompt_field: str) -> None:
+        """Compile ``response_format`` into ``params`` in a worker thread, with a time bound."""
+        if params.structured_outputs is None:
+            return
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-                **(chat_template_kwargs or {}),
-            )
-        except Exception as e:  # jinja2 errors raised by the template itself ("roles must alternate")
-            raise APIError.bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
-        # The rendered template already holds the special tokens it wants.
-        return self.text_prompt(text, add_special_tokens=False)
+            await asyncio.wait_for(self.engine.compile_structured_output(params), GRAMMAR_TIMEOUT_S)
+        except TimeoutError as e:
+            raise APIError.bad_request(
+                f"response_format: compiling its grammar took longer than {GRAMMAR_TIMEOUT_S:g} s; "
+                "simplify the schema",
+                param="response_format",
+            ) from e
+        except (ValueError, TypeError, RecursionError) as e:  # InvalidRequestError is a ValueError
+            raise APIError.from_request_error(e, "response_format") from e
 
     def check_length(self, prompt: Prompt, max_tokens: int | None, explicit: bool, prompt_field: str) -> None:
         """OpenAI's rule: the prompt plus an explicitly requested ``max_tokens``
@@ -133,8 +125,8 @@ class ServingContext:
         except BaseException as e:
             for stream in streams:
                 stream.abort()
-            if isinstance(e, InvalidRequestError):
-                raise APIError.from_invalid_request(e, prompt_field) from e
+            if isinstance(e, (ValueError, TypeError, RecursionError, PluginError)):  # InvalidRequestError: a ValueError
+                raise APIError.from_request_error(e, prompt_field) from e
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e)) from e
             raise
@@ -165,6 +157,7 @@ class Generation:
             async with contextlib.aclosing(_merge(self.streams)) as merged:
                 async for i, output in merged:
                     self.timers[i].observe(output)
+                    _raise_if_failed(output)
                     yield i, output
         except RequestAbortedError:
             self.aborted = True
@@ -184,6 +177,21 @@ class Generation:
             aborted = self.aborted or not stream.finished
             stream.abort()
             timer.finish(self.n, aborted)
+
+
+def _raise_if_failed(output: RequestOutput) -> None:
+    """A completion the engine gave up on (``finish_reason="error"``) fails the whole
+    HTTP request: 400 when the request's own constraints caused it, else 500. Its
+    siblings are aborted when the response closes; the engine serves everyone else."""
+    for completion in output.outputs:
+        if completion.finish_reason == "error":
+            error = completion.error
+            client = error is not None and error.caused_by_request
+            raise APIError(
+                400 if client else 500,
+                f"generation failed: {error or 'the engine gave up on this request'}",
+                code="invalid_generation_constraints" if client else "generation_failed",
+            )
 
 
 class ClosingStreamingResponse(StreamingResponse):

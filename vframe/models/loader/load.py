@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,14 +17,11 @@ from vframe.models.loader.resolve import ResolvedModel
 
 def architecture(resolved: ResolvedModel) -> str:
     """The model class name the checkpoint declares (``config.architectures[0]``)."""
-    config_path = resolved.model_dir / "config.json"
-    try:
-        architectures = json.loads(config_path.read_text()).get("architectures")
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{config_path}: unreadable config ({e})") from e
+    architectures = getattr(load_hf_config(resolved), "architectures", None)
     if not architectures:
         raise ModelLoadError(
-            f"{config_path} has no 'architectures' list; add e.g. \"architectures\": [\"LlamaForCausalLM\"]"
+            f"{resolved.model_dir / 'config.json'} has no 'architectures' list; "
+            'add e.g. "architectures": ["LlamaForCausalLM"]'
         )
     return architectures[0]
 
