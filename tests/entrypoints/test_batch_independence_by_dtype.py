@@ -5,17 +5,10 @@ batch. bfloat16: they may (measured: 4 of these 6 greedy prompts differ alone vs
 batched within 32 tokens), but the same batch gives the same tokens every time."""
 
 import pytest
+from test_engine_invariance import PROMPTS
 
 from vframe import SamplingParams
 
-PROMPTS = [
-    "The capital of France is",
-    "Water boils at a temperature of",
-    "The three primary colours are",
-    "In 1969, the first humans",
-    "A haiku about autumn:",
-    "The largest planet in the solar system is",
-]
 GREEDY = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)] * len(PROMPTS)
 SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=32, ignore_eos=True) for i in range(6)]
 

@@ -166,7 +166,7 @@ class LLMEngine:
         """Validate and queue a request; returns its id. Bad input raises
         ``InvalidRequestError`` and leaves the engine untouched."""
         request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
-        if request_id in self.output_processor.parents or request_id in self.output_processor.states:
+        if self.output_processor.is_in_use(request_id):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         params = (sampling_params or SamplingParams()).clone()
         if params.use_beam_search:
@@ -195,9 +195,7 @@ class LLMEngine:
         num_children = params.best_of or params.n  # the n best of best_of are returned
         for index in range(num_children):
             child_id = request_id if num_children == 1 else f"{index}_{request_id}"
-            if child_id != request_id and (
-                child_id in self.output_processor.states or child_id in self.output_processor.parents
-            ):
+            if child_id != request_id and self.output_processor.is_in_use(child_id):
                 raise InvalidRequestError(
                     f"request_id {request_id!r} with n={num_children} needs the id {child_id!r} for one "
                     "of its completions, and a request in flight uses it; choose another request_id"
@@ -268,7 +266,9 @@ class LLMEngine:
         try:
             runner_out = self.model_runner.execute_model(sched_out)
         except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
-            logger.exception("a step of %d requests failed; failing those requests", len(sched_out.num_scheduled_tokens))
+            logger.exception(
+                "a step of %d requests failed; failing those requests", len(sched_out.num_scheduled_tokens)
+            )
             error = RequestError(f"the engine step running this request failed: {type(e).__name__}: {e}")
             core_outputs = self.scheduler.fail_requests(dict.fromkeys(sched_out.num_scheduled_tokens, error))
         else:

@@ -126,6 +126,10 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
+    def is_in_use(self, request_id: str) -> bool:
+        """Whether a request or one of its completions in flight has this id."""
+        return request_id in self.parents or request_id in self.states
+
     def process(
         self,
         outputs: list[EngineCoreOutput],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from vframe.core.outputs import FinishReason, RequestError
+from vframe.core.outputs import FinishReason
 from vframe.core.sampling_params import SamplingParams
 
 
@@ -76,7 +76,6 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
-        self.error: RequestError | None = None  # set with FINISHED_ERROR
 
     @property
     def num_prompt_tokens(self) -> int:

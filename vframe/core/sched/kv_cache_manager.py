@@ -76,15 +76,7 @@ class PagedKVCacheManager(KVCacheManager):
         # prompt_logprobs need the logits of every prompt position: nothing may be skipped.
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
-        block_hashes = self._block_hashes(request)
-        # The last token is always recomputed: its logits pick the next token.
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for block_hash in block_hashes[:max_hit_blocks]:
-            block_id = self.block_pool.get_cached_block(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
+        hits, _ = self._find_hits(request)
         num_computed_tokens = len(hits) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_computed_tokens
@@ -131,12 +123,21 @@ class PagedKVCacheManager(KVCacheManager):
         this step, by a request already scheduled: it will be a hit next step."""
         if not self._pending or not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return False
-        hashes = self._block_hashes(request)
+        _, first_miss = self._find_hits(request)
+        return first_miss in self._pending
+
+    def _find_hits(self, request: Request) -> tuple[list[int], BlockHash | None]:
+        """The cached blocks that start the request's hash chain, and the hash of the
+        first block that could have been a hit but is not (None if there is none)."""
+        # The last token is always recomputed: its logits pick the next token.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        for block_hash in hashes[:max_hit_blocks]:
-            if self.block_pool.get_cached_block(block_hash) is None:
-                return block_hash in self._pending
-        return False
+        hits: list[int] = []
+        for block_hash in self._block_hashes(request)[:max_hit_blocks]:
+            block_id = self.block_pool.get_cached_block(block_hash)
+            if block_id is None:
+                return hits, block_hash
+            hits.append(block_id)
+        return hits, None
 
     def _mark_pending(self, request: Request, start: int, end: int) -> None:
         """Full blocks in token range ``[start, end)`` whose ids are known are computed now."""

@@ -25,8 +25,8 @@ from vframe.core.outputs import (
     EngineCoreOutput,
     FinishReason,
     ModelRunnerOutput,
-    RequestError,
     NewRequestData,
+    RequestError,
     SchedulerOutput,
 )
 from vframe.core.request import Request, RequestStatus
@@ -346,7 +346,6 @@ class DefaultScheduler(Scheduler):
             request = self.requests.get(req_id)
             if request is None:
                 continue
-            request.error = error
             failed.append(request)
             outputs.append(
                 EngineCoreOutput(

@@ -224,14 +224,13 @@ class TorchModelRunner(ModelRunner):
         sampler_output = self.sampler(logits, sampling_metadata)
         sampled = sampler_output.sampled_token_ids.tolist()
         self._collect_row_failures(inputs.sampled_req_ids, sampler_output, sampling_metadata, output)
-        going_on = [(r, t) for r, t in zip(inputs.sampled_req_ids, sampled) if r not in output.failed]
-        going_on = [(r, t) for r, t in going_on if r not in output.stopped]
+        halted = output.failed.keys() | output.stopped
+        going_on = [(r, t) for r, t in zip(inputs.sampled_req_ids, sampled) if r not in halted]
         if going_on:
             req_ids, tokens = map(list, zip(*going_on))
-            output.sampled_token_ids = dict(going_on)
-            output.failed.update(batch.record_sampled(req_ids, tokens))
-            for req_id in output.failed:
-                output.sampled_token_ids.pop(req_id, None)
+            refused = batch.record_sampled(req_ids, tokens)
+            output.failed.update(refused)
+            output.sampled_token_ids = {r: t for r, t in going_on if r not in refused}
         if sampler_output.logprobs is not None:
             ids = sampler_output.logprob_token_ids.tolist()
             lps = sampler_output.logprobs.tolist()
