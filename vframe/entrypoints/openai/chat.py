@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from vframe.core.outputs import Logprob
-from vframe.entrypoints.openai.errors import APIError
+from vframe.entrypoints.openai.errors import REQUEST_ERRORS, APIError
 from vframe.entrypoints.openai.protocol import (
     ChatChunkChoice,
     ChatCompletionChoice,
@@ -50,7 +50,7 @@ async def create_chat_completion(
     model = ctx.check_model(request.model)
     try:
         params = request.to_sampling_params()
-    except (ValueError, TypeError, RecursionError) as e:  # InvalidRequestError is a ValueError
+    except REQUEST_ERRORS as e:
         raise APIError.from_request_error(e, "messages") from e
     prompt = await ctx.prompts.chat(
         request.messages,

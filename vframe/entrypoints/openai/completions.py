@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from vframe.core.outputs import CompletionOutput
-from vframe.entrypoints.openai.errors import APIError
+from vframe.entrypoints.openai.errors import REQUEST_ERRORS, APIError
 from vframe.entrypoints.openai.prompts import Prompt
 from vframe.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -41,7 +41,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     model = ctx.check_model(request.model)
     try:
         params = request.to_sampling_params()
-    except (ValueError, TypeError, RecursionError) as e:  # InvalidRequestError is a ValueError
+    except REQUEST_ERRORS as e:
         raise APIError.from_request_error(e, "prompt") from e
     prompts = await _prompts(ctx, request.prompt)
     explicit = "max_tokens" in request.model_fields_set

@@ -23,6 +23,10 @@ from vframe.core.async_engine import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
+# What preparing a request raises for bad input: InvalidRequestError (a ValueError)
+# and the library errors of a value it cannot take (a schema too deep to copy).
+REQUEST_ERRORS = (ValueError, TypeError, RecursionError)
+
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
@@ -84,15 +88,24 @@ class APIError(Exception):
         return cls.bad_request(message, param=param)
 
     def response(self) -> JSONResponse:
-        return error_response(self.status_code, self.message, param=self.param, code=self.code)
+        return JSONResponse(self.body(), status_code=self.status_code)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status_code, self.message, param=self.param, code=self.code)
+
+
+def error_body(
+    status_code: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    error_type = _TYPES.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def error_response(
     status_code: int, message: str, *, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
-    error_type = _TYPES.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
-    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status_code)
+    return JSONResponse(error_body(status_code, message, param=param, code=code), status_code=status_code)
 
 
 def validation_error_response(error: RequestValidationError) -> JSONResponse:

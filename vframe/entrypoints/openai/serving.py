@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from vframe.core.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError, RequestStream
 from vframe.core.outputs import CompletionOutput, Logprob, RequestOutput
 from vframe.core.sampling_params import SamplingParams
-from vframe.entrypoints.openai.errors import APIError
+from vframe.entrypoints.openai.errors import REQUEST_ERRORS, APIError, error_body
 from vframe.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from vframe.entrypoints.openai.prompts import Prompt, PromptBuilder
 from vframe.entrypoints.openai.protocol import UsageInfo
@@ -79,7 +79,7 @@ class ServingContext:
                 "simplify the schema",
                 param="response_format",
             ) from e
-        except (ValueError, TypeError, RecursionError) as e:  # InvalidRequestError is a ValueError
+        except REQUEST_ERRORS as e:
             raise APIError.from_request_error(e, "response_format") from e
 
     def check_length(self, prompt: Prompt, max_tokens: int | None, explicit: bool, prompt_field: str) -> None:
@@ -125,7 +125,7 @@ class ServingContext:
         except BaseException as e:
             for stream in streams:
                 stream.abort()
-            if isinstance(e, (ValueError, TypeError, RecursionError, PluginError)):  # InvalidRequestError: a ValueError
+            if isinstance(e, (*REQUEST_ERRORS, PluginError)):
                 raise APIError.from_request_error(e, prompt_field) from e
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e)) from e
@@ -309,5 +309,8 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def sse_error(error: Exception) -> str:
-    """An error after the response started: OpenAI clients raise it from the stream."""
-    return sse({"error": {"message": f"generation failed: {error}", "type": "server_error", "param": None, "code": None}})
+    """An error after the response started: OpenAI clients raise it from the stream.
+    An ``APIError`` (a failed completion) keeps its own message, type and code."""
+    if isinstance(error, APIError):
+        return sse(error.body())
+    return sse(error_body(500, f"generation failed: {error}"))
