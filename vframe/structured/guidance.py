@@ -63,9 +63,8 @@ def grammar_limits() -> Any:
 
 
 class GuidanceGrammar(CompiledGrammar):
-    def __init__(self, backend: GuidanceBackend, grammar: str, prototype: Any) -> None:
+    def __init__(self, backend: GuidanceBackend, prototype: Any) -> None:
         self.backend = backend
-        self.grammar = grammar
         self.prototype = prototype  # an LLMatcher at the start, its lexer warmed by one mask
 
     def new_matcher(self) -> GuidanceMatcher:
@@ -131,7 +130,7 @@ class GuidanceBackend(StructuredOutputBackend):
         error = self._warm(prototype)
         if error:
             raise InvalidRequestError(f"structured_outputs.{kind} cannot be enforced: {error}")
-        return GuidanceGrammar(self, grammar, prototype)
+        return GuidanceGrammar(self, prototype)
 
     def _warm(self, prototype: Any) -> str:
         """Compute the prototype's first mask, then the mask after one allowed

@@ -14,6 +14,7 @@ token of the vocabulary, in characters.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import threading
 from collections.abc import Callable
@@ -111,16 +112,14 @@ class PromptBuilder:
             **variables,
         }
         text = await self._in_worker(self._render, conversation, options, template is not None)
-        self.check_chars(len(text), "messages")
         [prompt] = await self.texts([text], add_special_tokens=False, field="messages")
         return prompt
 
     def _render(self, conversation: list[dict[str, str]], options: dict[str, Any], from_request: bool) -> str:
         tokenizer = self._tokenizer()
+        bound = time_bound(RENDER_TIMEOUT_S) if from_request else contextlib.nullcontext()
         try:
-            if not from_request:
-                return tokenizer.apply_chat_template(conversation, tokenize=False, **options)
-            with time_bound(RENDER_TIMEOUT_S):
+            with bound:
                 return tokenizer.apply_chat_template(conversation, tokenize=False, **options)
         except TemplateTimeoutError as e:
             raise APIError.bad_request(f"{e}; simplify the template", param="chat_template") from e
