@@ -1,4 +1,4 @@
-"""Which chat template a request may use, and rendering it with a time bound.
+"""Which chat template a request may use: the checks before a client template renders.
 
 The model's own template is trusted. A template sent by a client (top-level
 ``chat_template`` or ``chat_template_kwargs.chat_template``, vLLM's extensions)
@@ -9,11 +9,11 @@ runs ``vframe serve --trust-request-chat-template``. Even then it is:
   operators (the cheapest way to build a gigabyte string in one step);
 * rendered by transformers in jinja2's ``ImmutableSandboxedEnvironment`` (no
   attribute escapes, no mutation of the inputs);
-* stopped after ``RENDER_TIMEOUT_S``: a trace function on the template's own
-  frames raises once the deadline passes, which ends any loop in the template.
+* rendered in a child process of its own, and stopped after ``RENDER_TIMEOUT_S``
+  (see ``template_sandbox.py``).
 
-Every template, trusted or not, renders in a worker thread (see ``prompts.py``),
-never on the event loop. ``chat_template_kwargs`` become template variables;
+The model's template renders in a worker thread (see ``prompts.py``), never on
+the event loop. ``chat_template_kwargs`` become template variables;
 names that ``apply_chat_template`` itself takes (``tools``, ``tokenize``,
 ``return_dict`` ...) are refused, so that the request cannot change what the
 call returns or pass ``tools`` around the 400 for tool calling.
@@ -22,11 +22,6 @@ call returns or pass ``tools`` around the 400 for tool calling.
 from __future__ import annotations
 
 import inspect
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from types import FrameType
 from typing import Any
 
 import jinja2
@@ -36,15 +31,7 @@ from jinja2.ext import Extension, loopcontrols
 from vframe.entrypoints.openai.errors import APIError
 
 MAX_TEMPLATE_CHARS = 64 * 1024
-# Rendering holds the GIL: while a client template loops, the engine thread gets it
-# only at switch intervals and every step slows down. Templates render in
-# milliseconds; a second bounds what a hostile one can cost the other requests.
-RENDER_TIMEOUT_S = 1.0
 TRUST_FLAG = "--trust-request-chat-template"
-
-
-class TemplateTimeoutError(Exception):
-    """A request's chat template ran past ``RENDER_TIMEOUT_S``."""
 
 
 def template_kwargs(
@@ -116,26 +103,3 @@ class _GenerationTag(Extension):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return nodes.Scope(body).set_lineno(lineno)
-
-
-@contextmanager
-def time_bound(seconds: float) -> Iterator[None]:
-    """Raise ``TemplateTimeoutError`` inside any Jinja template code that this thread
-    runs after ``seconds``. Only frames of compiled templates (file ``<template>``)
-    are traced line by line, so the rest of the call runs at full speed."""
-    deadline = time.monotonic() + seconds
-
-    def on_line(frame: FrameType, event: str, arg: Any) -> Any:
-        if time.monotonic() > deadline:
-            raise TemplateTimeoutError(f"the chat template ran longer than {seconds:g} s")
-        return on_line
-
-    def on_call(frame: FrameType, event: str, arg: Any) -> Any:
-        return on_line if frame.f_code.co_filename == "<template>" else None
-
-    previous = sys.gettrace()
-    sys.settrace(on_call)
-    try:
-        yield
-    finally:
-        sys.settrace(previous)

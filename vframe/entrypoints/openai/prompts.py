@@ -14,7 +14,6 @@ token of the vocabulary, in characters.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import threading
 from collections.abc import Callable
@@ -22,14 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from vframe.entrypoints.openai.chat_template import (
-    RENDER_TIMEOUT_S,
-    TemplateTimeoutError,
-    template_kwargs,
-    time_bound,
-)
+from vframe.entrypoints.openai.chat_template import template_kwargs
 from vframe.entrypoints.openai.errors import APIError
 from vframe.entrypoints.openai.protocol import ChatMessage
+from vframe.entrypoints.openai.template_sandbox import TemplateRenderError, TemplateSandbox, TemplateTimeoutError
 
 T = TypeVar("T")
 NUM_WORKERS = 2
@@ -50,6 +45,8 @@ class PromptBuilder:
         self._local = threading.local()
         self._executor = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="vframe-prompts")
         self.trust_request_chat_template = trust_request_chat_template
+        # Client templates render in a child process (template_sandbox.py).
+        self._sandbox = TemplateSandbox(self._source) if trust_request_chat_template else None
         self.max_prompt_chars = _max_prompt_chars(self._source, max_model_len)
 
     def _tokenizer(self) -> Any:
@@ -64,6 +61,8 @@ class PromptBuilder:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._sandbox is not None:
+            self._sandbox.shutdown()
 
     # ------------------------------------------------------------------ #
 
@@ -111,26 +110,34 @@ class PromptBuilder:
             "chat_template": template,
             **variables,
         }
-        text = await self._in_worker(self._render, conversation, options, template is not None)
+        if template is None:
+            text = await self._in_worker(self._render, conversation, options)
+        else:
+            assert self._sandbox is not None  # template_kwargs refuses templates unless trusted
+            try:
+                text = await self._sandbox.render(conversation, options)
+            except TemplateTimeoutError as e:
+                raise APIError.bad_request(f"{e}; simplify the template", param="chat_template") from e
+            except TemplateRenderError as e:
+                raise _rejected(e) from e
         [prompt] = await self.texts([text], add_special_tokens=False, field="messages")
         return prompt
 
-    def _render(self, conversation: list[dict[str, str]], options: dict[str, Any], from_request: bool) -> str:
-        tokenizer = self._tokenizer()
-        bound = time_bound(RENDER_TIMEOUT_S) if from_request else contextlib.nullcontext()
+    def _render(self, conversation: list[dict[str, str]], options: dict[str, Any]) -> str:
         try:
-            with bound:
-                return tokenizer.apply_chat_template(conversation, tokenize=False, **options)
-        except TemplateTimeoutError as e:
-            raise APIError.bad_request(f"{e}; simplify the template", param="chat_template") from e
+            return self._tokenizer().apply_chat_template(conversation, tokenize=False, **options)
         except Exception as e:  # jinja2 errors raised by the template itself ("roles must alternate")
-            raise APIError.bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
+            raise _rejected(e) from e
 
     async def token_strs(self, token_ids: list[int]) -> list[str]:
         return await self._in_worker(lambda: self._tokenizer().convert_ids_to_tokens(token_ids))
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._in_worker(lambda: self._tokenizer().decode(token_ids))
+
+
+def _rejected(error: Exception) -> APIError:
+    return APIError.bad_request(f"the chat template rejected the messages: {error}", param="messages")
 
 
 def _max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:

@@ -73,7 +73,7 @@ class ServingContext:
             return
         try:
             await asyncio.wait_for(self.engine.compile_structured_output(params), GRAMMAR_TIMEOUT_S)
-        except TimeoutError as e:
+        except asyncio.TimeoutError as e:  # TimeoutError itself only from Python 3.11
             raise APIError.bad_request(
                 f"response_format: compiling its grammar took longer than {GRAMMAR_TIMEOUT_S:g} s; "
                 "simplify the schema",
