@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.vframe-installed
 CONTRIB := $(wildcard contrib/vframe-plugin-*)
 
-.PHONY: demo test test-slow test-gpu test-reliability coverage bench install clean
+.PHONY: demo test test-slow test-gpu test-reliability coverage bench docs install clean
 
 $(STAMP): pyproject.toml $(wildcard contrib/*/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ coverage: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/vframe bench throughput --backend both
+
+# docs/plugin-reference.md from the docstrings of the plugin API; a test fails when
+# it is out of date (`python -m vframe.plugins.reference --check` says where).
+docs: $(STAMP)
+	$(PY) -m vframe.plugins.reference
 
 clean:
 	rm -rf $(VENV) .pytest_cache

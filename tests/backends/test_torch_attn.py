@@ -1,4 +1,4 @@
-"""TorchAttentionImpl against a naive per-request softmax(QK^T)V reference."""
+"""The torch attention backend: the conformance kit's checks, its plan, padding rows."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from vframe.backends.torch_attn import (
     TorchAttentionBackend,
     TorchAttentionImpl,
     TorchAttentionMetadata,
+    _plan_decodes,
 )
-from vframe.core.config import EngineConfig
 from vframe.core.interfaces import CommonAttentionMetadata
+from vframe.testing.attention import check_attention_backend, reference_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 6, 2, 16
 NUM_BLOCKS = 64
@@ -97,45 +98,19 @@ def make_batch(
     )
 
 
-def reference(batch: Batch, scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """Naive attention, one request at a time, in float32."""
+def reference(batch: Batch, scale: float) -> torch.Tensor:  # [T, H, D] float32
     qsl = batch.common.query_start_loc_cpu
-    out = torch.zeros(batch.query.shape, dtype=torch.float32)
-    group = NUM_HEADS // NUM_KV_HEADS
-    for b in range(batch.common.num_reqs):
-        q = batch.query[qsl[b] : qsl[b + 1]].float()  # [Q, H, D]
-        k = batch.full_keys[b].float().repeat_interleave(group, dim=1)  # [S, H, D]
-        v = batch.full_values[b].float().repeat_interleave(group, dim=1)
-        seq_len, query_len = k.shape[0], q.shape[0]
-        query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
-        key_pos = torch.arange(seq_len)[None, :]
-        allowed = key_pos <= query_pos  # [Q, S]
-        if sliding_window is not None:
-            allowed &= key_pos > query_pos - sliding_window
-        scores = torch.einsum("qhd,shd->hqs", q, k) * scale
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-        out[qsl[b] : qsl[b + 1]] = torch.einsum("hqs,shd->qhd", probs, v)
-    return out
+    return torch.cat([
+        reference_attention(batch.query[qsl[b] : qsl[b + 1]], batch.full_keys[b], batch.full_values[b], scale)
+        for b in range(batch.common.num_reqs)
+    ])
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize(
-    ("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)]
-)
-def test_mixed_batch_matches_reference(block_size: int, dtype: torch.dtype, atol: float) -> None:
-    batch = make_batch(MIXED, block_size, dtype)
-    scale = HEAD_SIZE**-0.5
-    impl = TorchAttentionImpl(NUM_HEADS, HEAD_SIZE, scale, NUM_KV_HEADS)
-    meta = TorchAttentionBackend.get_metadata_builder_cls()(EngineConfig(), torch.device("cpu")).build(
-        batch.common
-    )
-
-    out = impl.forward(batch.query, batch.key, batch.value, batch.kv_cache, meta)
-
-    assert out.shape == (sum(q for _, q in MIXED), NUM_HEADS, HEAD_SIZE)
-    assert out.dtype == dtype
-    torch.testing.assert_close(batch.kv_cache, batch.expected_cache, rtol=0, atol=0)
-    torch.testing.assert_close(out.float(), reference(batch, scale), rtol=0, atol=atol)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_passes_the_conformance_kit(dtype: torch.dtype) -> None:
+    # prefills, cached prefixes, decodes, mixed steps, GQA/MQA/MHA, sliding window,
+    # five head sizes and three block sizes, over a NaN-filled cache
+    check_attention_backend("torch", dtype=dtype)
 
 
 def test_plan_separates_prefills_from_decodes() -> None:
@@ -151,16 +126,19 @@ def test_plan_separates_prefills_from_decodes() -> None:
     assert [g.token_idx.tolist() for g in groups] == [[14], [25], [13], [15]]
     assert [g.mask[:, 0, 0, :].sum(-1).tolist() for g in groups] == [[1], [3], [14], [31]]
     assert [g.block_ids.numel() for g in groups] == [1, 1, 4, 8]
+    # gathered slots past each length (the last block's tail) are zeroed
+    assert [g.unwritten_rows.tolist() for g in groups] == [[1, 2, 3], [3], [14, 15], [31]]
 
 
-@pytest.mark.parametrize("reqs", [[(3, 1), (9, 1), (0, 1)], [(0, 5)], [(6, 4)]])
-def test_decode_only_and_prefill_only(reqs: list[tuple[int, int]]) -> None:
-    batch = make_batch(reqs, 4, torch.float32)
-    impl = TorchAttentionImpl(NUM_HEADS, HEAD_SIZE, 0.3, NUM_KV_HEADS)
+def test_decode_table_padding_reads_the_requests_own_first_block() -> None:
+    # 2 and 9 tokens in blocks of 4, one group: the short request's padding
+    # re-reads its only block, and all of its slots from offset 2 on are zeroed.
+    block_table = torch.tensor([[5, 0, 0], [7, 3, 8]])
 
-    out = impl.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.common)
+    group = _plan_decodes([0, 1], [0, 1, 2], [2, 9], block_table, 4, None)
 
-    torch.testing.assert_close(out, reference(batch, 0.3), rtol=0, atol=1e-5)
+    assert group.block_ids.tolist() == [5, 5, 5, 7, 3, 8]
+    assert group.unwritten_rows.tolist() == [2, 3, 6, 7, 10, 11, 21, 22, 23]
 
 
 def test_padding_tokens_are_not_written_and_output_zero() -> None:
@@ -173,16 +151,6 @@ def test_padding_tokens_are_not_written_and_output_zero() -> None:
     torch.testing.assert_close(batch.kv_cache, batch.expected_cache, rtol=0, atol=0)
     assert out[n:].abs().sum() == 0
     torch.testing.assert_close(out[:n], reference(batch, 0.25)[:n], rtol=0, atol=1e-5)
-
-
-def test_sliding_window() -> None:
-    batch = make_batch(MIXED, 4, torch.float32)
-    impl = TorchAttentionImpl(NUM_HEADS, HEAD_SIZE, 0.25, NUM_KV_HEADS, sliding_window=5)
-    meta = TorchAttentionMetadata.from_common(batch.common)
-
-    out = impl.forward(batch.query, batch.key, batch.value, batch.kv_cache, meta)
-
-    torch.testing.assert_close(out, reference(batch, 0.25, sliding_window=5), rtol=0, atol=1e-5)
 
 
 def test_backend_static_answers() -> None:

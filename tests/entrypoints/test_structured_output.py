@@ -85,15 +85,15 @@ def test_invalid_constraints_fail_when_added(llm_fp32, so, message):
     assert not llm_fp32.llm_engine.has_unfinished_requests()
 
 
-def test_backend_is_a_registered_plugin():
+def test_backend_is_a_registered_plugin(llm_fp32):
     assert get_registry("structured_output").get("guidance").target_str == (
         "vframe.structured.guidance:GuidanceBackend"
     )
     with pytest.raises(Exception, match="unknown structured-output backend 'xgrammar'; known: guidance"):
-        SamplingSetup(object(), 10, {2}).backend("xgrammar")
+        SamplingSetup(llm_fp32.llm_engine.plugin_context).backend("xgrammar")
 
 
-def test_missing_library_gives_a_clear_error(monkeypatch, tokenizer):
+def test_missing_library_gives_a_clear_error(monkeypatch, llm_fp32):
     real_import = builtins.__import__
 
     def no_llguidance(name, *args, **kwargs):
@@ -107,6 +107,6 @@ def test_missing_library_gives_a_clear_error(monkeypatch, tokenizer):
         "structured output needs the llguidance package: pip install llguidance (or 'vframe[structured]')"
     ]
     with pytest.raises(ConfigError, match="pip install llguidance"):
-        SamplingSetup(tokenizer, 49152, {2}).prepare(
+        SamplingSetup(llm_fp32.llm_engine.plugin_context).prepare(
             SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
         )

@@ -170,7 +170,7 @@ BROKEN = {
     ),
     "oldapi": (
         'VFRAME_PLUGIN_API = "0.3"\n',
-        "plugin 'oldapi' targets vframe plugin API 0.3, but this vframe provides 1.1",
+        "plugin 'oldapi' was written for vframe plugin API 0.x, but this vframe provides 1.2",
     ),
     "wrapper": (
         """

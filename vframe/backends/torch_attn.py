@@ -49,6 +49,7 @@ class DecodeGroup:
     token_idx: torch.Tensor  # [n] int64, the decodes' rows in the flat batch
     block_ids: torch.Tensor  # [n * max_blocks] int64, block tables, flattened
     mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True = attend
+    unwritten_rows: torch.Tensor  # [num_unwritten] int64, gathered slots to zero (see _plan_decodes)
 
 
 # Decodes are sorted by length and split into this many groups: each group pads
@@ -113,8 +114,12 @@ def _plan_decodes(
     block_size: int,
     sliding_window: int | None,
 ) -> DecodeGroup:
-    # Whole blocks are gathered (a few KB each, not one row per token); table
-    # padding points at some block and is masked out.
+    # Whole blocks are gathered (a few KB each, not one row per token). Gathered
+    # slots past a request's length may hold NaN (never written, or left there by
+    # another request), which the mask's zero probability does not cancel
+    # (0 * NaN = NaN). So table padding reads the request's own first block, fully
+    # written unless it is its only block, and what is still unwritten is zeroed
+    # after the gather: usually just the tail of the last block.
     device = block_table.device
     max_blocks = -(-max(seq_lens[b] for b in reqs) // block_size)
     positions = torch.arange(max_blocks * block_size, device=device)  # [L]
@@ -122,11 +127,16 @@ def _plan_decodes(
     valid = positions[None, :] < lens[:, None]  # [n, L]
     if sliding_window is not None:
         valid &= positions[None, :] > lens[:, None] - 1 - sliding_window
+    block_idx = torch.arange(max_blocks, device=device)[None, :]  # [1, max_blocks]
+    own_blocks = -(-lens[:, None] // block_size)  # [n, 1]
+    src_block = torch.where(block_idx < own_blocks, block_idx, 0)  # [n, max_blocks]
+    src_pos = (src_block[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)  # [n, L]
     rows = torch.tensor(reqs, dtype=torch.long, device=device)
     return DecodeGroup(
         token_idx=torch.tensor([query_start_loc[b] for b in reqs], dtype=torch.long, device=device),
-        block_ids=block_table[rows, :max_blocks].flatten(),
+        block_ids=block_table[rows[:, None], src_block].flatten(),
         mask=valid[:, None, None, :],
+        unwritten_rows=(src_pos >= lens[:, None]).flatten().nonzero().squeeze(1),
     )
 
 
@@ -214,11 +224,20 @@ class TorchAttentionImpl(AttentionImpl):
             # GQA as `group` query rows per KV head: query head h reads KV head
             # h // group, so [n, H, D] -> [n, KVH, group, D] and K/V are not repeated.
             q = query.index_select(0, dec.token_idx).view(n, self.num_kv_heads, group, self.head_size)
-            k = kv_cache[0].index_select(0, dec.block_ids).view(kv_shape).transpose(1, 2)  # [n, KVH, L, D]
-            v = kv_cache[1].index_select(0, dec.block_ids).view(kv_shape).transpose(1, 2)
+            k = _gather_blocks(kv_cache[0], dec).view(kv_shape).transpose(1, 2)  # [n, KVH, L, D]
+            v = _gather_blocks(kv_cache[1], dec).view(kv_shape).transpose(1, 2)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=dec.mask, scale=self.scale)
             output.index_copy_(0, dec.token_idx, out.reshape(n, self.num_heads, self.head_size))
         return output
+
+
+def _gather_blocks(
+    cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]: one layer's keys or values
+    dec: DecodeGroup,
+) -> torch.Tensor:  # [n * max_blocks, block_size, KVH, D], zero wherever nothing was written
+    blocks = cache.index_select(0, dec.block_ids)
+    blocks.view(-1, *cache.shape[2:]).index_fill_(0, dec.unwritten_rows, 0)
+    return blocks
 
 
 class TorchAttentionBackend(AttentionBackend):

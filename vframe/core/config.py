@@ -90,8 +90,10 @@ class SchedulerSection(BaseModel):
     preemption_mode: Literal["recompute", "swap"] = Field(
         "recompute", description="what happens to a request preempted when blocks run out"
     )
-    scheduling_policy: Literal["fcfs", "priority"] = Field(
-        "fcfs", description="fcfs, or priority (lower value first, ties by arrival)"
+    scheduling_policy: str = Field(
+        "fcfs",
+        description="scheduling policy registry name: fcfs, priority (lower value first, "
+        "ties by arrival), or a plugin's",
     )
 
 
@@ -113,7 +115,9 @@ class DeviceSection(BaseModel):
 class AttentionSection(BaseModel):
     model_config = _STRICT
 
-    attention_backend: str | None = Field(None, description="backend registry name; None = best for device")
+    attention_backend: str | None = Field(
+        None, description="backend registry name; None = `torch`, the only built-in backend so far"
+    )
 
 
 class SamplerSection(BaseModel):

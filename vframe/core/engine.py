@@ -6,11 +6,13 @@ One step::
         -> output_processor.process()  (detokenize, stop strings, RequestOutput)
 
 Every part is looked up by its configured name in the plugin registries; the
-engine imports no default implementation directly.
+engine imports no default implementation directly. Plugin objects get the
+engine's ``PluginContext`` when built, lifecycle hooks its ``EngineView``.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -21,6 +23,7 @@ from vframe.core.config import EngineConfig
 from vframe.core.interfaces import KVCacheManager, ModelRunner, Scheduler
 from vframe.core.output_processor import OutputProcessor, ParentRequest
 from vframe.core.outputs import RequestError, RequestOutput
+from vframe.core.plugin_context import EngineView, PluginContext, next_engine_id
 from vframe.core.request import Request, RequestStatus
 from vframe.core.sample.request_setup import SamplingSetup
 from vframe.core.sampling_params import SamplingParams
@@ -31,14 +34,34 @@ from vframe.plugins.manager import call_lifecycle, load_plugins
 logger = logging.getLogger(__name__)
 
 _DEFAULT_TOKEN_BUDGET = 4096
+# What EngineView.model says for model=None (the OpenAI server's model id for it too).
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 PromptType = str | dict[str, Any] | list[int]
+
+
+def _check_registry_names(config: EngineConfig) -> None:
+    """Fail on a misspelled or missing implementation name before the model loads
+    (``PluginError`` lists the known names, and a skipped plugin that provides it)."""
+    names = {
+        "model_runner": config.device.model_runner,
+        "scheduler": config.scheduler.scheduler,
+        "scheduling_policy": config.scheduler.scheduling_policy,
+        "kv_cache_manager": config.scheduler.kv_cache_manager,
+        "sampler": config.sampler.sampler,
+        "attention_backend": config.attention.attention_backend,
+        "quantizer": config.quantization.quantization,
+    }
+    for kind, name in names.items():
+        if name is not None:
+            get_registry(kind).get(name)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         load_plugins(config.plugins.plugins)
+        _check_registry_names(config)
         t0 = time.perf_counter()
 
         runner_cls = get_registry("model_runner").load(config.device.model_runner)
@@ -52,9 +75,17 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.vocab_size = self.model_runner.vocab_size
         self.eos_token_ids = self._eos_token_ids()
-        self.sampling_setup = SamplingSetup(
-            self.tokenizer, self.vocab_size, self.eos_token_ids, config.model.max_logprobs
+        self.plugin_context = PluginContext(
+            engine_config=config,
+            model_config=self.model_runner.hf_config,
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            eos_token_ids=frozenset(self.eos_token_ids),
+            device=self.model_runner.device,
+            dtype=self.model_runner.dtype,
         )
+        self.model_runner.set_plugin_context(self.plugin_context)
+        self.sampling_setup = SamplingSetup(self.plugin_context)
 
         num_blocks = self.model_runner.determine_num_kv_blocks()
         self.model_runner.initialize_kv_cache(num_blocks)
@@ -89,6 +120,16 @@ class LLMEngine:
         self.scheduler: Scheduler = sched_cls(config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        self.engine_view = EngineView(
+            engine_id=next_engine_id(),
+            model=config.model.model or EMBEDDED_MODEL_NAME,
+            context=self.plugin_context,
+            max_model_len=self.max_model_len,
+            block_size=cache.block_size,
+            num_kv_blocks=num_blocks,
+            # Not self.get_stats: the view must not keep the engine alive (a cycle).
+            _stats=functools.partial(_merged_stats, self.scheduler, self.kv_cache_manager),
+        )
         self.startup_s = time.perf_counter() - t0
         logger.info(
             "vframe ready in %.1fs: %d KV blocks of %d tokens (%d tokens; at most %.1f requests of "
@@ -101,7 +142,7 @@ class LLMEngine:
             self.max_model_len,
             f"; swap space of {num_swap_blocks} blocks" if num_swap_blocks else "",
         )
-        call_lifecycle("vframe_engine_started", engine=self)
+        call_lifecycle("vframe_engine_started", engine=self, engine_view=self.engine_view)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
@@ -184,10 +225,12 @@ class LLMEngine:
             raise InvalidRequestError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         max_tokens = self._validate_prompt(token_ids, params)
         self.sampling_setup.prepare(params)
-        if self.config.scheduler.scheduling_policy != "priority" and priority != 0:
+        policy_name = self.config.scheduler.scheduling_policy
+        if priority != 0 and not get_registry("scheduling_policy").load(policy_name).uses_priority:
             raise InvalidRequestError(
-                f"priority={priority} needs scheduling_policy='priority' (it is "
-                f"{self.config.scheduler.scheduling_policy!r})"
+                f"priority={priority} needs scheduling_policy='priority' (the built-in policy "
+                f"that reads priority) or a plugin policy with uses_priority=True; the scheduling "
+                f"policy {policy_name!r} ignores priority"
             )
 
         parent = ParentRequest(request_id, text, token_ids, params)
@@ -219,6 +262,7 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
+            engine_view=self.engine_view,
         )
         return request_id
 
@@ -285,6 +329,7 @@ class LLMEngine:
             engine=self,
             num_scheduled_tokens=sched_out.total_num_scheduled_tokens,
             elapsed_s=time.perf_counter() - t0,
+            engine_view=self.engine_view,
         )
         return outputs
 
@@ -311,6 +356,7 @@ class LLMEngine:
             finish_reason=reason,
             num_prompt_tokens=len(out.prompt_token_ids),
             num_output_tokens=sum(len(c.token_ids) for c in out.outputs),
+            engine_view=self.engine_view,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -320,10 +366,15 @@ class LLMEngine:
         return len(self.output_processor.parents)
 
     def get_stats(self) -> dict[str, float]:
-        return self.scheduler.get_stats()
+        return _merged_stats(self.scheduler, self.kv_cache_manager)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        call_lifecycle("vframe_engine_shutdown", engine=self)
+        call_lifecycle("vframe_engine_shutdown", engine=self, engine_view=self.engine_view)
+
+
+def _merged_stats(scheduler: Scheduler, kv_cache_manager: KVCacheManager) -> dict[str, float]:
+    """The scheduler's counters and the KV cache manager's (the scheduler's win a clash)."""
+    return {**kv_cache_manager.get_stats(), **scheduler.get_stats()}

@@ -1,7 +1,7 @@
-"""The five interfaces of vframe's core.
+"""The interfaces of vframe's core.
 
-Every concrete scheduler, KV cache manager, model runner, sampler and attention
-backend implements one of these and is found by name in a plugin registry
+Every concrete scheduler, scheduling policy, KV cache manager, model runner,
+sampler, logits processor and attention backend implements one of these and is found by name in a plugin registry
 (``vframe.plugins.registry``). The engine only ever talks to these types.
 
 Shapes use ``T`` for the number of tokens scheduled in one step (all requests
@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -28,8 +28,10 @@ if TYPE_CHECKING:
         SamplerOutput,
         SchedulerOutput,
     )
+    from vframe.core.plugin_context import PluginContext
     from vframe.core.request import Request, RequestStatus
     from vframe.core.sample.metadata import SamplingMetadata
+    from vframe.core.sampling_params import SamplingParams
 
 
 # --------------------------------------------------------------------------- #
@@ -51,6 +53,42 @@ class CommonAttentionMetadata:
 
     ``slot_mapping[t] = block_id * block_size + offset`` is where token ``t``'s
     key and value are written; ``block_table[b]`` lists request ``b``'s blocks.
+
+    Built by the model runner once per step and handed to the backend's
+    ``AttentionMetadataBuilder.build``. Row ``b`` is the ``b``-th request of the
+    step (the order of ``SchedulerOutput.num_scheduled_tokens``); tokens are
+    flattened request after request with no padding. Tensors are on the
+    model's device; the ``*_cpu`` fields are plain Python lists (not tensors:
+    index them, don't call ``.tolist()``).
+
+    Attributes:
+        query_start_loc: ``[B + 1]`` int32; request ``b``'s tokens are rows
+            ``query_start_loc[b] .. query_start_loc[b + 1] - 1`` of the step's
+            ``[T, ...]`` tensors. ``query_start_loc[0] == 0``,
+            ``query_start_loc[B] == T``.
+        seq_lens: ``[B]`` int32, tokens of request ``b`` whose KV exists once
+            this step has written its keys and values (cached plus new).
+        context_lens: ``[B]`` int32, tokens of request ``b`` already in the KV
+            cache before this step; its new tokens sit at positions
+            ``context_lens[b] .. seq_lens[b] - 1``.
+        block_table: ``[B, max_blocks_per_req]`` int32; row ``b`` lists request
+            ``b``'s KV block ids in position order (token at position ``p`` is in
+            block ``block_table[b, p // block_size]``). ``max_blocks_per_req`` is
+            the most blocks any request of this step holds, so the width changes
+            from step to step. Unused entries are 0, which is also a real block
+            id: never read past ``ceil(seq_lens[b] / block_size)``.
+        slot_mapping: ``[T]`` int64, the KV cache slot of each new token,
+            ``block_id * block_size + position % block_size``, in the flattened
+            ``[num_blocks * block_size, ...]`` view of one layer's cache.
+        num_reqs: ``B``, requests in the step.
+        num_actual_tokens: ``T``, tokens in the step (``query_start_loc[B]``).
+        max_query_len: the most new tokens of one request in this step
+            (1 when every request decodes).
+        max_seq_len: ``max(seq_lens)``.
+        block_size: tokens per KV block (the ``block_size`` setting).
+        query_start_loc_cpu: ``B + 1`` ints, the values of ``query_start_loc``
+            on the host, so that a backend can plan without a device sync.
+        seq_lens_cpu: ``B`` ints, the values of ``seq_lens`` on the host.
     """
 
     query_start_loc: torch.Tensor  # [B + 1] int32
@@ -69,7 +107,16 @@ class CommonAttentionMetadata:
 
 
 class AttentionImpl(ABC):
-    """One attention layer's computation over the paged KV cache."""
+    """One attention layer's computation over the paged KV cache.
+
+    The model builds one per attention layer, when it is constructed, as
+    ``Impl(num_heads, head_size, scale, num_kv_heads, sliding_window=...)``
+    (the built-in Llama passes ``scale = head_size ** -0.5`` and the checkpoint
+    config's ``sliding_window``). That happens on the CPU, before the model is
+    moved to its device, and an ``AttentionImpl`` is no ``nn.Module``: a tensor
+    made in ``__init__`` stays on the CPU, so allocate device buffers on first
+    use in ``forward``.
+    """
 
     def __init__(
         self,
@@ -95,18 +142,35 @@ class AttentionImpl(ABC):
         attn_metadata: Any,  # what the backend's metadata builder built
     ) -> torch.Tensor:  # [T, H, D]
         """Write this step's key/value into ``kv_cache`` at ``slot_mapping``,
-        then attend each query causally over its request's cached and new tokens."""
+        then attend each query causally over its request's cached and new tokens.
+
+        ``query`` ``[T, H, D]``, ``key`` and ``value`` ``[T, KVH, D]``, in the
+        model's dtype, rows ordered as ``CommonAttentionMetadata.query_start_loc``
+        says. ``kv_cache``: this layer's cache, shaped by the backend's
+        ``get_kv_cache_shape(num_blocks, block_size, KVH, D)``, in the model's
+        dtype, zero-filled at start-up. ``attn_metadata``: what this backend's
+        ``AttentionMetadataBuilder.build`` returned for the step, the same
+        object for every layer. Returns ``[T, H, D]``."""
 
 
 class AttentionMetadataBuilder(ABC):
-    """Turns the common per-step metadata into what one backend's kernels need."""
+    """Turns the common per-step metadata into what one backend's kernels need.
+
+    One builder per model runner: constructed once, after the model is loaded,
+    as ``Builder(config: EngineConfig, device: torch.device)`` (the model's
+    device). ``build`` is then called every step, before the forward pass; a
+    builder may keep buffers across steps, while each step's
+    ``CommonAttentionMetadata`` is new and describes that step only.
+    """
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
 
     @abstractmethod
-    def build(self, common: CommonAttentionMetadata) -> Any: ...
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        """This step's attention metadata, passed unchanged to every layer's
+        ``AttentionImpl.forward`` as ``attn_metadata``."""
 
 
 class AttentionBackend(ABC):
@@ -147,7 +211,23 @@ class AttentionBackend(ABC):
         block_size: int,
         use_mla: bool = False,
     ) -> list[str]:
-        """Every reason this backend cannot serve the configuration; empty if it can."""
+        """Every reason this backend cannot serve the configuration; empty if it can.
+
+        Called once, when the model runner selects the backend (after the
+        checkpoint config is read, before the model is built), with keyword
+        arguments only:
+
+        - ``head_size``: ``int``, ``D``, the model's attention head size.
+        - ``dtype``: ``torch.dtype`` the model computes and caches KV in
+          (``torch.float32``, ``torch.bfloat16`` or ``torch.float16``).
+        - ``device``: ``str``, the device type, ``"cpu"`` or ``"cuda"``.
+        - ``block_size``: ``int``, tokens per KV block.
+        - ``use_mla``: ``bool``, the model caches a multi-head latent
+          (DeepSeek-V2/V3 MLA): its config has a ``kv_lora_rank``.
+
+        Return one sentence per problem, naming the value and what would work
+        (``"head_size 80 is not supported; use 64, 128 or 256"``); the runner
+        raises ``ConfigError`` with all of them."""
         return []
 
     @classmethod
@@ -163,7 +243,19 @@ class AttentionBackend(ABC):
 
 class KVCacheManager(ABC):
     """Owns the KV cache blocks. The scheduler never sees free lists, hashes or
-    reference counts: it asks for slots and gets block ids back, or ``None``."""
+    reference counts: it asks for slots and gets block ids back, or ``None``.
+
+    One per engine, constructed after the model runner has allocated the cache
+    as ``Manager(num_blocks, block_size, enable_caching, hash_algo=...,
+    num_swap_blocks=...)``: ``num_blocks`` from
+    ``ModelRunner.determine_num_kv_blocks``, ``block_size`` and
+    ``enable_caching`` from the ``block_size`` and ``enable_prefix_caching``
+    settings, ``hash_algo`` ``"builtin"`` or ``"sha256"``
+    (``prefix_caching_hash_algo``), ``num_swap_blocks`` 0 unless
+    ``preemption_mode="swap"``. Block ids are ``0 .. num_blocks - 1``, indices
+    into the runner's per-layer caches. The scheduler calls it; the engine
+    too, for ``can_ever_fit``, ``reset_prefix_cache`` and ``get_stats``. Every
+    call comes from the engine's one thread."""
 
     def __init__(
         self,
@@ -260,7 +352,16 @@ class KVCacheManager(ABC):
 
 
 class Scheduler(ABC):
-    """Decides, each step, how many tokens each request runs under one token budget."""
+    """Decides, each step, how many tokens each request runs under one token budget.
+
+    One per engine, constructed as ``Scheduler(config: EngineConfig,
+    kv_cache_manager: KVCacheManager)`` once the KV cache exists; the budget is
+    ``config.scheduler.max_num_batched_tokens``, already resolved by the engine.
+    Each engine step calls ``schedule()``, hands its ``SchedulerOutput`` to
+    ``ModelRunner.execute_model``, then passes both outputs to
+    ``update_from_output``; requests arrive through ``add_request`` between
+    steps. Every call comes from the engine's one thread. The scheduler asks
+    the KV cache manager for room and never touches blocks itself."""
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
@@ -313,13 +414,106 @@ class Scheduler(ABC):
         return {}
 
 
+class RequestView(Protocol):
+    """The fields of a request that a scheduling policy may read (plugin API 1.2).
+
+    The engine passes its ``Request`` objects; read these, change nothing.
+
+    Attributes:
+        request_id: the id the request was added with.
+        priority: the request's priority as given by the user (``0`` unless set;
+            lower runs first under the built-in ``priority`` policy).
+        arrival_time: ``time.monotonic()`` when the request entered the engine.
+        num_prompt_tokens: tokens in its prompt.
+        max_tokens: most tokens it may generate, already capped by ``max_model_len``.
+        num_computed_tokens: tokens whose KV is in the cache: ``0`` while waiting
+            for the first time and after a preemption that recomputes; a request
+            swapped out keeps the count it reached.
+        num_output_tokens: tokens generated so far.
+        num_preemptions: how often it was preempted.
+        sampling_params: its ``SamplingParams``.
+    """
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def arrival_time(self) -> float: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
+
+class SchedulingPolicy(ABC):
+    """Which waiting request the scheduler admits next, and which running request
+    it preempts first when KV blocks run out (plugin API 1.2).
+
+    Selected by the ``scheduling_policy`` setting; the built-in scheduler asks
+    the policy, a replacement scheduler may too. Constructed once per engine as
+    ``Policy(config: EngineConfig)``.
+    """
+
+    uses_priority: ClassVar[bool] = False
+    """Whether the policy reads ``request.priority``. When ``False`` the engine
+    refuses requests with a ``priority`` other than 0 instead of ignoring it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def sort_key(self, request: RequestView) -> tuple[Any, ...]:
+        """The request's place in the waiting queue: smallest first, ties in order
+        of arrival. Computed when the request enters the queue (on arrival, and
+        again when it is preempted), so it must depend only on the request.
+        Running requests are preempted largest key first (latest arrival among
+        equal keys), so a policy orders both decisions at once."""
+
+
 # --------------------------------------------------------------------------- #
 # Model runner
 # --------------------------------------------------------------------------- #
 
 
 class ModelRunner(ABC):
-    """Turns a scheduler decision into tensors, runs the model and samples."""
+    """Turns a scheduler decision into tensors, runs the model and samples.
+
+    One per engine, constructed as ``Runner(config: EngineConfig)``. The engine
+    then calls ``load_model()``, ``determine_num_kv_blocks()``,
+    ``initialize_kv_cache(num_blocks)`` (and, with ``preemption_mode="swap"``,
+    ``determine_num_swap_blocks()`` and ``initialize_swap_space(num_blocks)``)
+    once, and ``execute_model(scheduler_output)`` every step.
+
+    ``load_model()`` must set the attributes below: the engine reads them
+    (plugin API 1.2; before, they were an undocumented part of the built-in runner).
+
+    Attributes:
+        resolved: the model files (``vframe.models.loader.ResolvedModel``: the
+            directory, or the GGUF file and its converted directory) that the
+            tokenizer is loaded from.
+        hf_config: the model's Hugging Face configuration (``PretrainedConfig``).
+        vocab_size: columns of the logits the model produces.
+        max_position_embeddings: the longest sequence the model's positions cover;
+            the default for ``max_model_len``.
+        device: the ``torch.device`` the model runs on.
+        dtype: the model's compute ``torch.dtype``.
+    """
+
+    resolved: Any
+    hf_config: Any
+    vocab_size: int
+    max_position_embeddings: int
+    device: torch.device
+    dtype: torch.dtype
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -336,6 +530,12 @@ class ModelRunner(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def set_plugin_context(self, context: PluginContext) -> None:
+        """Receive the engine's ``PluginContext`` (plugin API 1.2): called once, after
+        ``load_model`` and the tokenizer, before ``determine_num_kv_blocks`` and the
+        first step. A runner builds its sampler here, as ``Sampler(context=context)``
+        when the sampler's ``__init__`` declares ``context``. The default ignores it."""
 
     def determine_num_swap_blocks(self) -> int:
         """How many KV blocks the swap space (``swap_space`` GiB) holds."""
@@ -354,7 +554,13 @@ class ModelRunner(ABC):
 
 
 class Sampler(ABC):
-    """Picks the next token of every request in the batch, each with its own parameters."""
+    """Picks the next token of every request in the batch, each with its own parameters.
+
+    Selected by the ``sampler`` setting and built once per engine: as
+    ``Sampler(context=<PluginContext>)`` when ``__init__`` declares a parameter
+    named ``context`` (plugin API 1.2: the tokenizer, ``vocab_size``, device of
+    its engine), else as ``Sampler()``.
+    """
 
     @abstractmethod
     def __call__(
@@ -365,24 +571,61 @@ class Sampler(ABC):
 
 
 class LogitsProcessor(ABC):
-    """Rewrites logits of the requests that ask for it; registered as a plugin."""
+    """Rewrites the logits of the requests that ask for it by name
+    (``SamplingParams(logits_processors=["name"])`` or ``[("name", kwargs)]``).
+
+    Construction: one instance per completion (a request with ``n=2`` gets two),
+    built as ``cls(**kwargs)`` with the request's kwargs; when ``__init__``
+    declares a parameter named ``context`` (plugin API 1.2) also with
+    ``context=<PluginContext>`` of the engine serving the request: its tokenizer,
+    ``vocab_size``, ``eos_token_ids``, device. ``context`` is therefore reserved:
+    a request passing a kwarg of that name is refused. A completion that is
+    preempted and resumed gets a new instance, whose first call sees every token
+    generated so far, so state derived from ``token_ids`` survives.
+
+    Call: ``processor(token_ids, logits) -> logits`` once per generated token,
+    before the engine's own rewrites (``logit_bias``, bans, penalties, ...).
+    """
 
     @abstractmethod
     def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """``token_ids``: the request's generated tokens so far; ``logits``: [V]."""
+        """``token_ids``: the completion's generated tokens so far (not the prompt);
+        ``logits``: ``[V]`` float32 on the model's device, ``V = context.vocab_size``.
+        Return a ``[V]`` tensor; changing ``logits`` in place and returning it is
+        fine. An exception fails this request only, with ``finish_reason="error"``."""
 
 
 class ModelArchitecture(ABC):
     """What the model registry hands out: an ``nn.Module`` with these methods.
 
     Kept as documentation of the contract; models subclass ``torch.nn.Module``
-    and implement the same names (see ``vframe/models/llama.py``)."""
+    and implement the same names (see ``vframe/models/llama.py``).
+
+    The loader constructs the class as ``Model(hf_config, attn_backend, dtype)``
+    (the checkpoint's ``transformers.PretrainedConfig``, the selected
+    ``type[AttentionBackend]`` whose ``get_impl_cls()`` each attention layer
+    instantiates, the ``torch.dtype`` to compute in), plus ``quant_config=``
+    when a quantization method is configured (a class without that parameter
+    cannot run quantized). It does so under ``torch.device("cpu")``, calls
+    ``load_weights``, then the runner moves the model to its device and calls
+    it in ``torch.inference_mode()``."""
 
     @abstractmethod
-    def forward(self, input_ids, positions, kv_caches, attn_metadata): ...  # -> [T, E]
+    def forward(self, input_ids, positions, kv_caches, attn_metadata):  # -> [T, E]
+        """One step over every scheduled token: ``input_ids`` ``[T]`` int64,
+        ``positions`` ``[T]`` int64 (each token's position in its request),
+        ``kv_caches`` one tensor per layer in the backend's
+        ``get_kv_cache_shape``, ``attn_metadata`` what the backend's builder
+        built for the step (pass it to every ``AttentionImpl.forward``).
+        Returns the hidden states ``[T, E]``."""
 
     @abstractmethod
-    def compute_logits(self, hidden_states): ...  # [N, E] -> [N, V]
+    def compute_logits(self, hidden_states):  # [N, E] -> [N, V]
+        """The output head on some rows of ``forward``'s result: ``[N, E]`` ->
+        ``[N, V]`` float32 logits."""
 
     @abstractmethod
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy the checkpoint's ``(Hugging Face name, tensor)`` pairs into the
+        parameters; returns the names of the parameters now fully loaded. The
+        loader fails if any parameter is not among them."""

@@ -92,6 +92,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "that failed to load are listed with their error.",
     )
     plugins.add_argument("--plugins", default=None, help="allow-list of entry-point plugins (comma-separated)")
+    plugins.add_argument(
+        "--check",
+        metavar="NAME",
+        default=None,
+        help="run the conformance kit's quick checks (vframe.testing) on the registry entry NAME and print "
+        "PASS, FAIL or SKIP per check; exit status 0 when at least one check passed and none failed",
+    )
+    from vframe.plugins.registry import KINDS
+
+    plugins.add_argument("--kind", choices=KINDS, default=None, help="with --check: only the entry of this kind")
 
     from vframe.entrypoints.openai.args import add_serve_args
 
@@ -185,6 +195,13 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
     if args.plugins is not None:
         load_plugins([p for p in args.plugins.split(",") if p])
+    if args.check is not None:
+        from vframe.testing.quick import report_quick_checks
+
+        return report_quick_checks(args.check, args.kind, print_line=lambda line: print(line, flush=True))
+    if args.kind is not None:
+        print("vframe: error: --kind only applies with --check NAME", file=sys.stderr)
+        return 2
     print(format_plugins(describe_plugins()))
     return 0
 

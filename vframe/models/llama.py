@@ -1,9 +1,11 @@
 """Llama (and Mistral, SmolLM2): a decoder of pre-norm attention + SwiGLU layers.
 
 Every token of a step is flattened into one dimension ``T``; attention over the
-paged KV cache is the backend's job. q/k/v and gate/up are fused into single
-matmuls; ``load_weights`` takes the Hugging Face names and fills the fused
-parameters shard by shard.
+paged KV cache is the backend's job. The projections are vframe's linear layers
+(``vframe/layers/linear.py``): q/k/v and gate/up fused into single matmuls,
+each weight created and applied by the quantization method of the run
+(unquantized: plain ``F.linear``). ``load_weights`` maps the Hugging Face names
+onto (fused parameter, shard id) and lets the parameters' loaders place them.
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ from torch import nn
 
 from vframe.core.interfaces import AttentionBackend
 from vframe.errors import ModelLoadError
+from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from vframe.models.loader.weights import load_named_weights
+from vframe.quant.base import QuantizationConfig
 
 ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM"]
 
-# Hugging Face projection -> (our fused parameter, shard id)
-_FUSED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
+# (our fused projection, Hugging Face projection, shard id)
+_STACKED_PARAMS = [
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+]
 
 
 def get_head_dim(hf_config: Any) -> int:
@@ -117,24 +122,38 @@ class RMSNorm(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype
+        self,
+        hf_config: Any,
+        attn_backend: type[AttentionBackend],
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
     ) -> None:
         super().__init__()
         hidden_size = hf_config.hidden_size
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = get_head_dim(hf_config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         bias = getattr(hf_config, "attention_bias", False)
-
-        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=bias, dtype=dtype)
-        self.shard_offsets = {
-            "q": (0, self.q_size),
-            "k": (self.q_size, self.kv_size),
-            "v": (self.q_size + self.kv_size, self.kv_size),
-        }
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size,
+            self.head_dim,
+            hf_config.num_attention_heads,
+            getattr(hf_config, "num_key_value_heads", None),
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+            params_dtype=dtype,
+        )
+        # This rank's heads: all of them until tensor parallelism.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            hf_config.num_attention_heads * self.head_dim,
+            hidden_size,
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+            params_dtype=dtype,
+        )
         self.attn = attn_backend.get_impl_cls()(
             self.num_heads,
             self.head_dim,
@@ -162,13 +181,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hf_config: Any, dtype: torch.dtype, quant_config: QuantizationConfig | None, prefix: str
+    ) -> None:
         super().__init__()
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
         bias = getattr(hf_config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
-        self.shard_offsets = {"gate": (0, inter), "up": (inter, inter)}
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden,
+            [inter, inter],
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+            params_dtype=dtype,
+        )
+        self.down_proj = RowParallelLinear(
+            inter, hidden, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj", params_dtype=dtype
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
@@ -177,14 +206,19 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype
+        self,
+        hf_config: Any,
+        attn_backend: type[AttentionBackend],
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
     ) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(hf_config, attn_backend, dtype)
+        self.self_attn = LlamaAttention(hf_config, attn_backend, dtype, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
-        self.mlp = LlamaMLP(hf_config, dtype)
+        self.mlp = LlamaMLP(hf_config, dtype, quant_config, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -200,15 +234,20 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype
+        self,
+        hf_config: Any,
+        attn_backend: type[AttentionBackend],
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str = "model",
     ) -> None:
         super().__init__()
-        # An explicit weight skips Embedding's random init, which on the meta device
-        # would import torch._dynamo (over a second of start-up).
+        # An explicit, uninitialised weight skips Embedding's random init.
         weight = torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype)
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, attn_backend, dtype) for _ in range(hf_config.num_hidden_layers)
+            LlamaDecoderLayer(hf_config, attn_backend, dtype, quant_config, f"{prefix}.layers.{i}")
+            for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
 
@@ -228,18 +267,23 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, hf_config: Any, attn_backend: type[AttentionBackend], dtype: torch.dtype
+        self,
+        hf_config: Any,
+        attn_backend: type[AttentionBackend],
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        # Parameters start uninitialised (load_weights fills every one):
+        # Parameters start uninitialised (torch.empty; load_weights fills every one):
         # random init of a multi-billion-parameter model would cost minutes.
-        with torch.device("meta"):
-            self.model = LlamaModel(hf_config, attn_backend, dtype)
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype)
-        self.to_empty(device=torch.get_default_device())
+        self.model = LlamaModel(hf_config, attn_backend, dtype, quant_config)
+        # The head stays unquantized, as checkpoints of the usual formats keep it.
+        self.lm_head = ReplicatedLinear(
+            hf_config.hidden_size, hf_config.vocab_size, bias=False, prefix="lm_head", params_dtype=dtype
+        )
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary_emb = RotaryEmbedding(hf_config, get_head_dim(hf_config))
@@ -257,43 +301,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy Hugging Face-named tensors into the (fused) parameters.
-
-        Returns the names of the parameters that are now fully loaded; a fused
-        parameter counts only once every one of its shards has arrived."""
-        params = dict(self.named_parameters())
-        shards_seen: dict[str, set[str]] = {}
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            module_name, _, leaf = name.rpartition(".")  # leaf: weight | bias
-            parent, _, proj = module_name.rpartition(".")
-            if proj in _FUSED:
-                fused, shard = _FUSED[proj]
-                target = f"{parent}.{fused}.{leaf}"
-                param = params.get(target)
-                if param is None:
-                    raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-                start, size = self.get_submodule(parent).shard_offsets[shard]
-                _copy(param.data.narrow(0, start, size), tensor, name)
-                shards_seen.setdefault(target, set()).add(shard)
-                if len(shards_seen[target]) == len(self.get_submodule(parent).shard_offsets):
-                    loaded.add(target)
-            else:
-                param = params.get(name)
-                if param is None:
-                    raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-                _copy(param.data, tensor, name)
-                loaded.add(name)
-        return loaded
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ModelLoadError(
-            f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}"
+        """Load Hugging Face-named tensors; returns the names of the parameters now
+        fully loaded (a fused one once every shard has arrived)."""
+        weights = (
+            (name, tensor)
+            for name, tensor in weights
+            if "rotary_emb.inv_freq" not in name and not (name == "lm_head.weight" and self.tie_word_embeddings)
         )
-    dst.copy_(src)
+        return load_named_weights(self, weights, _STACKED_PARAMS)

@@ -28,6 +28,12 @@ def vframe_register_schedulers(register: RegisterFn) -> None:
 
 
 @hookimpl
+def vframe_register_scheduling_policies(register: RegisterFn) -> None:
+    register("fcfs", "vframe.core.sched.policies:FirstComeFirstServed")
+    register("priority", "vframe.core.sched.policies:PriorityPolicy")
+
+
+@hookimpl
 def vframe_register_kv_cache_managers(register: RegisterFn) -> None:
     register("default", "vframe.core.sched.kv_cache_manager:PagedKVCacheManager")
 

@@ -17,7 +17,9 @@ Two families:
 
 * **Lifecycle hooks** are notifications for cross-cutting work (metrics,
   tracing, profiling). They return nothing and cannot change what the engine
-  does. An exception raised by one is logged, that implementation is disabled
+  does. Each receives ``engine_view`` (``vframe.core.plugin_context.EngineView``,
+  plugin API 1.2), the stable read-only view of the engine that raised it;
+  ``engine`` is the ``LLMEngine`` itself, whose attributes are not a stable API. An exception raised by one is logged, that implementation is disabled
   and the engine goes on. ``wrapper=True`` / ``hookwrapper=True`` are not
   supported: the engine calls each implementation directly so that one
   plugin's failure never reaches another.
@@ -33,6 +35,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from vframe.core.engine import LLMEngine
+    from vframe.core.plugin_context import EngineView
     from vframe.core.sampling_params import SamplingParams
 
 hookspec = pluggy.HookspecMarker("vframe")
@@ -79,6 +82,13 @@ def vframe_register_schedulers(register: RegisterFn) -> None:
 
 
 @hookspec
+def vframe_register_scheduling_policies(register: RegisterFn) -> None:
+    """Register ``vframe.core.interfaces.SchedulingPolicy`` subclasses, selected
+    by the ``scheduling_policy`` setting (built-ins: ``fcfs``, ``priority``).
+    Plugin API 1.2."""
+
+
+@hookspec
 def vframe_register_kv_cache_managers(register: RegisterFn) -> None:
     """Register ``vframe.core.interfaces.KVCacheManager`` subclasses, selected
     by the ``kv_cache_manager`` setting."""
@@ -120,14 +130,14 @@ def vframe_register_structured_output_backends(register: RegisterFn) -> None:
 
 
 @hookspec
-def vframe_engine_started(engine: LLMEngine) -> None:
+def vframe_engine_started(engine: LLMEngine, engine_view: EngineView) -> None:
     """Called once, after the engine has loaded the model and allocated the
     KV cache, before the first request is accepted."""
 
 
 @hookspec
 def vframe_request_added(
-    request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+    request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, engine_view: EngineView
 ) -> None:
     """Called when a request enters the engine, after validation and
     tokenization, before it is scheduled. Treat the arguments as read-only."""
@@ -135,23 +145,29 @@ def vframe_request_added(
 
 @hookspec
 def vframe_request_finished(
-    request_id: str, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int
+    request_id: str,
+    finish_reason: str,
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+    engine_view: EngineView,
 ) -> None:
     """Called once per request when it stops: ``finish_reason`` is ``"stop"``,
-    ``"length"`` or ``"abort"``; for a request with ``n > 1`` completions, their
+    ``"length"``, ``"abort"`` or ``"error"``; for a request with ``n > 1`` completions, their
     distinct reasons sorted and joined by commas (``"length,stop"``).
     ``num_output_tokens`` counts the tokens of all its completions."""
 
 
 @hookspec
-def vframe_engine_step(engine: LLMEngine, num_scheduled_tokens: int, elapsed_s: float) -> None:
+def vframe_engine_step(
+    engine: LLMEngine, num_scheduled_tokens: int, elapsed_s: float, engine_view: EngineView
+) -> None:
     """Called after every engine step. ``num_scheduled_tokens``: tokens the
     step ran over all requests (prefill chunks plus decodes); ``elapsed_s``:
     wall time of the step, from scheduling to processed outputs."""
 
 
 @hookspec
-def vframe_engine_shutdown(engine: LLMEngine) -> None:
+def vframe_engine_shutdown(engine: LLMEngine, engine_view: EngineView) -> None:
     """Called once when the engine shuts down; release files and connections here."""
 
 
@@ -160,6 +176,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "vframe_register_models": "model",
     "vframe_register_attention_backends": "attention_backend",
     "vframe_register_schedulers": "scheduler",
+    "vframe_register_scheduling_policies": "scheduling_policy",
     "vframe_register_kv_cache_managers": "kv_cache_manager",
     "vframe_register_samplers": "sampler",
     "vframe_register_model_runners": "model_runner",

@@ -32,6 +32,7 @@ from vframe.errors import PluginError
 from vframe.plugins import hookspecs
 from vframe.plugins.hookspecs import LIFECYCLE_HOOKS, REGISTRATION_HOOKS
 from vframe.plugins.registry import BUILTIN, KINDS, Registry
+from vframe.plugins.versioning import api_refusal
 from vframe.version import PLUGIN_API_VERSION, __version__
 
 if TYPE_CHECKING:
@@ -56,12 +57,17 @@ class PluginInfo:
     origin: Literal["builtin", "entry_point", "runtime"]
     distribution: str | None = None  # "vframe-plugin-stepstats 0.1.0"
     api_version: str | None = None  # the plugin's VFRAME_PLUGIN_API, if declared
+    hooks: tuple[str, ...] = ()  # the hooks it implements, in hookspecs order
 
 
 @dataclass(frozen=True)
 class PluginFailure:
     plugin: str
     error: str
+    # (kind, name) of the entries the plugin would have registered, where they could
+    # be learned: a plugin refused for its API version or a bad hook still says.
+    provides: tuple[tuple[str, str], ...] = ()
+    skipped: bool = True  # False: the plugin loaded, one of its lifecycle hooks was disabled
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ class _State:
     plugins: dict[str, PluginInfo] = field(default_factory=dict)
     runtime: dict[str, object] = field(default_factory=dict)  # survive reloads
     failures: list[PluginFailure] = field(default_factory=list)
+    not_allowed: set[str] = field(default_factory=set)  # installed entry points the allow-list left out
     registries: dict[str, Registry] = field(default_factory=lambda: {k: Registry(k) for k in KINDS})
     listeners: dict[str, tuple[_Listener, ...]] = field(default_factory=dict)
     disabled: set[tuple[str, str]] = field(default_factory=set)  # (plugin, hook)
@@ -152,7 +159,7 @@ def register_plugin(plugin: object, name: str) -> None:
             pm.unregister(plugin=plugin)
             raise
         _apply(staged)
-        _state.plugins[name] = PluginInfo(name, "runtime", api_version=_declared_api(plugin))
+        _state.plugins[name] = _info(pm, plugin, name, "runtime")
         _state.runtime[name] = plugin
         _state.listeners.clear()
 
@@ -246,16 +253,16 @@ def _build(allow: frozenset[str] | None) -> None:
     pm = pluggy.PluginManager("vframe")
     pm.add_hookspecs(hookspecs)
     _state.failures.clear()
+    _state.not_allowed.clear()
     _state.disabled.clear()
     _state.plugins.clear()
     _add_plugin(pm, builtin, BUILTIN)
-    _state.plugins[BUILTIN] = PluginInfo(
-        BUILTIN, "builtin", f"vframe {__version__}", api_version=PLUGIN_API_VERSION
-    )
+    _state.plugins[BUILTIN] = _info(pm, builtin, BUILTIN, "builtin", f"vframe {__version__}")
 
     seen: dict[str, str] = {}
     for ep in sorted(_iter_entry_points(), key=lambda ep: ep.name):
         if allow is not None and ep.name not in allow:
+            _state.not_allowed.add(ep.name)
             continue
         dist = f"{ep.dist.name} {ep.dist.version}" if getattr(ep, "dist", None) else None
         if ep.name == BUILTIN or ep.name in seen or ep.name in _state.runtime:
@@ -273,15 +280,15 @@ def _build(allow: frozenset[str] | None) -> None:
         try:
             _add_plugin(pm, plugin, ep.name)
         except PluginError as e:
-            _fail(ep.name, str(e))
+            _fail(ep.name, str(e), _would_register(plugin))
             continue
-        _state.plugins[ep.name] = PluginInfo(ep.name, "entry_point", dist, _declared_api(plugin))
+        _state.plugins[ep.name] = _info(pm, plugin, ep.name, "entry_point", dist)
     for name in sorted((allow or frozenset()) - seen.keys() - {BUILTIN}):
         _fail(name, f"named in the plugin allow-list ({PLUGINS_ENV} / plugins setting) but not installed")
 
     for name, plugin in _state.runtime.items():
         pm.register(plugin, name=name)
-        _state.plugins[name] = PluginInfo(name, "runtime", api_version=_declared_api(plugin))
+        _state.plugins[name] = _info(pm, plugin, name, "runtime")
     _state.pm = pm
     _state.allow = allow
     _rebuild_registries(pm)
@@ -290,15 +297,9 @@ def _build(allow: frozenset[str] | None) -> None:
 def _add_plugin(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
     """Register ``plugin`` with ``pm`` if it is valid; raise ``PluginError`` (and
     leave ``pm`` unchanged) if not."""
-    declared = _declared_api(plugin)
-    if declared is not None:
-        major = declared.split(".")[0]
-        if major != PLUGIN_API_VERSION.split(".")[0]:
-            raise PluginError(
-                f"plugin {name!r} targets vframe plugin API {declared}, but this vframe "
-                f"provides {PLUGIN_API_VERSION}; install a version of the plugin made "
-                f"for plugin API {PLUGIN_API_VERSION.split('.')[0]}.x"
-            )
+    declared = getattr(plugin, "VFRAME_PLUGIN_API", None)
+    if declared is not None and (refusal := api_refusal(name, declared)) is not None:
+        raise PluginError(refusal)
     try:
         pm.register(plugin, name=name)
     except Exception as e:  # noqa: BLE001 - pluggy raises ValueError or PluginValidationError
@@ -323,12 +324,54 @@ def _add_plugin(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
 
 def _declared_api(plugin: object) -> str | None:
     declared = getattr(plugin, "VFRAME_PLUGIN_API", None)
-    return None if declared is None else str(declared)
+    return None if declared is None else declared if isinstance(declared, str) else repr(declared)
 
 
-def _fail(plugin: str, error: str) -> None:
+def _info(
+    pm: pluggy.PluginManager, plugin: object, name: str, origin: Any, distribution: str | None = None
+) -> PluginInfo:
+    implemented = {caller.name for caller in pm.get_hookcallers(plugin) or []}
+    hooks = tuple(h for h in (*REGISTRATION_HOOKS, *LIFECYCLE_HOOKS) if h in implemented)
+    return PluginInfo(name, origin, distribution, _declared_api(plugin), hooks)
+
+
+def _would_register(plugin: object) -> tuple[tuple[str, str], ...]:
+    """What a refused plugin's registration hooks register, learned by calling them
+    with a recorder; what cannot be learned (a hook that raises) is left out."""
+    provides: list[tuple[str, str]] = []
+    for hook_name, kind in REGISTRATION_HOOKS.items():
+        function = getattr(plugin, hook_name, None)
+        if not callable(function) or not hasattr(function, "vframe_impl"):
+            continue
+        try:
+            function(lambda name, target, *, override=False, _kind=kind: provides.append((_kind, name)))
+        except Exception:  # noqa: BLE001, S112 - best effort, for an error message only
+            continue
+    return tuple(provides)
+
+
+def skipped_plugin_hint(kind: str, name: str) -> str | None:
+    """Why an unknown ``name`` of ``kind`` may be missing: the skipped plugin that
+    provides it, or else every skipped plugin (one of them might). ``None`` when
+    no plugin was skipped."""
+    failures = [f for f in _state.failures if f.skipped]
+    for f in failures:
+        if (kind, name) in f.provides:
+            return f"plugin {f.plugin!r} provides it but was skipped: {f.error}"
+    hints = []
+    if failures:
+        hints.append("skipped plugins (one may provide it): " + "; ".join(f"{f.plugin}: {f.error}" for f in failures))
+    if _state.not_allowed:
+        hints.append(
+            f"installed but not in the plugin allow-list ({PLUGINS_ENV} / plugins setting): "
+            + ", ".join(sorted(_state.not_allowed))
+        )
+    return "; ".join(hints) or None
+
+
+def _fail(plugin: str, error: str, provides: tuple[tuple[str, str], ...] = ()) -> None:
     logger.warning("vframe plugin %r skipped: %s", plugin, error)
-    _state.failures.append(PluginFailure(plugin, error))
+    _state.failures.append(PluginFailure(plugin, error, provides))
 
 
 # --------------------------------------------------------------------------- #
@@ -351,7 +394,7 @@ def _rebuild_registries(pm: pluggy.PluginManager) -> None:
             pm.unregister(plugin=plugin)
             del _state.plugins[name]
             _state.runtime.pop(name, None)
-            _fail(name, str(e))
+            _fail(name, str(e), _would_register(plugin))
             continue
         _apply(staged)
     _state.listeners.clear()
@@ -414,5 +457,7 @@ def _disable(hook_name: str, listener: _Listener, error: BaseException) -> None:
         listener.plugin, hook_name, type(error).__name__, error, exc_info=error,
     )
     _state.failures.append(
-        PluginFailure(listener.plugin, f"{hook_name} raised {type(error).__name__}: {error}; hook disabled")
+        PluginFailure(
+            listener.plugin, f"{hook_name} raised {type(error).__name__}: {error}; hook disabled", skipped=False
+        )
     )

@@ -23,6 +23,7 @@ Kind = Literal[
     "model",
     "attention_backend",
     "scheduler",
+    "scheduling_policy",
     "kv_cache_manager",
     "sampler",
     "model_runner",
@@ -38,10 +39,11 @@ _KINDS: dict[str, tuple[str, str | None]] = {
     "model": ("model architecture", None),  # an nn.Module duck-typing ModelArchitecture
     "attention_backend": ("attention backend", "vframe.core.interfaces:AttentionBackend"),
     "scheduler": ("scheduler", "vframe.core.interfaces:Scheduler"),
+    "scheduling_policy": ("scheduling policy", "vframe.core.interfaces:SchedulingPolicy"),
     "kv_cache_manager": ("KV cache manager", "vframe.core.interfaces:KVCacheManager"),
     "sampler": ("sampler", "vframe.core.interfaces:Sampler"),
     "model_runner": ("model runner", "vframe.core.interfaces:ModelRunner"),
-    "quantizer": ("quantization method", None),
+    "quantizer": ("quantization method", "vframe.quant.base:QuantizationConfig"),
     "logits_processor": ("logits processor", "vframe.core.interfaces:LogitsProcessor"),
     "structured_output": (
         "structured-output backend",
@@ -119,10 +121,14 @@ class Registry(Generic[T]):
     def get(self, name: str) -> RegistryEntry:
         entry = self._entries.get(name)
         if entry is None:
+            from vframe.plugins.manager import skipped_plugin_hint
+
             known = ", ".join(self.names()) or "(none)"
+            hint = skipped_plugin_hint(self.kind, name)
             raise PluginError(
-                f"unknown {self.label} {name!r}; known: {known} "
-                "(`vframe plugins` lists installed plugins and why any were skipped)"
+                f"unknown {self.label} {name!r}; known: {known}"
+                + (f"; {hint}" if hint else "")
+                + " (`vframe plugins` lists installed plugins and why any were skipped)"
             )
         return entry
 

@@ -16,7 +16,9 @@ from vframe.plugins.manager import (
     loaded_plugins,
     plugin_failures,
 )
+from vframe.plugins.hookspecs import LIFECYCLE_HOOKS, REGISTRATION_HOOKS
 from vframe.plugins.registry import KINDS
+from vframe.version import PLUGIN_API_VERSION
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,17 @@ def format_plugins(
     failures = plugin_failures() if failures is None else failures
     plugins = loaded_plugins() if plugins is None else plugins
 
-    lines = ["Plugins:"]
+    lines = [f"Plugins (this vframe provides plugin API {PLUGIN_API_VERSION}):"]
     for p in plugins:
-        extra = ", ".join(x for x in (p.distribution, p.api_version and f"API {p.api_version}") if x)
-        lines.append(f"  {p.name} ({p.origin}{', ' + extra if extra else ''})")
+        api = f"API {p.api_version}" if p.api_version else "API not declared"
+        extra = ", ".join(x for x in (p.distribution, api) if x)
+        lines.append(f"  {p.name} ({p.origin}, {extra})")
+        registration = [h.removeprefix("vframe_register_") for h in p.hooks if h in REGISTRATION_HOOKS]
+        lifecycle = [h for h in p.hooks if h in LIFECYCLE_HOOKS]
+        if registration:
+            lines.append(f"    registers: {', '.join(registration)}")
+        if lifecycle:
+            lines.append(f"    lifecycle hooks: {', '.join(lifecycle)}")
 
     header = ("KIND", "NAME", "SOURCE", "USABLE", "TARGET")
     table = [

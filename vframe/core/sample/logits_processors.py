@@ -7,7 +7,10 @@ A request names them in ``SamplingParams.logits_processors``; each entry is
   forms), used as is: state it keeps is shared by every request given it;
 * the name of a ``logits_processor`` registry entry (a ``LogitsProcessor``
   subclass), or ``(name, kwargs)``: a fresh instance ``cls(**kwargs)`` per
-  completion, so that processors may keep per-request state.
+  completion, so that processors may keep per-request state. A class whose
+  ``__init__`` declares ``context`` is built as ``cls(context=..., **kwargs)``
+  with the engine's ``PluginContext`` (plugin API 1.2), so a request may not
+  pass a kwarg of that name.
 
 The engine resolves names when the request is added (an unknown name fails
 then, listing the known ones); the model runner builds one
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 
+from vframe.core.plugin_context import PluginContext, takes_context
 from vframe.core.sampling_params import LogitsProcessorSpec
 from vframe.errors import InvalidRequestError
 
@@ -30,7 +34,9 @@ from vframe.errors import InvalidRequestError
 ProcessorFactory = Callable[[], Callable[..., torch.Tensor]]
 
 
-def resolve_logits_processors(specs: list[LogitsProcessorSpec]) -> list[ProcessorFactory]:
+def resolve_logits_processors(
+    specs: list[LogitsProcessorSpec], context: PluginContext
+) -> list[ProcessorFactory]:
     """Turn ``SamplingParams.logits_processors`` into factories; names are looked
     up in the ``logits_processor`` registry (raises ``PluginError`` if unknown)."""
     from vframe.plugins import get_registry
@@ -40,10 +46,18 @@ def resolve_logits_processors(specs: list[LogitsProcessorSpec]) -> list[Processo
         if isinstance(spec, (str, tuple)):
             name, kwargs = (spec, {}) if isinstance(spec, str) else spec
             cls = get_registry("logits_processor").load(name)
+            if "context" in kwargs:
+                raise InvalidRequestError(
+                    f"logits processor {name!r}: the argument 'context' is reserved (the engine "
+                    "passes its PluginContext to processors that declare it); rename it"
+                )
+            if takes_context(cls):
+                kwargs = {**kwargs, "context": context}
             try:
                 inspect.signature(cls).bind(**kwargs)
             except TypeError as e:
-                raise InvalidRequestError(f"logits processor {name!r}: bad arguments {kwargs}: {e}") from None
+                shown = {k: v for k, v in kwargs.items() if k != "context"}
+                raise InvalidRequestError(f"logits processor {name!r}: bad arguments {shown}: {e}") from None
             factories.append(lambda cls=cls, kwargs=kwargs: cls(**kwargs))
         else:
             factories.append(lambda fn=spec: fn)

@@ -14,7 +14,20 @@ import torch
 
 @dataclass
 class PenaltyInputs:
-    """The rows of the batch that have a penalty, and what the penalties need."""
+    """The rows of the batch that have a penalty, and what the penalties need.
+
+    ``P`` is the number of such rows; every tensor is on the logits' device.
+
+    Attributes:
+        rows: ``[P]`` int64, the rows of the batch (``SamplingMetadata`` rows)
+            these entries belong to, ascending.
+        presence: ``[P]`` float32, ``presence_penalty``; 0.0 = off.
+        frequency: ``[P]`` float32, ``frequency_penalty``; 0.0 = off.
+        repetition: ``[P]`` float32, ``repetition_penalty``; 1.0 = off.
+        output_counts: ``[P, V]`` int32, how often each token was generated so
+            far (the prompt not counted).
+        prompt_mask: ``[P, V]`` bool, ``True`` where the token occurs in the prompt.
+    """
 
     rows: torch.Tensor  # [P] int64, rows of the batch
     presence: torch.Tensor  # [P] float32, 0 = off
@@ -26,7 +39,52 @@ class PenaltyInputs:
 
 @dataclass
 class SamplingMetadata:
-    """Row ``i`` of every tensor belongs to the ``i``-th sampled request of the step."""
+    """The sampling parameters of one step's batch, as the sampler receives them.
+
+    Row ``i`` of every tensor belongs to the ``i``-th sampled request of the
+    step, which is row ``i`` of the ``[B, V]`` float32 logits. Here ``B`` counts
+    only the requests that sample this step: a request in the middle of a
+    chunked prefill is not in the batch. ``V`` is the logits' width (the
+    model's output-head size, which can exceed the tokenizer's vocabulary).
+    Tensors live on the logits' device. Optional fields are ``None`` (or empty)
+    when no row uses them.
+
+    Attributes:
+        temperature: ``[B]`` float32; greedy rows hold 1.0 (so that dividing by
+            it is harmless).
+        greedy_mask: ``[B]`` bool, ``True`` for rows that take the argmax
+            (temperature below 1e-5).
+        all_greedy: every row is greedy: nothing random needs computing.
+        top_k: ``[B]`` int64, 0 = off; ``None`` when no row sets it.
+        top_p: ``[B]`` float32, 1.0 = off; ``None`` when no row sets it.
+        min_p: ``[B]`` float32, 0.0 = off; ``None`` when no row sets it.
+        generators: ``row -> torch.Generator`` (on the logits' device) for rows
+            with a ``seed``: their random draws come from it alone, so their
+            tokens do not depend on the rest of the batch. Each sampled token
+            takes one ``[V]`` exponential draw (``Tensor.exponential_``); a
+            re-admitted request's generator has been advanced past the draws
+            it made before its preemption.
+        max_num_logprobs: the largest ``logprobs`` asked by any row (0 = only
+            the sampled token's); ``None`` when no row asks for logprobs.
+        banned_token_ids: ``(row, token ids)`` whose logits are forced to
+            ``-inf``: stop tokens before ``min_tokens``, and the last token of
+            each bad word whose other tokens end the output. Only rows with a
+            ban, ascending.
+        logit_bias: ``(rows [N] int64, token ids [N] int64, bias [N] float32)``,
+            one entry per biased token (a row appears once per token), added to
+            the logits; ``None`` when no row has a ``logit_bias``.
+        allowed_token_mask: ``(rows [A] int64, mask [A, V] bool)``: in each of
+            these rows only the ``True`` tokens may be sampled
+            (``allowed_token_ids``); ``None`` when no row restricts.
+        token_bitmask: ``[B, ceil(V / 32)]`` int32, structured output: bit ``j``
+            of word ``w`` set = token ``32 * w + j`` allowed; rows without a
+            grammar are all ones (-1). ``None`` when no row has a grammar.
+        penalties: the rows with a presence, frequency or repetition penalty;
+            ``None`` when no row has one.
+        logits_processors: ``(row, fn)`` per row with logits processors:
+            ``fn(logits [V] float32) -> logits [V]`` runs that request's
+            processors in order (it may modify the row in place).
+    """
 
     temperature: torch.Tensor  # [B] float32; greedy rows hold 1.0
     greedy_mask: torch.Tensor  # [B] bool

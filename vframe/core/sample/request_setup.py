@@ -7,13 +7,16 @@ everything that needs the tokenizer, the vocabulary or a plugin.
 * ``logits_processors`` names resolved in the ``logits_processor`` registry;
 * ``structured_outputs`` compiled by its ``structured_output`` (one
   backend instance per name, built on first use).
+
+Plugin objects built here (logits processors, structured-output backends) get
+the engine's ``PluginContext`` when their ``__init__`` declares ``context``.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
 
+from vframe.core.plugin_context import PluginContext, takes_context
 from vframe.core.sample.logits_processors import resolve_logits_processors
 from vframe.core.sample.structured import DEFAULT_BACKEND, StructuredOutputBackend
 from vframe.core.sampling_params import SamplingParams
@@ -21,11 +24,13 @@ from vframe.errors import InvalidRequestError
 
 
 class SamplingSetup:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int], max_logprobs: int = 20) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_logprobs = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
-        self.eos_token_ids = eos_token_ids
+    def __init__(self, context: PluginContext) -> None:
+        self.context = context
+        self.tokenizer = context.tokenizer
+        self.vocab_size = context.vocab_size
+        max_logprobs = context.engine_config.model.max_logprobs
+        self.max_logprobs = self.vocab_size if max_logprobs == -1 else min(max_logprobs, self.vocab_size)
+        self.eos_token_ids = set(context.eos_token_ids)
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._backends_lock = threading.Lock()
 
@@ -50,7 +55,7 @@ class SamplingSetup:
                     f"SamplingParams.{name} has token ids out of range [0, {self.vocab_size}): {out_of_range[:5]}"
                 )
         if params.logits_processors:
-            params._logits_processor_factories = resolve_logits_processors(params.logits_processors)
+            params._logits_processor_factories = resolve_logits_processors(params.logits_processors, self.context)
         self.compile_structured_output(params)
 
     def compile_structured_output(self, params: SamplingParams) -> None:
@@ -71,5 +76,9 @@ class SamplingSetup:
                 if self.tokenizer is None:
                     raise InvalidRequestError("structured_outputs needs a tokenizer (skip_tokenizer_init is set)")
                 cls = get_registry("structured_output").load(name)
-                backend = self._backends[name] = cls(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                if takes_context(cls):
+                    backend = cls(context=self.context)
+                else:
+                    backend = cls(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                self._backends[name] = backend
             return backend

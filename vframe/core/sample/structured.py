@@ -26,25 +26,43 @@ DEFAULT_BACKEND = "guidance"
 
 
 class GrammarMatcher(ABC):
-    """One request's position in its grammar."""
+    """One completion's position in its grammar.
+
+    Made by ``CompiledGrammar.new_matcher`` when the request enters the model
+    runner, and again after a preemption (the new one is fed the tokens already
+    generated). Used from the engine's thread only.
+    """
 
     @abstractmethod
     def accept_token(self, token_id: int) -> bool:
-        """Advance by one sampled token; False if the grammar does not allow it."""
+        """Advance by one sampled token; False if the grammar does not allow it.
+
+        Called once per sampled token, in order. ``False`` or an exception
+        fails this request alone (``finish_reason="error"``)."""
 
 
 class CompiledGrammar(ABC):
-    """A request's compiled constraint; immutable, shared by the request's completions."""
+    """A request's compiled constraint; immutable, shared by the request's completions.
+
+    ``backend`` must be set (to the backend that compiled it): the runner
+    groups matchers by it for ``fill_bitmask``.
+    """
 
     backend: StructuredOutputBackend
 
     @abstractmethod
-    def new_matcher(self) -> GrammarMatcher: ...
+    def new_matcher(self) -> GrammarMatcher:
+        """A matcher at the start of the grammar, for one completion."""
 
 
 class StructuredOutputBackend(ABC):
-    """A grammar library. Constructed as ``Backend(tokenizer, vocab_size, eos_token_ids)``
-    with the engine's (fast, Hugging Face) tokenizer and the model's vocabulary size."""
+    """A grammar library, built once per engine on first use.
+
+    Constructed as ``Backend(tokenizer, vocab_size, eos_token_ids)`` with the
+    engine's (fast, Hugging Face) tokenizer and the model's vocabulary size; or,
+    when its ``__init__`` declares a parameter named ``context`` (plugin API 1.2),
+    as ``Backend(context=<PluginContext>)``, and then it calls
+    ``super().__init__(context.tokenizer, context.vocab_size, set(context.eos_token_ids))``."""
 
     name: ClassVar[str]
 
@@ -60,7 +78,11 @@ class StructuredOutputBackend(ABC):
 
     @abstractmethod
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """Raise ``InvalidRequestError`` with the library's reason if the constraint is invalid."""
+        """Raise ``InvalidRequestError`` with the library's reason if the constraint is invalid.
+
+        Called once per request when it is added; a server calls it from a
+        worker thread, possibly while a step runs ``fill_bitmask`` on the
+        engine's thread, so it must not change state those calls share."""
 
     @abstractmethod
     def fill_bitmask(self, matchers: list[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:

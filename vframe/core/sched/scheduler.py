@@ -3,12 +3,16 @@
 There are no prefill and decode phases. Each step every request is brought
 closer to ``num_tokens``: running requests first (a decode is one token, a
 prefill chunk as many as the budget allows), then waiting requests while the
-budget, ``max_num_seqs`` and free KV blocks last. When a running request cannot
-get a block, the lowest-priority running request is preempted and goes back
-to the front of the waiting queue: with ``preemption_mode="recompute"`` its
-blocks are freed and its tokens computed again when readmitted; with ``"swap"``
-its blocks are copied to the swap space and copied back (falling back to
-recompute when the swap space is full).
+budget, ``max_num_seqs`` and free KV blocks last.
+
+The order of both queues is the configured ``SchedulingPolicy``'s
+(``scheduling_policy``, looked up in the plugin registry): waiting requests are
+admitted smallest ``sort_key`` first. When a running request cannot get a block,
+the running request with the largest key is preempted and waits again (under
+first come, first served: the latest admitted, back at the front of the queue).
+With ``preemption_mode="recompute"`` its blocks are freed and its tokens
+computed again when readmitted; with ``"swap"`` its blocks are copied to the
+swap space and copied back (falling back to recompute when the swap space is full).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 from vframe.core.config import EngineConfig
-from vframe.core.interfaces import KVCacheManager, Scheduler
+from vframe.core.interfaces import KVCacheManager, Scheduler, SchedulingPolicy
 from vframe.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -30,23 +34,29 @@ from vframe.core.outputs import (
     SchedulerOutput,
 )
 from vframe.core.request import Request, RequestStatus
+from vframe.core.sched.policies import FirstComeFirstServed
 from vframe.errors import ConfigError
+from vframe.plugins import get_registry
+
+SortKey = Callable[[Request], tuple]
 
 
 class WaitingQueue:
-    """A FIFO deque, or a heap ordered by ``key(request)`` (ties by arrival)."""
+    """A FIFO deque, or a heap ordered by ``key(request)``, ties by arrival time
+    and then by the order of ``add``."""
 
-    def __init__(self, key: Callable[[Request], tuple] | None = None) -> None:
+    def __init__(self, key: SortKey | None = None) -> None:
         self.key = key
         self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[tuple, int, Request]] = []
+        self._heap: list[tuple[tuple, float, int, Request]] = []
         self._counter = itertools.count()
 
     def add(self, request: Request) -> None:
         if self.key is None:
             self._fifo.append(request)
         else:
-            heapq.heappush(self._heap, (self.key(request), next(self._counter), request))
+            entry = (self.key(request), request.arrival_time, next(self._counter), request)
+            heapq.heappush(self._heap, entry)
 
     def add_front(self, request: Request) -> None:
         """A preempted request keeps its place: first in FIFO order, by key otherwise."""
@@ -83,14 +93,15 @@ class DefaultScheduler(Scheduler):
         self.token_budget = sc.max_num_batched_tokens  # resolved by the engine
         self.enable_chunked_prefill = sc.enable_chunked_prefill
         self.long_prefill_token_threshold = sc.long_prefill_token_threshold
-        self.policy = sc.scheduling_policy
+        policy_cls = get_registry("scheduling_policy").load(sc.scheduling_policy)
+        self.policy: SchedulingPolicy = policy_cls(config)
         self.preemption_mode = sc.preemption_mode
         if self.preemption_mode == "swap" and not kv_cache_manager.num_swap_blocks:
             raise ConfigError(
                 "preemption_mode='swap' needs a swap space: set swap_space (GiB) > 0"
             )
         self.requests: dict[str, Request] = {}
-        self.waiting = WaitingQueue(self.waiting_key())
+        self.waiting = WaitingQueue(_waiting_key(self.policy))
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         # Requests the runner has state for; others are sent as new.
@@ -99,13 +110,6 @@ class DefaultScheduler(Scheduler):
         self.num_swap_preemptions = 0
         self._swap_out: list[tuple[int, int]] = []  # copies owed to the runner this step
         self._swap_in: list[tuple[int, int]] = []
-
-    def waiting_key(self) -> Callable[[Request], tuple] | None:
-        """Order of the waiting queue: None is first come, first served.
-        Subclasses (scheduling-policy plugins) return their own key."""
-        if self.policy == "priority":
-            return lambda r: (r.priority, r.arrival_time)
-        return None
 
     # ------------------------------------------------------------------ #
 
@@ -230,7 +234,8 @@ class DefaultScheduler(Scheduler):
         return min(num_new, budget)
 
     def _pick_victim(self) -> Request:
-        """The request that would be admitted last goes first."""
+        """The request that would be admitted last goes first: the largest key,
+        the latest arrival among equal keys (FIFO: the latest admitted)."""
         key = self.waiting.key
         if key is None:
             return self.running[-1]
@@ -383,3 +388,12 @@ class DefaultScheduler(Scheduler):
             if request.request_id in self._runner_known:
                 self._runner_known.discard(request.request_id)
                 self.finished_req_ids.add(request.request_id)
+
+
+def _waiting_key(policy: SchedulingPolicy) -> SortKey | None:
+    """The waiting queue's key; ``None`` (a plain FIFO) for first come, first served,
+    so that a preempted request goes back to the very front even when its arrival
+    time ties with, or (given explicitly) comes after, a request still waiting."""
+    if type(policy).sort_key is FirstComeFirstServed.sort_key:
+        return None
+    return policy.sort_key

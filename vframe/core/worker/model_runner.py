@@ -16,6 +16,7 @@ import torch
 from vframe.core.config import EngineConfig
 from vframe.core.interfaces import AttentionBackend, ModelRunner, Sampler
 from vframe.core.outputs import ModelRunnerOutput, RequestError, SamplerOutput, SchedulerOutput
+from vframe.core.plugin_context import PluginContext, takes_context
 from vframe.core.sample.metadata import SamplingMetadata
 from vframe.core.sample.prompt_logprobs import compute_prompt_logprobs
 from vframe.core.worker.input_batch import InputBatch
@@ -57,7 +58,10 @@ class TorchModelRunner(ModelRunner):
             torch.set_num_threads(config.device.num_threads)
         torch.manual_seed(config.model.seed)  # unseeded sampling draws from this
         self.block_size = config.cache.block_size
-        self.sampler = sampler or get_registry("sampler").load(config.sampler.sampler)()
+        # Built by set_plugin_context (it may need the tokenizer) unless given; the
+        # class is looked up now so that an unknown name fails before the model loads.
+        self.sampler: Sampler | None = sampler
+        self._sampler_cls = get_registry("sampler").load(config.sampler.sampler) if sampler is None else None
         self.input_batch = InputBatch(self.block_size, self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []
@@ -65,15 +69,20 @@ class TorchModelRunner(ModelRunner):
         # Debug mode (cache.debug_verify_kv_tokens): the token id behind every KV slot.
         self.kv_token_check: KVTokenCheck | None = None
 
+    def set_plugin_context(self, context: PluginContext) -> None:
+        if self._sampler_cls is not None:
+            cls, self._sampler_cls = self._sampler_cls, None
+            self.sampler = cls(context=context) if takes_context(cls) else cls()
+
     # ------------------------------------------------------------------ #
 
     def load_model(self) -> None:
         from vframe.models.loader import architecture, load_hf_config, load_model, resolve_model
+        from vframe.quant.selection import build_quant_config
 
-        if self.config.quantization.quantization is not None:
-            # Raises with the known names until a quantizer is registered under it.
-            get_registry("quantizer").load(self.config.quantization.quantization)
-            raise ConfigError("quantized execution is not wired into the model runner yet")
+        quantization = self.config.quantization.quantization
+        if quantization is not None:
+            get_registry("quantizer").get(quantization)  # an unknown name fails before the checkpoint is read
         self.resolved = resolve_model(self.config.model.model)
         self.hf_config = load_hf_config(self.resolved)
         arch = architecture(self.resolved)
@@ -82,8 +91,13 @@ class TorchModelRunner(ModelRunner):
         checkpoint_dtype = None if self.resolved.gguf_file else _checkpoint_dtype(self.hf_config)
         self.dtype = resolve_dtype(self.config.model.dtype, checkpoint_dtype, self.device)
         self.attn_backend = self._select_attention_backend()
-        self.model = load_model(self.resolved, model_cls, self.attn_backend, self.dtype).to(self.device)
+        self.quant_config = build_quant_config(quantization, self.hf_config, dtype=self.dtype, device=self.device)
+        self.model = load_model(
+            self.resolved, model_cls, self.attn_backend, self.dtype, quant_config=self.quant_config
+        ).to(self.device)
         self.model.eval()
+        # One builder per runner: it may keep buffers across steps.
+        self.attn_metadata_builder = self.attn_backend.get_metadata_builder_cls()(self.config, self.device)
 
     def _select_attention_backend(self) -> type[AttentionBackend]:
         registry = get_registry("attention_backend")
@@ -94,12 +108,19 @@ class TorchModelRunner(ModelRunner):
             dtype=self.dtype,
             device=self.device.type,
             block_size=self.block_size,
+            use_mla=self.use_mla,
         )
         if reasons:
             raise ConfigError(
                 f"attention_backend={name!r} cannot serve this configuration: " + "; ".join(reasons)
             )
         return backend
+
+    @property
+    def use_mla(self) -> bool:
+        """Whether the model caches a multi-head latent (DeepSeek-V2/V3 MLA): its
+        config sets ``kv_lora_rank``."""
+        return bool(getattr(self.hf_config, "kv_lora_rank", None))
 
     @property
     def num_layers(self) -> int:
@@ -206,9 +227,7 @@ class TorchModelRunner(ModelRunner):
         inputs = batch.prepare(scheduler_output)
         if self.kv_token_check is not None:
             self.kv_token_check.verify_and_record(inputs, batch)
-        attn_metadata = self.attn_backend.get_metadata_builder_cls()(self.config, self.device).build(
-            inputs.common
-        )
+        attn_metadata = self.attn_metadata_builder.build(inputs.common)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_metadata)  # [T, E]
         prompt_logprobs = {}
         if prompt_rows := batch.prompt_logprobs_rows(inputs):  # only requests that ask
@@ -221,6 +240,7 @@ class TorchModelRunner(ModelRunner):
 
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [B, V]
         sampling_metadata = batch.sampling_metadata(inputs.sampled_req_ids, logits.shape[-1])
+        assert self.sampler is not None, "the engine calls set_plugin_context before the first step"
         sampler_output = self.sampler(logits, sampling_metadata)
         sampled = sampler_output.sampled_token_ids.tolist()
         self._collect_row_failures(inputs.sampled_req_ids, sampler_output, sampling_metadata, output)

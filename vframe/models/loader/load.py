@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,11 @@ import torch
 from torch import nn
 
 from vframe.core.interfaces import AttentionBackend
-from vframe.errors import ModelLoadError
+from vframe.errors import ConfigError, ModelLoadError
 from vframe.models.config import ModelConfig
 from vframe.models.loader.resolve import ResolvedModel
+from vframe.models.loader.weights import process_weights_after_loading
+from vframe.quant.base import QuantizationConfig
 
 
 def architecture(resolved: ResolvedModel) -> str:
@@ -79,14 +82,27 @@ def load_model(
     attn_backend: type[AttentionBackend],
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    quant_config: QuantizationConfig | None = None,
 ) -> nn.Module:
-    """Build ``model_cls(hf_config, attn_backend, dtype)`` on ``device`` and load every parameter."""
+    """Build ``model_cls(hf_config, attn_backend, dtype[, quant_config=...])`` on
+    ``device``, load every parameter, then let each layer's quantization method
+    finish its weights. ``quant_config=None`` runs unquantized, and a model class
+    that does not take ``quant_config`` (plugin API < 1.2) can only run so."""
     hf_config = load_hf_config(resolved)
+    kwargs: dict[str, Any] = {}
+    if quant_config is not None:
+        if "quant_config" not in inspect.signature(model_cls).parameters:
+            raise ConfigError(
+                f"model class {model_cls.__module__}.{model_cls.__qualname__} takes no quant_config, "
+                f"so it cannot run quantized ({quant_config.get_name()}); drop the quantization setting"
+            )
+        kwargs["quant_config"] = quant_config
     with torch.device(device):
-        model = model_cls(hf_config, attn_backend, dtype)
+        model = model_cls(hf_config, attn_backend, dtype, **kwargs)
     loaded = model.load_weights(iterate_weights(resolved))
     missing = sorted({name for name, _ in model.named_parameters()} - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{resolved.source}: the checkpoint has no weights for {shown}")
+    process_weights_after_loading(model)
     return model.eval().requires_grad_(False)

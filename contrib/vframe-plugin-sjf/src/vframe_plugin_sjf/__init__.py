@@ -1,12 +1,13 @@
-"""Shortest-job-first scheduling for vframe, selected with ``scheduler="sjf"``."""
+"""Shortest-job-first scheduling for vframe, selected with ``scheduling_policy="sjf"``."""
 
 from __future__ import annotations
 
 import vframe
+from vframe.plugins import RegisterFn
 
-VFRAME_PLUGIN_API = "1.0"
+VFRAME_PLUGIN_API = "1.2"  # the scheduling-policy interface
 
 
 @vframe.hookimpl
-def vframe_register_schedulers(register) -> None:
-    register("sjf", "vframe_plugin_sjf.scheduler:ShortestJobFirstScheduler")
+def vframe_register_scheduling_policies(register: RegisterFn) -> None:
+    register("sjf", "vframe_plugin_sjf.policy:ShortestJobFirst")

@@ -1,8 +1,9 @@
 """vframe plugin: per-step token counts and latencies, per-request latency, as JSON lines.
 
-Active only when ``VFRAME_STEPSTATS_FILE`` names a file (read when the first
-event arrives after import or after the previous engine shut down). Records are
-appended, one JSON object per line; see README.md for the fields.
+Active only when ``VFRAME_STEPSTATS_FILE`` names a file (read when an engine's
+first event arrives). Records are appended, one JSON object per line, each with
+the ``engine_id`` of the engine it describes, so that the engines of one
+process can share the file; see README.md for the fields.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ from pathlib import Path
 from typing import IO, Any
 
 from vframe import hookimpl
+from vframe.core.plugin_context import EngineView
 
-VFRAME_PLUGIN_API = "1.0"
+VFRAME_PLUGIN_API = "1.2"  # engine_view in the lifecycle hooks
 ENV = "VFRAME_STEPSTATS_FILE"
 
 
 class StepStats:
-    """Accumulates statistics and writes each record to ``path`` as it happens."""
+    """Accumulates one engine's statistics and writes each record to ``path`` as it happens."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, engine_id: str) -> None:
         self.path = Path(path)
+        self.engine_id = engine_id
         self._file: IO[str] = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         self.num_steps = 0
         self.num_scheduled_tokens = 0
@@ -86,20 +89,21 @@ class StepStats:
         self._file.close()
 
     def _write(self, **record: Any) -> None:
+        record["engine_id"] = self.engine_id
         record["time"] = time.time()
         self._file.write(json.dumps(record) + "\n")
 
 
-_recorder: StepStats | None = None
+_recorders: dict[str, StepStats] = {}  # engine_id -> the recorder of that engine
 
 
-def active_recorder() -> StepStats | None:
-    """The recorder of the current engine run, created on first use if the
-    environment asks for one; ``None`` when ``VFRAME_STEPSTATS_FILE`` is unset."""
-    global _recorder
-    if _recorder is None and os.environ.get(ENV):
-        _recorder = StepStats(os.environ[ENV])
-    return _recorder
+def recorder_for(engine_view: EngineView) -> StepStats | None:
+    """The engine's recorder, created on its first event if the environment asks
+    for one; ``None`` when ``VFRAME_STEPSTATS_FILE`` is unset."""
+    rec = _recorders.get(engine_view.engine_id)
+    if rec is None and os.environ.get(ENV):
+        rec = _recorders[engine_view.engine_id] = StepStats(os.environ[ENV], engine_view.engine_id)
+    return rec
 
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -108,33 +112,32 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 @hookimpl
-def vframe_engine_started(engine: Any) -> None:
-    active_recorder()
+def vframe_engine_started(engine_view: EngineView) -> None:
+    recorder_for(engine_view)
 
 
 @hookimpl
-def vframe_request_added(request_id: str) -> None:
-    if (rec := active_recorder()) is not None:
+def vframe_request_added(request_id: str, engine_view: EngineView) -> None:
+    if (rec := recorder_for(engine_view)) is not None:
         rec.request_added(request_id)
 
 
 @hookimpl
-def vframe_engine_step(num_scheduled_tokens: int, elapsed_s: float) -> None:
-    if (rec := active_recorder()) is not None:
+def vframe_engine_step(num_scheduled_tokens: int, elapsed_s: float, engine_view: EngineView) -> None:
+    if (rec := recorder_for(engine_view)) is not None:
         rec.step(num_scheduled_tokens, elapsed_s)
 
 
 @hookimpl
 def vframe_request_finished(
-    request_id: str, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int
+    request_id: str, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int, engine_view: EngineView
 ) -> None:
-    if (rec := active_recorder()) is not None:
+    if (rec := recorder_for(engine_view)) is not None:
         rec.request_finished(request_id, finish_reason, num_prompt_tokens, num_output_tokens)
 
 
 @hookimpl
-def vframe_engine_shutdown(engine: Any) -> None:
-    global _recorder
-    if _recorder is not None:
-        _recorder.close()
-        _recorder = None
+def vframe_engine_shutdown(engine_view: EngineView) -> None:
+    rec = _recorders.pop(engine_view.engine_id, None)
+    if rec is not None:
+        rec.close()

@@ -1,0 +1,77 @@
+"""Checkpoint tensors into a model's parameters, by name, through each parameter's loader.
+
+A model's ``load_weights`` maps each checkpoint name to ``(parameter, shard id)``;
+the parameter's own ``weight_loader`` (set by ``vframe.layers.linear`` and the
+quantization methods) places the tensor. So fused (q/k/v, gate/up), sharded and
+packed weights take one path, and models only declare their fused names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from vframe.errors import ModelLoadError
+
+# (fused parameter's module, checkpoint module, shard id): ("qkv_proj", "q_proj", "q")
+StackedParams = Sequence[tuple[str, str, str | int]]
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+    """Copy the whole tensor: parameters outside the linear layers (norms, embeddings)."""
+    if shard_id is not None:
+        raise ValueError(f"a parameter without a weight_loader takes no shard id; got {shard_id!r}")
+    if param.shape != loaded_weight.shape:
+        raise ModelLoadError(f"has shape {tuple(loaded_weight.shape)}, the model expects {tuple(param.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+def load_named_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], stacked_params: StackedParams = ()
+) -> set[str]:
+    """Load ``(checkpoint name, tensor)`` pairs into ``model``; return the names of
+    the parameters now fully loaded. A fused parameter counts once every shard
+    its layer lists in ``shard_ids`` has arrived (or the fused tensor itself)."""
+    params = dict(model.named_parameters())
+    shards_seen: dict[str, set[str | int]] = {}
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        target, shard_id = _target(name, stacked_params)
+        param = params.get(target)
+        if param is None:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"checkpoint tensor {name!r} {e}") from None
+        if shard_id is None:
+            loaded.add(target)
+            continue
+        seen = shards_seen.setdefault(target, set())
+        seen.add(shard_id)
+        if seen >= set(model.get_submodule(target.rpartition(".")[0]).shard_ids):
+            loaded.add(target)
+    return loaded
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let every layer's quantization method finish its weights (quantize, repack)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+
+
+def _target(name: str, stacked_params: StackedParams) -> tuple[str, str | int | None]:
+    module_name, _, leaf = name.rpartition(".")  # leaf: weight | bias | qweight | scales ...
+    parent, _, module = module_name.rpartition(".")
+    for fused, checkpoint_module, shard_id in stacked_params:
+        if module == checkpoint_module:
+            return f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}", shard_id
+    return name, None

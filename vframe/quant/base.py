@@ -1,0 +1,194 @@
+"""What a quantizer plugin implements (plugin API 1.2).
+
+A ``quantizer`` registry entry is a ``QuantizationConfig`` subclass. For a run
+with ``quantization="name"`` the engine:
+
+1. loads the class and asks ``validate_configuration(dtype=..., device=...)``
+   for every reason it cannot run (``ConfigError`` listing them);
+2. builds it with ``from_config(hf_quant_config)``: the checkpoint's
+   ``quantization_config`` from ``config.json``, or ``None`` for a float
+   checkpoint that the method quantizes while loading;
+3. hands the instance to the model. Each of the model's linear layers
+   (``vframe/layers/linear.py``) asks ``get_quant_method(layer, prefix)`` for a
+   ``LinearMethodBase``; ``None`` leaves that layer unquantized;
+4. the method's ``create_weights`` registers the layer's parameters, the
+   checkpoint loader fills them through each parameter's ``weight_loader``,
+   then ``process_weights_after_loading`` runs once per layer (repack, quantize);
+5. every forward pass calls ``apply(layer, x, bias)``.
+
+Parameters a method creates describe themselves with attributes (see
+``set_weight_attrs``) so that the layer's loader can place fused (q/k/v,
+gate/up), tensor-parallel and packed tensors without knowing the format:
+
+* ``output_dim``: the dimension that runs along the layer's output features.
+  Fused shards and column-parallel ranks are cut along it, in proportion to the
+  parameter's extent: a parameter holding 8 int4 values per int32 along its
+  output dimension has 1/8 of the rows, and its q/k/v offsets shrink by 8 too.
+  ``None``: the parameter does not run along the output features; in a fused
+  layer it then holds one entry per shard along dimension 0 (e.g. per-tensor
+  scales of q, k and v) and shard ``i`` is loaded into entry ``i``.
+* ``input_dim``: the dimension that runs along the input features; row-parallel
+  ranks are cut along it (proportionally too: group scales, packed inputs).
+* ``weight_loader(param, loaded_weight, shard_id=None)``: set it only to load a
+  parameter differently; by default the layer's own loader is attached.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
+    """Attach loading attributes (``output_dim``, ``input_dim``, ``weight_loader``) to ``param``."""
+    for key, value in attrs.items():
+        if hasattr(param, key):
+            raise AttributeError(f"parameter already has attribute {key!r}; refusing to overwrite it")
+        setattr(param, key, value)
+
+
+class LinearMethodBase(ABC):
+    """How one linear layer stores and multiplies its weight.
+
+    One instance per layer (``get_quant_method`` makes it), so a method may keep
+    per-layer state, though parameters belong on the layer."""
+
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        """Register the layer's weight parameters (``layer.register_parameter``).
+
+        ``output_partition_sizes``: this rank's output features of each fused
+        shard (``[q, k, v]``, ``[gate, up]`` or one entry); their sum is the
+        layer's output features on this rank. ``input_size`` / ``output_size``
+        are the whole layer's, before tensor parallelism. ``params_dtype`` is
+        the model's dtype, which is also the dtype of ``apply``'s input.
+        Create tensors with ``torch.empty``: the loader fills every one."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once after every checkpoint tensor is loaded: quantize, repack
+        for a kernel, replace parameters. Default: nothing."""
+
+    @abstractmethod
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [T, input_size_per_partition], params_dtype
+        bias: torch.Tensor | None = None,  # [output_size_per_partition]
+    ) -> torch.Tensor:  # [T, sum(output_partition_sizes)], params_dtype
+        """``x @ W.T + bias`` with this method's weight."""
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out_per_partition, in_per_partition]
+        """The float weight ``apply`` multiplies by, after loading. The
+        conformance kit (``vframe.testing.quant``) checks ``apply`` against
+        ``F.linear(x, dequantize_weight(layer), bias)``; implement it there."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement dequantize_weight")
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """The default: one ``[out, in]`` weight in the model's dtype, ``F.linear``."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        weight = torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype)
+        weight = nn.Parameter(weight, requires_grad=False)  # [out, in]
+        set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1})
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight
+
+
+class QuantizationConfig(ABC):
+    """A quantization format: what a ``quantizer`` registry entry names.
+
+    The two tolerances are the method's promise to the conformance kit
+    (``vframe.testing.quant.check_quant_method``), for float32 activations:
+
+    * ``reference_tolerance``: largest ``|apply(x) - F.linear(x, W_deq, bias)|``
+      relative to the largest ``|F.linear(...)|``, where ``W_deq`` is
+      ``dequantize_weight(layer)``. Only the kernel's rounding: 1e-5 is float32.
+    * ``weight_tolerance``: largest ``|W_deq - W|`` relative to the largest
+      ``|W|`` of the same output row, for the float weight ``W`` it came from
+      (the quantization error). Symmetric int8 round-to-nearest: 1/254.
+    """
+
+    reference_tolerance: ClassVar[float] = 1e-5
+    weight_tolerance: ClassVar[float] = 0.0
+
+    @classmethod
+    @abstractmethod
+    def get_name(cls) -> str:
+        """The format's name, as checkpoints spell ``quantization_config.quant_method`` (e.g. ``"gptq"``)."""
+
+    @classmethod
+    @abstractmethod
+    def get_supported_dtypes(cls) -> list[torch.dtype]:
+        """Activation dtypes ``apply`` accepts (the model's ``dtype``)."""
+
+    @classmethod
+    def get_min_capability(cls) -> int | None:
+        """Lowest CUDA compute capability times ten (80: Ampere) the kernels need;
+        ``None`` (default): any device, CPU included."""
+        return None
+
+    @classmethod
+    def validate_configuration(cls, *, dtype: torch.dtype, device: torch.device) -> list[str]:
+        """Every reason this format cannot run with activation ``dtype`` on
+        ``device``; empty when it can. Override to add reasons, keeping these."""
+        reasons = []
+        supported = cls.get_supported_dtypes()
+        if dtype not in supported:
+            names = ", ".join(_dtype_name(d) for d in supported)
+            reasons.append(f"dtype={_dtype_name(dtype)!r} is not supported (supported: {names})")
+        capability = cls.get_min_capability()
+        if capability is not None:
+            if device.type != "cuda":
+                reasons.append(
+                    f"needs a CUDA GPU of compute capability >= {capability / 10:.1f}; the device is {device.type}"
+                )
+            else:
+                major, minor = torch.cuda.get_device_capability(device)
+                if major * 10 + minor < capability:
+                    reasons.append(
+                        f"needs compute capability >= {capability / 10:.1f}; the GPU has {major}.{minor}"
+                    )
+        return reasons
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, hf_quant_config: dict[str, Any] | None) -> QuantizationConfig:
+        """Build from the checkpoint's ``quantization_config``, or ``None`` when the
+        checkpoint is float and this format quantizes on load. Raise
+        ``vframe.errors.ConfigError`` for a config it cannot use."""
+
+    @abstractmethod
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
+        """The method for ``layer`` (a ``vframe.layers.linear.LinearBase``; its sizes
+        and ``tp_rank`` / ``tp_size`` are set), named ``prefix`` in the model
+        (``"model.layers.0.self_attn.qkv_proj"``); ``None`` leaves it unquantized."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
