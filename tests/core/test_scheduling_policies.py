@@ -150,3 +150,22 @@ def test_the_engine_refuses_priority_under_a_policy_that_ignores_it(policy_plugi
         llm.generate(prompt, params, priority=[3], use_tqdm=False)
     [out] = llm.generate(prompt, params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 1
+
+
+class LongestFirstScheduler(DefaultScheduler):
+    """A scheduler-policy plugin as written for plugin API 1.0/1.1."""
+
+    def waiting_key(self):
+        return lambda r: (-r.num_prompt_tokens, r.arrival_time)
+
+
+def test_a_1_1_waiting_key_override_still_orders_the_queue_with_a_deprecation_warning():
+    config = EngineConfig.from_sources(env={}, max_num_batched_tokens=64, max_num_seqs=1, block_size=4)
+    with pytest.warns(DeprecationWarning, match=(
+        r"LongestFirstScheduler overrides DefaultScheduler.waiting_key\(\), deprecated since vframe "
+        r"plugin API 1.2 and removed in 2.0: register a SchedulingPolicy"
+    )):
+        sched = LongestFirstScheduler(config, PagedKVCacheManager(16, 4, enable_caching=False))
+    for req_id, num_prompt in (("a", 3), ("b", 9), ("c", 5)):
+        sched.add_request(request(req_id, num_prompt, arrival_time=float(ord(req_id))))
+    assert admission_order(sched) == ["b", "c", "a"]

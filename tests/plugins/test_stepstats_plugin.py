@@ -122,3 +122,18 @@ def test_does_nothing_without_env(tmp_path, monkeypatch):
     run_engine_events()
     assert list(tmp_path.iterdir()) == []
     assert plugin_failures() == []
+
+
+def test_passes_the_lifecycle_conformance_check(tmp_path, monkeypatch):
+    from vframe_plugin_stepstats import read_records
+
+    from vframe.testing.lifecycle import check_lifecycle_hooks
+
+    path = tmp_path / "stats.jsonl"
+    monkeypatch.setenv("VFRAME_STEPSTATS_FILE", str(path))
+    load_plugins(["stepstats"])
+    check_lifecycle_hooks("stepstats", num_threads=2)
+    records = read_records(path)
+    finished = sorted(r["finish_reason"] for r in records if r["event"] == "request")
+    assert finished == ["abort", "error", "length", "length", "stop"]
+    assert records[-1]["event"] == "summary"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -142,9 +143,21 @@ def test_unknown_name_is_an_error_listing_the_entries() -> None:
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.startswith(
-        "vframe: error: no plugin registers an entry named 'flash'; registered: model 'LlamaForCausalLM', "
+        "vframe: error: no plugin registers an entry named 'flash', and no loaded plugin of that name "
+        "has lifecycle hooks; registered: model 'LlamaForCausalLM', "
     )
     assert "attention_backend 'torch'" in result.stderr
+
+
+@pytest.mark.skipif(
+    "stepstats" not in {ep.name for ep in importlib.metadata.entry_points(group="vframe")},
+    reason="vframe-plugin-stepstats is not installed: pip install -e contrib/vframe-plugin-stepstats",
+)
+def test_a_plugin_with_lifecycle_hooks_gets_the_lifecycle_check() -> None:
+    result = vframe_plugins("--check", "stepstats")
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["PASS  lifecycle hooks of plugin 'stepstats'"]
 
 
 def test_kind_without_check_is_an_error() -> None:

@@ -129,7 +129,11 @@ class SamplerSection(BaseModel):
 class QuantizationSection(BaseModel):
     model_config = _STRICT
 
-    quantization: str | None = Field(None, description="quantizer registry name")
+    quantization: str | None = Field(
+        None,
+        description="quantizer registry name; None = the checkpoint's quantization_config.quant_method "
+        "if it has one, else unquantized",
+    )
 
 
 class LoRASection(BaseModel):

@@ -96,12 +96,18 @@ def _build_parser() -> argparse.ArgumentParser:
         "--check",
         metavar="NAME",
         default=None,
-        help="run the conformance kit's quick checks (vframe.testing) on the registry entry NAME and print "
-        "PASS, FAIL or SKIP per check; exit status 0 when at least one check passed and none failed",
+        help="run the conformance kit's quick checks (vframe.testing) on the registry entry NAME (and, "
+        "when NAME is a plugin with lifecycle hooks, on those) and print PASS, FAIL or SKIP per check; "
+        "exit status 0 when at least one check passed and none failed",
     )
     from vframe.plugins.registry import KINDS
 
-    plugins.add_argument("--kind", choices=KINDS, default=None, help="with --check: only the entry of this kind")
+    plugins.add_argument(
+        "--kind",
+        choices=[*KINDS, "lifecycle"],
+        default=None,
+        help="with --check: only the entry of this kind ('lifecycle': NAME is a plugin with lifecycle hooks)",
+    )
 
     from vframe.entrypoints.openai.args import add_serve_args
 

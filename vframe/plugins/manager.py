@@ -33,7 +33,7 @@ from vframe.plugins import hookspecs
 from vframe.plugins.hookspecs import LIFECYCLE_HOOKS, REGISTRATION_HOOKS
 from vframe.plugins.registry import BUILTIN, KINDS, Registry
 from vframe.plugins.versioning import api_refusal
-from vframe.version import PLUGIN_API_VERSION, __version__
+from vframe.version import __version__
 
 if TYPE_CHECKING:
     from vframe.core.interfaces import (

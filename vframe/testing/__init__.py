@@ -15,6 +15,9 @@ pytest; nothing here needs pytest.
 ``vframe.testing.logits``
     ``check_logits_processor(processor, ...)``: shape, dtype, device, no NaN,
     determinism, empty history.
+``vframe.testing.lifecycle``
+    ``check_lifecycle_hooks(plugin)``: a real engine raises every lifecycle
+    hook with every finish reason; none of the plugin's hooks may raise.
 ``vframe.testing.scheduler``
     ``check_scheduler(scheduler="default", *, policy="fcfs", quick=False)`` and
     ``check_scheduling_policy(policy, *, quick=False)``.
@@ -38,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "check_attention_backend": "attention",
     "reference_attention": "attention",
     "assert_matches_transformers": "models",
+    "check_lifecycle_hooks": "lifecycle",
     "check_logits_processor": "logits",
     "make_plugin_context": "logits",
     "check_quant_method": "quant",

@@ -16,6 +16,8 @@ logits_processor    ``check_logits_processor(NAME)`` with the embedded model's
 quantizer           ``check_quant_method(NAME, quick=True)`` when it quantizes on load
 model               none: parity needs a checkpoint; in your tests use
                     ``vframe.testing.models.assert_matches_transformers``
+lifecycle           ``check_lifecycle_hooks(NAME)`` when NAME is a loaded plugin that
+                    implements lifecycle hooks (loads the embedded model)
 others              none yet
 ==================  =====================================================================
 
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from vframe.plugins import KINDS, get_registry
+
+LIFECYCLE = "lifecycle"  # not a registry kind: NAME is then a plugin name
 
 
 @dataclass(frozen=True)
@@ -111,16 +115,30 @@ def report_quick_checks(name: str, kind: str | None = None, print_line: Callable
 
 
 def _kinds_of(name: str, kind: str | None) -> list[str]:
+    if kind == LIFECYCLE:
+        return [LIFECYCLE]
     if kind is not None:
         get_registry(kind).get(name)  # PluginError naming the known entries
         return [kind]
     kinds = [k for k in KINDS if name in get_registry(k)]
+    if _has_lifecycle_hooks(name):
+        kinds.append(LIFECYCLE)
     if not kinds:
         from vframe.errors import PluginError
 
         known = ", ".join(f"{k} {n!r}" for k in KINDS for n in get_registry(k).names())
-        raise PluginError(f"no plugin registers an entry named {name!r}; registered: {known}")
+        raise PluginError(
+            f"no plugin registers an entry named {name!r}, and no loaded plugin of that name has "
+            f"lifecycle hooks; registered: {known}"
+        )
     return kinds
+
+
+def _has_lifecycle_hooks(plugin: str) -> bool:
+    from vframe.plugins import loaded_plugins
+    from vframe.plugins.hookspecs import LIFECYCLE_HOOKS
+
+    return any(p.name == plugin and set(p.hooks) & set(LIFECYCLE_HOOKS) for p in loaded_plugins())
 
 
 # --------------------------------------------------------------------------- #
@@ -215,6 +233,12 @@ def _model(kind: str, name: str) -> list[QuickCheck]:
     return [QuickCheck(f"{kind} {name!r}", None, note)]
 
 
+def _lifecycle(kind: str, name: str) -> list[QuickCheck]:
+    from vframe.testing.lifecycle import check_lifecycle_hooks
+
+    return [QuickCheck(f"lifecycle hooks of plugin {name!r}", lambda: check_lifecycle_hooks(name))]
+
+
 def _no_check(kind: str, name: str) -> list[QuickCheck]:
     return [QuickCheck(f"{kind} {name!r}", None, f"no quick check exists for a {get_registry(kind).label} yet")]
 
@@ -226,4 +250,5 @@ _PLANNERS: dict[str, Callable[[str, str], list[QuickCheck]]] = {
     "logits_processor": _logits_processor,
     "quantizer": _quantizer,
     "model": _model,
+    LIFECYCLE: _lifecycle,
 }

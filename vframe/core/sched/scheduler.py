@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
@@ -101,7 +102,8 @@ class DefaultScheduler(Scheduler):
                 "preemption_mode='swap' needs a swap space: set swap_space (GiB) > 0"
             )
         self.requests: dict[str, Request] = {}
-        self.waiting = WaitingQueue(_waiting_key(self.policy))
+        legacy_key = self._legacy_waiting_key()
+        self.waiting = WaitingQueue(legacy_key or _waiting_key(self.policy))
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         # Requests the runner has state for; others are sent as new.
@@ -232,6 +234,24 @@ class DefaultScheduler(Scheduler):
         if 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         return min(num_new, budget)
+
+    def waiting_key(self) -> SortKey | None:
+        """Deprecated since plugin API 1.2, removed in 2.0: a scheduling policy is a
+        ``SchedulingPolicy`` now. A subclass written for 1.0/1.1 that still
+        overrides this gets its key used for both queues, with a ``DeprecationWarning``."""
+        return None
+
+    def _legacy_waiting_key(self) -> SortKey | None:
+        if type(self).waiting_key is DefaultScheduler.waiting_key:
+            return None
+        warnings.warn(
+            f"{type(self).__name__} overrides DefaultScheduler.waiting_key(), deprecated since "
+            "vframe plugin API 1.2 and removed in 2.0: register a SchedulingPolicy and select it "
+            "with scheduling_policy=... instead (docs/plugins.md, 'Scheduling policy')",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return self.waiting_key()
 
     def _pick_victim(self) -> Request:
         """The request that would be admitted last goes first: the largest key,
