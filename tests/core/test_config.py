@@ -50,3 +50,9 @@ def test_invalid_values_name_the_field_and_the_allowed_values(kwargs, message):
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         EngineConfig.from_sources(config_file=tmp_path / "nope.yaml", env={})
+
+
+def test_auto_means_the_default_for_quantization_and_attention_backend():
+    config = EngineConfig.from_sources(env={}, quantization="auto", attention_backend="auto")
+    assert config.quantization.quantization is None
+    assert config.attention.attention_backend is None

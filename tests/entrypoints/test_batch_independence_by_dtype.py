@@ -32,8 +32,10 @@ def llm_bf16():
 
 
 # Slow marker: in one full `make test` run (after the server tests) the second call
-# returned token 0 runs (NaN logits) while it passes alone and after tests/core;
-# under investigation (see the session note), so it runs in `make test-slow`.
+# returned token 0 runs (NaN logits) while it passes alone and after tests/core. A
+# likely cause is fixed since: the torch backend's decode gathered whole blocks and
+# let NaN in unwritten slots through the mask (0 * NaN), found by the attention
+# conformance kit. It stays in `make test-slow` until full runs show it gone.
 @pytest.mark.slow
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_bfloat16_same_batch_gives_the_same_tokens(llm_bf16, params):

@@ -53,7 +53,10 @@ def test_builtin_entries_are_registered_as_lazy_strings():
             "LlamaForCausalLM": ("vframe.models.llama:LlamaForCausalLM", "builtin"),
             "MistralForCausalLM": ("vframe.models.llama:LlamaForCausalLM", "builtin"),
         },
-        "attention_backend": {"torch": ("vframe.backends.torch_attn:TorchAttentionBackend", "builtin")},
+        "attention_backend": {
+            "torch": ("vframe.backends.torch_attn:TorchAttentionBackend", "builtin"),
+            "triton": ("vframe.backends.triton.backend:TritonAttentionBackend", "builtin"),
+        },
         "scheduler": {"default": ("vframe.core.sched.scheduler:DefaultScheduler", "builtin")},
         "kv_cache_manager": {
             "default": ("vframe.core.sched.kv_cache_manager:PagedKVCacheManager", "builtin")

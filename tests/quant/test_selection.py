@@ -22,7 +22,7 @@ class FakeGPTQ(W8Config):
 
     @classmethod
     def get_name(cls) -> str:
-        return "gptq"
+        return "fake-gptq"
 
     @classmethod
     def get_min_capability(cls) -> int | None:
@@ -44,7 +44,7 @@ class Plugin:
     @hookimpl
     def vframe_register_quantizers(register) -> None:
         register("w8-test", W8Config)
-        register("gptq", FakeGPTQ)
+        register("fake-gptq", FakeGPTQ)
         register("not-a-config", NotAConfig)
 
 
@@ -69,8 +69,8 @@ def test_the_setting_builds_its_config_from_none_for_a_float_checkpoint() -> Non
 
 
 def test_a_quantized_checkpoint_picks_the_quantizer_it_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    quant = {"quant_method": "gptq", "bits": 4, "group_size": 128}
-    with pytest.raises(ConfigError, match=r"quantization='gptq' cannot serve this configuration: "
+    quant = {"quant_method": "fake-gptq", "bits": 4, "group_size": 128}
+    with pytest.raises(ConfigError, match=r"quantization='fake-gptq' cannot serve this configuration: "
                        r"needs a CUDA GPU of compute capability >= 8.0; the device is cpu"):
         build_quant_config(None, hf_config(quantization_config=quant), dtype=torch.float32, device=CPU)
 
@@ -79,16 +79,23 @@ def test_a_quantized_checkpoint_picks_the_quantizer_it_names(monkeypatch: pytest
     assert config.hf_quant_config == quant
 
 
+def test_auto_is_the_checkpoint_s_own_method() -> None:
+    assert build_quant_config("auto", hf_config(), dtype=torch.float32, device=CPU) is None
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}
+    config = build_quant_config("auto", hf_config(quantization_config=gptq), dtype=torch.float32, device=CPU)
+    assert (type(config).__name__, config.bits, config.group_size, config.desc_act) == ("GPTQConfig", 4, 32, True)
+
+
 def test_a_quantized_checkpoint_without_its_quantizer_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"quant_method='awq'\) and no quantizer of that name is registered "
-                       r"\(known: gptq, not-a-config, w8-test\)"):
-        build_quant_config(None, hf_config(quantization_config={"quant_method": "awq"}), dtype=torch.float32, device=CPU)
+    with pytest.raises(ConfigError, match=r"quant_method='hqq'\) and no quantizer of that name is registered "
+                       r"\(known: awq, fake-gptq, fp8, gptq, not-a-config, w8-test\)"):
+        build_quant_config(None, hf_config(quantization_config={"quant_method": "hqq"}), dtype=torch.float32, device=CPU)
 
 
 def test_a_quantize_on_load_method_refuses_a_quantized_checkpoint() -> None:
     with pytest.raises(ConfigError, match="quantizes float checkpoints while loading; this checkpoint is already quantized"):
         build_quant_config(
-            "w8-test", hf_config(quantization_config={"quant_method": "gptq"}), dtype=torch.float32, device=CPU
+            "w8-test", hf_config(quantization_config={"quant_method": "fake-gptq"}), dtype=torch.float32, device=CPU
         )
 
 

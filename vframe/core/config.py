@@ -116,8 +116,15 @@ class AttentionSection(BaseModel):
     model_config = _STRICT
 
     attention_backend: str | None = Field(
-        None, description="backend registry name; None = `torch`, the only built-in backend so far"
+        None,
+        description="backend registry name, or `auto` (same as None): the first usable of "
+        "flash_attn, triton, torch on cuda; torch on cpu",
     )
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _auto_is_none(cls, v: str | None) -> str | None:
+        return None if v == "auto" else v
 
 
 class SamplerSection(BaseModel):
@@ -131,9 +138,14 @@ class QuantizationSection(BaseModel):
 
     quantization: str | None = Field(
         None,
-        description="quantizer registry name; None = the checkpoint's quantization_config.quant_method "
-        "if it has one, else unquantized",
+        description="quantizer registry name, or `auto` (same as None): the checkpoint's "
+        "quantization_config.quant_method if it has one, else unquantized",
     )
+
+    @field_validator("quantization")
+    @classmethod
+    def _auto_is_none(cls, v: str | None) -> str | None:
+        return None if v == "auto" else v
 
 
 class LoRASection(BaseModel):

@@ -20,6 +20,7 @@ def vframe_register_models(register: RegisterFn) -> None:
 @hookimpl
 def vframe_register_attention_backends(register: RegisterFn) -> None:
     register("torch", "vframe.backends.torch_attn:TorchAttentionBackend")
+    register("triton", "vframe.backends.triton.backend:TritonAttentionBackend")
 
 
 @hookimpl
@@ -51,3 +52,10 @@ def vframe_register_model_runners(register: RegisterFn) -> None:
 @hookimpl
 def vframe_register_structured_output_backends(register: RegisterFn) -> None:
     register("guidance", "vframe.structured.guidance:GuidanceBackend")
+
+
+@hookimpl
+def vframe_register_quantizers(register: RegisterFn) -> None:
+    register("gptq", "vframe.quant.gptq:GPTQConfig")
+    register("awq", "vframe.quant.awq:AWQConfig")
+    register("fp8", "vframe.quant.fp8:Fp8Config")

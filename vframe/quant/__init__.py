@@ -1,6 +1,8 @@
-"""Quantization: the interface quantizer plugins implement (``base``) and the
-choice of a run's config (``selection``). Formats are registry entries of kind
-``quantizer`` (no built-in one yet); see docs/plugins.md, "Quantizers"."""
+"""Quantization: the interface quantizer plugins implement (``base``), the
+choice of a run's config (``selection``) and the built-in formats (``gptq``,
+``awq``, ``fp8``; ``packing`` unpacks their int32 words). Formats are registry
+entries of kind ``quantizer``; see docs/plugins.md, "Quantizer", and
+docs/quantization.md."""
 
 from vframe.quant.base import (
     LinearMethodBase,

@@ -11,6 +11,8 @@ from vframe.errors import ConfigError
 from vframe.plugins import get_registry
 from vframe.quant.base import QuantizationConfig
 
+AUTO = "auto"  # the checkpoint's own quant_method, like no setting
+
 
 def build_quant_config(
     name: str | None, hf_config: Any, *, dtype: torch.dtype, device: torch.device
@@ -18,12 +20,12 @@ def build_quant_config(
     """The ``QuantizationConfig`` for ``quantization=name`` on a checkpoint whose
     config is ``hf_config``; ``None`` runs unquantized.
 
-    With ``name=None`` a checkpoint that carries ``quantization_config`` uses the
-    quantizer registered under its ``quant_method``; there is no silent fallback
-    to loading packed tensors as floats."""
+    With ``name=None`` (or ``"auto"``) a checkpoint that carries
+    ``quantization_config`` uses the quantizer registered under its
+    ``quant_method``; there is no silent fallback to loading packed tensors as floats."""
     hf_quant_config: dict[str, Any] | None = getattr(hf_config, "quantization_config", None)
     registry = get_registry("quantizer")
-    if name is None:
+    if name is None or name == AUTO:
         if hf_quant_config is None:
             return None
         name = hf_quant_config.get("quant_method")

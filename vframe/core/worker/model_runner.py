@@ -21,13 +21,19 @@ from vframe.core.sample.metadata import SamplingMetadata
 from vframe.core.sample.prompt_logprobs import compute_prompt_logprobs
 from vframe.core.worker.input_batch import InputBatch
 from vframe.core.worker.kv_token_check import KVTokenCheck
-from vframe.errors import ConfigError
+from vframe.errors import ConfigError, PluginError
 from vframe.plugins import get_registry
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_CPU_KV_BYTES = 2 << 30
+# attention_backend=auto: per device type, the first of these that is registered and
+# accepts the configuration (names missing from the registry are passed over).
+AUTO_ATTENTION_BACKENDS: dict[str, list[str]] = {
+    "cuda": ["flash_attn", "triton", "torch"],
+    "cpu": ["torch"],
+}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -100,21 +106,44 @@ class TorchModelRunner(ModelRunner):
         self.attn_metadata_builder = self.attn_backend.get_metadata_builder_cls()(self.config, self.device)
 
     def _select_attention_backend(self) -> type[AttentionBackend]:
+        """The configured backend, or with ``attention_backend`` unset (``auto``) the
+        first of ``AUTO_ATTENTION_BACKENDS[device]`` that is registered and gives no
+        reason to refuse; raise ``ConfigError`` with every reason otherwise."""
         registry = get_registry("attention_backend")
-        name = self.config.attention.attention_backend or "torch"
-        backend: type[AttentionBackend] = registry.load(name)
-        reasons = backend.check_available() + backend.validate_configuration(
+        name = self.config.attention.attention_backend
+        if name is not None:
+            backend: type[AttentionBackend] = registry.load(name)
+            if reasons := self._attention_refusals(backend):
+                raise ConfigError(
+                    f"attention_backend={name!r} cannot serve this configuration: " + "; ".join(reasons)
+                    + " (attention_backend='auto' takes the first usable backend; `vframe plugins` lists them)"
+                )
+            return backend
+        refusals = []
+        candidates = [n for n in AUTO_ATTENTION_BACKENDS.get(self.device.type, ["torch"]) if n in registry.names()]
+        for candidate in candidates:
+            try:
+                backend = registry.load(candidate)
+            except PluginError as e:  # a broken plugin's backend: pass over it, as `vframe plugins` does
+                refusals.append(f"{candidate}: {e}")
+                continue
+            if not (reasons := self._attention_refusals(backend)):
+                logger.info("attention_backend=auto: %s on %s", candidate, self.device.type)
+                return backend
+            refusals.append(f"{candidate}: " + "; ".join(reasons))
+        raise ConfigError(
+            f"attention_backend='auto' found no usable backend on {self.device.type} among "
+            f"{', '.join(candidates) or '(none registered)'}: " + " | ".join(refusals)
+        )
+
+    def _attention_refusals(self, backend: type[AttentionBackend]) -> list[str]:
+        return backend.check_available() + backend.validate_configuration(
             head_size=self.head_size,
             dtype=self.dtype,
             device=self.device.type,
             block_size=self.block_size,
             use_mla=self.use_mla,
         )
-        if reasons:
-            raise ConfigError(
-                f"attention_backend={name!r} cannot serve this configuration: " + "; ".join(reasons)
-            )
-        return backend
 
     @property
     def use_mla(self) -> bool:

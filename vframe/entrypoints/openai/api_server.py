@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from vframe.core.async_engine import AsyncLLMEngine
 from vframe.core.config import EngineConfig
+from vframe.core.engine import EMBEDDED_MODEL_NAME
 from vframe.entrypoints.openai.chat import create_chat_completion
 from vframe.entrypoints.openai.completions import create_completion
 from vframe.entrypoints.openai.args import ServerPolicy
@@ -54,7 +55,6 @@ from vframe.version import __version__
 
 logger = logging.getLogger("vframe.serve")
 
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 _ENDPOINTS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", *OPEN_PATHS}
 )

@@ -1,0 +1,332 @@
+"""The Triton attention backend: its kernels against the plain-PyTorch reference.
+
+On a machine without a GPU the kernels run under Triton's interpreter. Triton
+reads ``TRITON_INTERPRET`` once, when it is imported, so this module imports it
+(and the kernels) with the variable set, then restores the environment: the
+rest of the suite sees the backend as a user would (refused on the CPU), and the
+tests that run it set the variable again through the ``interpreted`` fixture.
+Shapes stay small: interpreted kernels are slow. The ``gpu`` tests run the
+compiled kernels (on a machine with a GPU nothing is interpreted).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pytest.importorskip("triton")
+        import vframe.backends.triton.kernels  # noqa: F401
+    finally:
+        if _saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _saved
+pytest.importorskip("triton")
+
+from vframe.backends.triton import backend as triton_backend  # noqa: E402
+from vframe.backends.triton.backend import (  # noqa: E402
+    TritonAttentionImpl,
+    TritonAttentionMetadata,
+    plan_programs,
+)
+from vframe.testing.attention import ATTENTION_TOLERANCES, check_attention_backend, reference_attention  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@pytest.fixture
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    from vframe.backends.triton import kernels
+
+    if not kernels.INTERPRETED:
+        pytest.skip("Triton was imported without its interpreter in this process (a GPU machine runs the gpu tests)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield kernels
+
+
+@pytest.fixture
+def compiled() -> ModuleType:
+    from vframe.backends.triton import kernels
+
+    if kernels.INTERPRETED:
+        pytest.skip("Triton was imported with its interpreter in this process")
+    return kernels
+
+
+def _decodes_split_in_three(self: TritonAttentionImpl, meta: TritonAttentionMetadata) -> int:
+    return 3 if meta.block_q == 1 else 1
+
+
+# --------------------------------------------------------------------------- #
+# The conformance kit
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_conforms_quick_interpreted(interpreted: ModuleType, dtype: torch.dtype) -> None:
+    # NaN-filled unused slots, random block tables, GQA 4 and 3, MQA, cached prefixes, mixed steps
+    check_attention_backend("triton", dtype=dtype, quick=True)
+
+
+def test_split_kv_decodes_conform_interpreted(interpreted: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TritonAttentionImpl, "num_splits", _decodes_split_in_three)
+    check_attention_backend("triton", dtype=torch.float32, quick=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_conforms_full_interpreted(interpreted: ModuleType, dtype: torch.dtype) -> None:
+    # every case (MHA, sliding window, custom scale ...), head sizes 32-256 and 80, block sizes 4, 16, 32
+    check_attention_backend("triton", dtype=dtype)  # about a minute each
+
+
+# --------------------------------------------------------------------------- #
+# Kernels, one mixed step: prefills with and without a cached prefix, decodes
+# --------------------------------------------------------------------------- #
+
+
+def _run_step(
+    kernels: ModuleType,
+    reqs: list[tuple[int, int]],  # (context_len, query_len) per request
+    *,
+    group: int,
+    block_size: int,
+    block_q: int,
+    num_splits: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    num_kv_heads: int = 2,
+    head_size: int = 32,
+    sliding_window: int | None = None,
+) -> None:
+    """Write the step's keys through ``write_kv``, attend, compare with the reference."""
+    gen = torch.Generator().manual_seed(len(reqs) * 100 + group * 10 + block_size)
+    num_heads = num_kv_heads * group
+    need = [-(-(c + q) // block_size) for c, q in reqs]
+    num_blocks = sum(need) + 2
+    free = torch.randperm(num_blocks, generator=gen).tolist()  # non-contiguous block ids
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"), dtype=dtype)
+    tables, slots, queries, keys, values, expected = [], [], [], [], [], []
+    for (context_len, query_len), n in zip(reqs, need):
+        seq_len = context_len + query_len
+        blocks = [free.pop() for _ in range(n)]
+        tables.append(blocks)
+        k = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
+        q = torch.randn(query_len, num_heads, head_size, generator=gen).to(dtype)
+        for p in range(seq_len):
+            slot = blocks[p // block_size] * block_size + p % block_size
+            if p < context_len:  # cached before this step
+                kv_cache[0].view(-1, num_kv_heads, head_size)[slot] = k[p]
+                kv_cache[1].view(-1, num_kv_heads, head_size)[slot] = v[p]
+            else:
+                slots.append(slot)
+        queries.append(q)
+        keys.append(k[context_len:])
+        values.append(v[context_len:])
+        expected.append(reference_attention(q, k, v, head_size**-0.5, sliding_window))
+    max_blocks = max(need)
+    pad = free[0]  # a NaN block no request owns
+    table = torch.tensor([t + [pad] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+    query_start_loc = [0]
+    for _, query_len in reqs:
+        query_start_loc.append(query_start_loc[-1] + query_len)
+    program_req, program_q_off = plan_programs(query_start_loc, block_q)
+
+    def dev(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device)
+
+    query = dev(torch.cat(queries))  # [T, H, D]
+    kv_cache = dev(kv_cache)
+    kernels.write_kv(dev(torch.cat(keys)), dev(torch.cat(values)), kv_cache, dev(torch.tensor(slots)))
+    out = torch.full_like(query, float("nan"))
+    kernels.paged_attention(
+        out,
+        query,
+        kv_cache,
+        dev(table),
+        dev(torch.tensor([c + q for c, q in reqs], dtype=torch.int32)),
+        dev(torch.tensor(query_start_loc, dtype=torch.int32)),
+        dev(torch.from_numpy(program_req)),
+        dev(torch.from_numpy(program_q_off)),
+        block_q=block_q,
+        scale=head_size**-0.5,
+        sliding_window=sliding_window,
+        num_splits=num_splits,
+    )
+    atol, rtol = ATTENTION_TOLERANCES[dtype]
+    torch.testing.assert_close(out.float().cpu(), torch.cat(expected), atol=atol, rtol=rtol)
+
+
+# (context_len, query_len): lengths that are no multiple of the block size.
+MIXED = [(0, 7), (21, 5), (37, 1), (0, 1), (9, 1)]
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_mixed_step_interpreted(interpreted: ModuleType, group: int, num_splits: int) -> None:
+    _run_step(interpreted, MIXED, group=group, block_size=8, block_q=4, num_splits=num_splits)
+
+
+def test_head_size_no_power_of_two_and_sliding_window_interpreted(interpreted: ModuleType) -> None:
+    # head size 80 runs padded to 128 lanes; the window of 6 cuts into the cached prefixes
+    _run_step(
+        interpreted, MIXED, group=3, block_size=16, block_q=4, num_splits=2, head_size=80, sliding_window=6
+    )
+
+
+def test_long_decodes_split_kv_interpreted(interpreted: ModuleType) -> None:
+    # 5 splits of a 10-tile context; the short request leaves most splits empty
+    reqs = [(299, 1), (2, 1), (180, 1)]
+    _run_step(interpreted, reqs, group=3, block_size=16, block_q=1, num_splits=5)
+
+
+def test_padding_rows_are_zero_interpreted(interpreted: ModuleType) -> None:
+    from vframe.core.interfaces import CommonAttentionMetadata
+
+    impl = TritonAttentionImpl(4, 32, 32**-0.5, 2)
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
+        seq_lens=torch.tensor([3], dtype=torch.int32),
+        context_lens=torch.tensor([0], dtype=torch.int32),
+        block_table=torch.tensor([[1]], dtype=torch.int32),
+        slot_mapping=torch.tensor([16, 17, 18]),
+        num_reqs=1,
+        num_actual_tokens=3,
+        max_query_len=3,
+        max_seq_len=3,
+        block_size=16,
+        query_start_loc_cpu=[0, 3],
+        seq_lens_cpu=[3],
+    )
+    meta = triton_backend.TritonAttentionMetadataBuilder(None, torch.device("cpu")).build(common)
+    cache = torch.full((2, 2, 16, 2, 32), float("nan"))
+    out = impl.forward(torch.randn(5, 4, 32), torch.randn(5, 2, 32), torch.randn(5, 2, 32), cache, meta)
+    assert out[:3].isfinite().all()
+    assert (out[3:] == 0).all()
+
+
+# --------------------------------------------------------------------------- #
+# Planning
+# --------------------------------------------------------------------------- #
+
+
+def test_plan_programs_cuts_requests_into_query_blocks() -> None:
+    program_req, program_q_off = plan_programs([0, 20, 21, 21, 37], 16)
+    assert program_req.tolist() == [0, 0, 1, 3]
+    assert program_q_off.tolist() == [0, 16, 0, 0]
+
+
+def _meta(block_q: int, num_programs: int, max_seq_len: int, num_sms: int) -> TritonAttentionMetadata:
+    empty = torch.empty(0)
+    return TritonAttentionMetadata(
+        empty, 0, empty, empty, empty, torch.zeros(num_programs), empty, block_q, max_seq_len, num_sms
+    )
+
+
+def test_num_splits_only_for_long_decodes_that_leave_the_gpu_idle() -> None:
+    impl = TritonAttentionImpl.__new__(TritonAttentionImpl)
+    impl.num_kv_heads = 8
+    # 4 decodes x 8 KV heads = 32 programs on 132 SMs: 4 splits, 4096 // 512 = 8 allowed
+    assert impl.num_splits(_meta(1, 4, 4096, 132)) == 4
+    assert impl.num_splits(_meta(1, 4, 1024, 132)) == 2  # at least 512 keys per split
+    assert impl.num_splits(_meta(1, 4, 300, 132)) == 1
+    assert impl.num_splits(_meta(1, 64, 4096, 132)) == 1  # the GPU is already full
+    assert impl.num_splits(_meta(16, 4, 4096, 132)) == 1  # a step with prefills
+    assert impl.num_splits(_meta(1, 4, 4096, 1)) == 1  # off the GPU
+
+
+# --------------------------------------------------------------------------- #
+# Importing and end to end
+# --------------------------------------------------------------------------- #
+
+
+def test_listing_the_backend_imports_no_triton() -> None:
+    code = (
+        "import sys, vframe\n"
+        "from vframe.plugins import get_registry\n"
+        "cls = get_registry('attention_backend').load('triton')\n"
+        "cls.validate_configuration(head_size=64, dtype=__import__('torch').float32, device='cuda', block_size=16)\n"
+        "assert 'vframe.backends.triton.kernels' not in sys.modules\n"
+        "assert not any(m == 'triton.language' for m in sys.modules), 'triton.language imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _greedy_tokens(attention_backend: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from vframe import LLM, SamplingParams
+
+    llm = LLM(attention_backend=attention_backend, dtype="float32", num_threads=2, num_gpu_blocks_override=16)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_tokens_equal_the_torch_backend_interpreted(interpreted: ModuleType) -> None:
+    # a prefill of two prompts, then a decode of both: about 3 s a step interpreted
+    prompts = ["The capital of France is", "def add(a, b):"]
+    assert _greedy_tokens("triton", prompts, 2) == _greedy_tokens("torch", prompts, 2)
+
+
+@pytest.mark.slow
+def test_more_greedy_tokens_equal_the_torch_backend_interpreted(interpreted: ModuleType) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."]
+    assert _greedy_tokens("triton", prompts, 8) == _greedy_tokens("torch", prompts, 8)
+
+
+# --------------------------------------------------------------------------- #
+# GPU: the compiled kernels
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_conforms_on_gpu(compiled: ModuleType, dtype: torch.dtype) -> None:
+    check_attention_backend("triton", dtype=dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_split_kv_conforms_on_gpu(compiled: ModuleType, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    monkeypatch.setattr(TritonAttentionImpl, "num_splits", _decodes_split_in_three)
+    check_attention_backend("triton", dtype=dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_long_context_on_gpu(compiled: ModuleType, dtype: torch.dtype, num_splits: int) -> None:
+    reqs = [(4000, 1), (3, 1), (2500, 1), (700, 33), (0, 300)]
+    _run_step(
+        compiled, reqs, group=4, block_size=16, block_q=16, num_splits=num_splits, dtype=dtype,
+        device="cuda", num_kv_heads=4, head_size=128,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@cuda
+def test_auto_picks_triton_without_flash_attn_and_matches_torch_on_gpu(compiled: ModuleType) -> None:
+    from vframe import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    from vframe.plugins import get_registry
+
+    auto = LLM(dtype="float32", device="cuda")
+    if "flash_attn" not in get_registry("attention_backend").names():
+        assert auto.llm_engine.model_runner.attn_backend.name == "triton"
+    ours = LLM(attention_backend="triton", dtype="float32", device="cuda").generate(prompts, params)
+    theirs = LLM(attention_backend="torch", dtype="float32", device="cuda").generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]

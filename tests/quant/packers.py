@@ -1,0 +1,173 @@
+"""Checkpoint tensors written the way the producing tools write them, for the
+tests: GPTQ as AutoGPTQ / GPTQModel pack it, AWQ as AutoAWQ packs it.
+
+Written from the tools' packing loops, not from vframe's readers: quantize a
+float weight per group (GPTQ's ``Quantizer.find_params``), then OR each
+integer into its int32 word. Each packer also returns the integers, scales and
+zero points it stored, so a test can compute the weight the checkpoint means.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from test_llama import save_tiny_llama  # noqa: E402
+
+
+@dataclass
+class Quantized:
+    tensors: dict[str, torch.Tensor]  # checkpoint name -> tensor, as the tool saves it
+    q: torch.Tensor  # [out, in] int64 in [0, 2**bits)
+    zeros: torch.Tensor  # [groups, out] int64
+    scales: torch.Tensor  # [groups, out] float16
+    g_idx: torch.Tensor  # [in] int64
+
+    def weight(self) -> torch.Tensor:  # [out, in] float64: what the checkpoint means
+        g = self.g_idx
+        return self.scales.double()[g].T * (self.q - self.zeros[g].T).double()
+
+
+def to_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words (int64) as the int32 a checkpoint stores (numpy's uint32 -> int32)."""
+    words = words & 0xFFFFFFFF
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """AutoGPTQ's qweight loop: ``qweight[row] |= intweight[j] << (bits * (j - i))``
+    for ``32 // bits`` consecutive rows ``j`` of ``values`` [n, m] -> [n / pack, m]."""
+    pack = 32 // bits
+    shifts = torch.arange(pack)[:, None] * bits  # [pack, 1]
+    grouped = values.long().view(values.shape[0] // pack, pack, values.shape[1])  # [n / pack, pack, m]
+    return (grouped << shifts).sum(dim=1)  # disjoint bits: the sum is the OR
+
+
+def pack_columns(values: torch.Tensor, bits: int, order: list[int] | None = None) -> torch.Tensor:
+    """The qzeros loop (and AWQ's, with its ``order``): column ``c`` of the result
+    ORs ``values[:, c * pack + order[j]] << (bits * j)`` for ``j`` in ``0 .. pack - 1``."""
+    pack = 32 // bits
+    order = order or list(range(pack))
+    shifts = torch.arange(pack) * bits  # [pack]
+    grouped = values.long().view(values.shape[0], values.shape[1] // pack, pack)[:, :, order]  # slot j: order[j]
+    return (grouped << shifts).sum(dim=2)  # disjoint bits: the sum is the OR
+
+
+def find_params(x: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's ``Quantizer.find_params`` for rows ``x`` [out, n]: scale and zero per row."""
+    maxq = 2**bits - 1
+    xmin = x.min(dim=1).values.clamp(max=0)
+    xmax = x.max(dim=1).values.clamp(min=0)
+    if sym:
+        xmax = torch.maximum(xmin.abs(), xmax)
+        xmin = torch.where(xmin < 0, -xmax, xmin)
+    both_zero = (xmin == 0) & (xmax == 0)
+    xmin, xmax = torch.where(both_zero, -1.0, xmin), torch.where(both_zero, 1.0, xmax)
+    scale = (xmax - xmin) / maxq
+    zero = torch.full_like(scale, (maxq + 1) / 2) if sym else torch.round(-xmin / scale)
+    return scale, zero
+
+
+def gptq_quantize(
+    w: torch.Tensor,  # [out, in]
+    *,
+    bits: int,
+    group_size: int,
+    sym: bool,
+    desc_act: bool,
+    checkpoint_format: str = "gptq",
+    generator: torch.Generator | None = None,
+) -> Quantized:
+    """A GPTQ checkpoint's tensors for ``w`` (round to nearest; GPTQ's error
+    feedback changes the integers, not the layout)."""
+    out_features, in_features = w.shape
+    maxq = 2**bits - 1
+    size = in_features if group_size == -1 else group_size
+    num_groups = math.ceil(in_features / size)
+    if desc_act:
+        # Columns are quantized in activation order; the k-th of that order joins group k // size.
+        perm = torch.randperm(in_features, generator=generator)
+        g_idx = torch.empty(in_features, dtype=torch.int64)
+        g_idx[perm] = torch.arange(in_features) // size
+    else:
+        g_idx = torch.arange(in_features) // size
+    scales = torch.empty(num_groups, out_features, dtype=torch.float16)
+    zeros = torch.empty(num_groups, out_features, dtype=torch.int64)
+    for g in range(num_groups):
+        scale, zero = find_params(w[:, g_idx == g].float(), bits, sym)
+        scales[g], zeros[g] = scale.half(), zero.long()
+    s, z = scales.float()[g_idx].T, zeros[g_idx].T  # [out, in]
+    q = torch.clamp(torch.round(w.float() / s) + z, 0, maxq).long()
+
+    zero_words = pack_columns(zeros, bits)
+    if checkpoint_format == "gptq":
+        # v1: GPTQModel subtracts one from every packed value, as a whole-word subtraction.
+        zero_words = zero_words - sum(1 << shift for shift in range(0, 32, bits))
+    tensors = {
+        "qweight": to_int32(pack_rows(q.T, bits)),
+        "qzeros": to_int32(zero_words),
+        "scales": scales,
+        "g_idx": g_idx.to(torch.int32),
+    }
+    return Quantized(tensors, q, zeros, scales, g_idx)
+
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def awq_quantize(w: torch.Tensor, *, group_size: int) -> Quantized:
+    """An AWQ (GEMM) checkpoint's tensors for ``w`` [out, in]: asymmetric 4-bit
+    groups of consecutive inputs, packed along the outputs in AWQ's order."""
+    out_features, in_features = w.shape
+    g_idx = torch.arange(in_features) // group_size
+    groups = w.float().view(out_features, in_features // group_size, group_size)
+    wmax, wmin = groups.amax(dim=2), groups.amin(dim=2)  # [out, groups]
+    scale = ((wmax - wmin).clamp(min=1e-5) / 15).half()
+    zero = torch.clamp(-torch.round(wmin / scale.float()), 0, 15).long()
+    scales, zeros = scale.T.contiguous(), zero.T.contiguous()  # [groups, out]
+    q = torch.clamp(torch.round(w.float() / scales.float()[g_idx].T) + zeros[g_idx].T, 0, 15).long()
+    tensors = {
+        "qweight": to_int32(pack_columns(q.T, 4, AWQ_ORDER)),  # [in, out / 8]
+        "qzeros": to_int32(pack_columns(zeros, 4, AWQ_ORDER)),  # [groups, out / 8]
+        "scales": scales,
+    }
+    return Quantized(tensors, q, zeros, scales, g_idx)
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_quantized_llama(
+    path: Path, quant: dict[str, Any], quantize: Callable[[torch.Tensor, torch.Generator], Quantized]
+) -> torch.nn.Module:
+    """A tiny random Llama (hidden 64, intermediate 112, 4 heads and 2 kv heads of
+    24) whose projections ``quantize`` packs into ``path`` as a quantizing tool
+    saves a checkpoint: one safetensors file, ``quantization_config`` in
+    config.json. Returns transformers' model holding the weights the checkpoint means."""
+    hf_model = save_tiny_llama(path)
+    for old in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    with torch.no_grad():
+        for name, param in hf_model.state_dict().items():
+            module = name.rpartition(".")[0]
+            if module.rpartition(".")[2] not in PROJECTIONS:
+                tensors[name] = param.contiguous()
+                continue
+            packed = quantize(param, generator)
+            tensors |= {f"{module}.{key}": value for key, value in packed.tensors.items()}
+            param.copy_(packed.weight())  # exact in float32
+    save_file(tensors, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    return hf_model

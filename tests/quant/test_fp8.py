@@ -1,0 +1,112 @@
+"""FP8 (e4m3) weights: quantized while loading, or read from a per-tensor FP8 checkpoint."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vframe import LLM
+from vframe.errors import ConfigError
+from vframe.layers.linear import QKVParallelLinear, ReplicatedLinear
+from vframe.quant.fp8 import Fp8Config
+from vframe.testing.models import assert_matches_transformers
+from vframe.testing.quant import check_quant_method
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from test_llama import save_tiny_llama  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+
+
+def test_on_the_fly_scales_each_output_row_to_448() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g)
+    w[3] *= 100  # a row far larger than the others keeps its own scale
+    layer = ReplicatedLinear(64, 48, bias=False, quant_config=Fp8Config.from_config(None))
+    layer.weight.weight_loader(layer.weight, w)
+    layer.quant_method.process_weights_after_loading(layer)
+
+    assert (layer.weight.dtype, tuple(layer.weight.shape)) == (E4M3, (48, 64))
+    assert (layer.weight_scale.dtype, tuple(layer.weight_scale.shape)) == (torch.float32, (48,))
+    assert torch.equal(layer.weight.float().abs().amax(dim=1), torch.full((48,), 448.0))
+    torch.testing.assert_close(layer.weight_scale, w.abs().amax(dim=1) / 448, rtol=1e-6, atol=0)
+    w_deq = layer.quant_method.dequantize_weight(layer)
+    # 3 mantissa bits: within 1/16 of each value (plus e4m3's subnormal step near zero)
+    subnormal_step = layer.weight_scale[:, None] * 2.0**-9
+    assert bool(((w_deq - w).abs() <= w.abs() / 16 + subnormal_step).all())
+
+    x = torch.randn(4, 64, generator=g)
+    reference = x.double() @ w_deq.double().T
+    assert float((layer(x).double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
+
+
+def test_on_the_fly_conforms_on_every_layer_kind() -> None:
+    check_quant_method("fp8")
+    check_quant_method("fp8", dtype=torch.bfloat16, quick=True)
+
+
+def fp8_checkpoint_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What vLLM / llm-compressor write per tensor: e4m3 weight, a float32 scalar scale."""
+    scale = weight.float().abs().max() / 448
+    return {"weight": (weight.float() / scale).to(E4M3), "weight_scale": scale}
+
+
+def test_checkpoint_conforms_on_every_layer_kind() -> None:
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    check_quant_method("fp8", hf_quant_config=config, checkpoint_tensors=fp8_checkpoint_tensors)
+
+
+def test_checkpoint_scales_stay_per_fused_shard() -> None:
+    config = Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "static"})
+    layer = QKVParallelLinear(32, 8, 2, 1, bias=False, quant_config=config)  # q 16, k 8, v 8 rows
+    g = torch.Generator().manual_seed(0)
+    shards = {"q": torch.randn(16, 32, generator=g), "k": 10 * torch.randn(8, 32, generator=g),
+              "v": torch.randn(8, 32, generator=g) / 10}
+    for shard_id, w in shards.items():
+        for name, tensor in {**fp8_checkpoint_tensors(w), "input_scale": torch.tensor(0.5)}.items():
+            getattr(layer, name).weight_loader(getattr(layer, name), tensor, shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+
+    scales = [shards[s].abs().max() / 448 for s in "qkv"]
+    expected = torch.cat([torch.full((n,), float(s)) for s, n in zip(scales, (16, 8, 8), strict=True)])
+    assert torch.equal(layer.weight_scale, expected)
+    assert layer.input_scale is None  # read, not used: activations stay float
+    w_deq = layer.quant_method.dequantize_weight(layer)
+    assert torch.equal(w_deq, torch.cat([fp8_checkpoint_tensors(shards[s])["weight"].float() for s in "qkv"])
+                       * expected[:, None])
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"weight_block_size=\[128, 128\]: block-wise"),
+        ({"quant_method": "fp8", "activation_scheme": "per-token"}, r"activation_scheme='per-token'"),
+        ({"quant_method": "gptq", "bits": 4}, r"already quantized as 'gptq'"),
+    ],
+)
+def test_what_it_cannot_serve_is_refused_naming_the_field(config: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Fp8Config.from_config(config)
+
+
+def test_an_fp8_llama_generates_what_transformers_does_with_the_dequantized_weights(tmp_path: Path) -> None:
+    hf_model = save_tiny_llama(tmp_path)
+    llm = LLM(model=str(tmp_path), quantization="fp8", skip_tokenizer_init=True, dtype="float32", num_threads=2)
+    ours = llm.llm_engine.model_runner.model
+    with torch.no_grad():
+        for ours_layer, hf_layer in zip(ours.model.layers, hf_model.model.layers, strict=True):
+            attn, mlp, hf_attn, hf_mlp = ours_layer.self_attn, ours_layer.mlp, hf_layer.self_attn, hf_layer.mlp
+            assert attn.qkv_proj.weight.dtype == E4M3
+            q, k, v = attn.qkv_proj.quant_method.dequantize_weight(attn.qkv_proj).split([96, 48, 48])
+            gate, up = mlp.gate_up_proj.quant_method.dequantize_weight(mlp.gate_up_proj).chunk(2)
+            down = mlp.down_proj.quant_method.dequantize_weight(mlp.down_proj)
+            o = attn.o_proj.quant_method.dequantize_weight(attn.o_proj)
+            for hf_proj, w in ((hf_attn.q_proj, q), (hf_attn.k_proj, k), (hf_attn.v_proj, v), (hf_attn.o_proj, o),
+                               (hf_mlp.gate_proj, gate), (hf_mlp.up_proj, up), (hf_mlp.down_proj, down)):
+                hf_proj.weight.copy_(w)
+
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 23)]
+    assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
