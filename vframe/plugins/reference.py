@@ -92,6 +92,10 @@ DATA_OBJECTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     (
+        "LoRA kernels",
+        ("vframe.lora.ops:LoRASegments",),
+    ),
+    (
         "User-facing outputs",
         (
             "vframe.core.outputs:RequestOutput",

@@ -24,6 +24,9 @@ pytest; nothing here needs pytest.
 ``vframe.testing.quant``
     ``check_quant_method(quantizer, ...)``: a quantizer's linear method on every
     layer kind against plain PyTorch.
+``vframe.testing.lora``
+    ``check_lora_kernel(kernel=add_lora, *, dtype, device, quick)``: a LoRA
+    kernel against ``reference_add_lora``, within ``LORA_TOLERANCES``.
 ``vframe.testing.quick``
     ``run_quick_checks(name, kind=None)``: what ``vframe plugins --check`` runs.
 
@@ -42,6 +45,9 @@ _EXPORTS: dict[str, str] = {
     "reference_attention": "attention",
     "assert_matches_transformers": "models",
     "check_lifecycle_hooks": "lifecycle",
+    "LORA_TOLERANCES": "lora",
+    "check_lora_kernel": "lora",
+    "reference_add_lora": "lora",
     "check_logits_processor": "logits",
     "make_plugin_context": "logits",
     "check_quant_method": "quant",
