@@ -171,3 +171,80 @@ def write_quantized_llama(
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
     return hf_model
+
+
+# --------------------------------------------------------------------------- #
+# compressed-tensors (llm-compressor): calculate_qparams, quantize, pack_to_int32
+# --------------------------------------------------------------------------- #
+
+@dataclass
+class CTQuantized:
+    tensors: dict[str, torch.Tensor]  # checkpoint name -> tensor, as compressed-tensors saves it
+    q: torch.Tensor  # [out, in] int64, signed: [-2**(bits-1), 2**(bits-1)) or e4m3 values as float
+    zeros: torch.Tensor  # [out, groups] int64, signed (0 when symmetric)
+    scales: torch.Tensor  # [out, groups] as stored
+    group_size: int
+
+    def weight(self) -> torch.Tensor:  # [out, in] float64: what the checkpoint means
+        g = torch.arange(self.q.shape[1]) // self.group_size
+        return self.scales.double()[:, g] * (self.q.double() - self.zeros[:, g].double())
+
+
+def pack_to_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """compressed-tensors' ``pack_to_int32`` along the last dim of signed ``values``
+    [rows, n]: add ``2**(bits - 1)``, then element ``j`` fills bits ``j * bits ..``
+    of the stream, word ``j * bits // 32``, lowest bits first -> [rows, ceil(n * bits / 32)] int32."""
+    unsigned = values.long() + (1 << (bits - 1))
+    n = values.shape[1]
+    words = torch.zeros(values.shape[0], -(-n * bits // 32), dtype=torch.int64)
+    for j in range(n):  # 4 and 8 bits never straddle a word
+        words[:, j * bits // 32] |= unsigned[:, j] << (j * bits % 32)
+    return to_int32(words)
+
+
+def ct_int_quantize(
+    w: torch.Tensor, *, bits: int, strategy: str, group_size: int | None = None, symmetric: bool = True,
+    packed: bool = True, scale_dtype: torch.dtype = torch.bfloat16,
+) -> CTQuantized:
+    """Integer weights as llm-compressor computes and saves them: per output row
+    (channel) or per group of inputs, ``calculate_qparams`` (symmetric scale
+    ``max |w| / ((q_max - q_min) / 2)``; asymmetric ``(max - min) / (q_max - q_min)``,
+    zero ``q_min - min / scale``), ``q = clamp(round(w / scale + zero))``. Packed
+    (pack-quantized) or int8 ``weight`` (int-quantized)."""
+    out_features, in_features = w.shape
+    size = in_features if strategy == "channel" else group_size
+    num_groups = -(-in_features // size)
+    q_min, q_max = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    g = torch.arange(in_features) // size
+    w = w.float()
+    mins = torch.stack([w[:, g == i].amin(dim=1) for i in range(num_groups)], dim=1).clamp(max=0)  # [out, groups]
+    maxs = torch.stack([w[:, g == i].amax(dim=1) for i in range(num_groups)], dim=1).clamp(min=0)
+    if symmetric:
+        scales = (torch.maximum(mins.abs(), maxs) / ((q_max - q_min) / 2)).to(scale_dtype)
+        zeros = torch.zeros_like(scales, dtype=torch.int64)
+    else:
+        scales = ((maxs - mins) / (q_max - q_min)).to(scale_dtype)
+        zeros = torch.round((q_min - mins / scales.float()).clamp(q_min, q_max)).long()
+    scales = torch.where(scales == 0, torch.finfo(scale_dtype).eps, scales)
+    q = torch.clamp(torch.round(w / scales.float()[:, g] + zeros[:, g]), q_min, q_max).long()
+    if packed:
+        tensors = {"weight_packed": pack_to_int32(q, bits), "weight_scale": scales,
+                   "weight_shape": torch.tensor([out_features, in_features])}
+        if not symmetric:  # packed along the outputs: pack_to_int32(zero_point, packed_dim=0)
+            tensors["weight_zero_point"] = pack_to_int32(zeros.T, bits).T.contiguous()
+    else:
+        tensors = {"weight": q.to(torch.int8), "weight_scale": scales}
+    return CTQuantized(tensors, q, zeros, scales, size)
+
+
+def ct_fp8_quantize(w: torch.Tensor, *, strategy: str, static_input: bool = False) -> CTQuantized:
+    """float-quantized FP8: scale ``max |w| / 448`` per tensor ([1]) or per output row ([out, 1])."""
+    w = w.float()
+    absmax = w.abs().amax().reshape(1) if strategy == "tensor" else w.abs().amax(dim=1, keepdim=True)
+    scales = (absmax / 448).to(torch.bfloat16)
+    q = (w / scales.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
+    tensors = {"weight": q, "weight_scale": scales}
+    if static_input:
+        tensors["input_scale"] = torch.tensor([0.02])
+    per_row = scales.reshape(-1, 1).expand(w.shape[0], 1)
+    return CTQuantized(tensors, q.float(), torch.zeros(w.shape[0], 1, dtype=torch.int64), per_row, w.shape[1])

@@ -59,3 +59,4 @@ def vframe_register_quantizers(register: RegisterFn) -> None:
     register("gptq", "vframe.quant.gptq:GPTQConfig")
     register("awq", "vframe.quant.awq:AWQConfig")
     register("fp8", "vframe.quant.fp8:Fp8Config")
+    register("compressed-tensors", "vframe.quant.compressed_tensors:CompressedTensorsConfig")

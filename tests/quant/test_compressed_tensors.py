@@ -1,0 +1,251 @@
+"""compressed-tensors checkpoints: the tensors llm-compressor saves, read back exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vframe import LLM
+from vframe.errors import ConfigError
+from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
+from vframe.plugins import get_registry
+from vframe.quant.compressed_tensors import CompressedTensorsConfig, NaiveMethod, PackedMethod
+from vframe.testing.models import assert_matches_transformers
+from vframe.testing.quant import check_quant_method
+from packers import ct_fp8_quantize, ct_int_quantize, pack_to_int32, write_quantized_llama
+
+
+def weights(num_bits: int = 4, type: str = "int", strategy: str = "group", group_size: int | None = 128,
+            symmetric: bool = True) -> dict[str, Any]:
+    return {"num_bits": num_bits, "type": type, "strategy": strategy, "group_size": group_size,
+            "symmetric": symmetric, "dynamic": False, "actorder": None}
+
+
+INT8_TOKEN = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
+FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
+FP8_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+
+
+def quant_config(fmt: str, w: dict, activations: dict | None = None, ignore: list[str] | None = None,
+                 targets: list[str] | None = None, **more: Any) -> dict[str, Any]:
+    """A config.json quantization_config as llm-compressor writes it."""
+    group = {"targets": targets or ["Linear"], "weights": w, "input_activations": activations,
+             "output_activations": None, "format": fmt}
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"] if ignore is None else ignore,
+            "kv_cache_scheme": None, "sparsity_config": {}, **more}
+
+
+def random_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) / in_features**0.5
+    w[0] = w[0].abs()  # row 0 all positive: asymmetric zero points at q_min
+    return w
+
+
+def load(layer: torch.nn.Module, tensors: dict[str, torch.Tensor], shard_id: Any = None) -> None:
+    for name, tensor in tensors.items():
+        param = getattr(layer, name)
+        param.weight_loader(param, tensor) if shard_id is None else param.weight_loader(param, tensor, shard_id)
+
+
+def test_signed_values_are_stored_plus_the_offset_lowest_bits_first() -> None:
+    # -8, -7, 0, 1, 2, 3, 4, 7 stored as 0, 1, 8, 9, 10, 11, 12, 15: value j of a word in bits 4j .. 4j+3
+    words = pack_to_int32(torch.tensor([[-8, -7, 0, 1, 2, 3, 4, 7]]), 4)
+    assert words.tolist() == [[to_signed(0xFCBA9810)]]
+    assert pack_to_int32(torch.tensor([[-128, 0, 1, 127]]), 8).tolist() == [[to_signed(0xFF818000)]]
+
+
+def to_signed(word: int) -> int:
+    return word - 2**32 if word >= 2**31 else word
+
+
+@pytest.mark.parametrize(
+    ("bits", "strategy", "group_size", "symmetric"),
+    [(4, "group", 32, True), (4, "group", 48, False), (8, "group", 40, False), (8, "channel", None, True),
+     (4, "channel", None, False)],
+)
+def test_packed_weight_is_the_unpacked_integers_times_the_scales(
+    bits: int, strategy: str, group_size: int | None, symmetric: bool
+) -> None:
+    in_features, out_features = 200, 72  # groups of 48 / 40: partial or whole last group
+    w = random_weight(out_features, in_features, seed=bits)
+    packed = ct_int_quantize(w, bits=bits, strategy=strategy, group_size=group_size, symmetric=symmetric)
+    config = CompressedTensorsConfig.from_config(
+        quant_config("pack-quantized", weights(bits, "int", strategy, group_size, symmetric))
+    )
+    layer = ReplicatedLinear(in_features, out_features, bias=False, quant_config=config, prefix="x.down_proj")
+    load(layer, packed.tensors)
+    layer.quant_method.process_weights_after_loading(layer)
+
+    assert isinstance(layer.quant_method, PackedMethod)
+    assert tuple(layer.weight_packed.shape) == (out_features, in_features * bits // 32)
+    if not symmetric:
+        assert int(packed.zeros[0].min()) == -(2 ** (bits - 1))  # the lowest zero point is exercised
+    w_deq = layer.quant_method.dequantize_weight(layer)
+    assert torch.equal(w_deq.double(), packed.weight())  # exact: a bf16 scale times a small integer
+    x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(3))
+    reference = x.double() @ packed.weight().T
+    assert float((layer(x).double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
+
+
+@pytest.mark.parametrize(("strategy", "group_size", "symmetric"), [("group", 64, False), ("channel", None, True)])
+def test_bfloat16_on_cpu_takes_torch_s_int4_kernel(strategy: str, group_size: int | None, symmetric: bool) -> None:
+    in_features, out_features = 256, 48
+    packed = ct_int_quantize(random_weight(out_features, in_features, 7), bits=4, strategy=strategy,
+                             group_size=group_size, symmetric=symmetric)
+    config = CompressedTensorsConfig.from_config(
+        quant_config("pack-quantized", weights(4, "int", strategy, group_size, symmetric))
+    )
+    layer = ReplicatedLinear(in_features, out_features, bias=False, quant_config=config, params_dtype=torch.bfloat16)
+    load(layer, packed.tensors)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(9, in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+    out = layer(x)
+
+    assert hasattr(layer, "int4_weight") and out.dtype == torch.bfloat16
+    reference = x.double() @ packed.weight().T
+    # bfloat16 scales, zeros and output: a few 2**-8
+    assert float((out.double() - reference).abs().max()) <= 2**-6 * float(reference.abs().max())
+
+
+@pytest.mark.parametrize(("fmt", "strategy"), [("float-quantized", "tensor"), ("float-quantized", "channel")])
+def test_fp8_weight_is_the_e4m3_values_times_the_scales(fmt: str, strategy: str) -> None:
+    config = CompressedTensorsConfig.from_config(quant_config(fmt, weights(8, "float", strategy, None), FP8_STATIC))
+    layer = QKVParallelLinear(64, 16, 2, 1, bias=False, quant_config=config, prefix="l.qkv_proj")
+    shards = {s: ct_fp8_quantize(random_weight(n, 64, i), strategy=strategy, static_input=True)
+              for i, (s, n) in enumerate((("q", 32), ("k", 16), ("v", 16)))}
+    for shard_id, packed in shards.items():
+        load(layer, packed.tensors, shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+
+    assert isinstance(layer.quant_method, NaiveMethod) and layer.weight.dtype == torch.float8_e4m3fn
+    expected = torch.cat([shards[s].weight() for s in "qkv"])
+    assert torch.equal(layer.quant_method.dequantize_weight(layer).double(), expected)
+
+
+def test_w8a8_quantizes_each_token_to_int8() -> None:
+    config = CompressedTensorsConfig.from_config(
+        quant_config("int-quantized", weights(8, "int", "channel", None), INT8_TOKEN)
+    )
+    layer = ReplicatedLinear(64, 32, bias=False, quant_config=config, prefix="o_proj")
+    packed = ct_int_quantize(random_weight(32, 64, 0), bits=8, strategy="channel", packed=False)
+    load(layer, packed.tensors)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.tensor([[1.0, -0.5] * 32, [127.0] + [1.0] * 63])  # token 1's step is 1: its ones stay exact
+
+    out = layer(x)
+
+    assert layer.weight.dtype == torch.int8
+    x_scale = x.abs().amax(dim=1, keepdim=True) / 127
+    x_int = torch.round(x / x_scale).double()
+    expected = (x_int @ packed.q.double().T) * x_scale.double() * packed.scales.double().T
+    assert torch.allclose(out.double(), expected, rtol=1e-6, atol=0)
+
+
+CONFORMANCE = {
+    "W4A16 group": (quant_config("pack-quantized", weights(4, "int", "group", 64)),
+                    lambda w: ct_int_quantize(w, bits=4, strategy="group", group_size=64).tensors),
+    "W4A16 asymmetric": (quant_config("pack-quantized", weights(4, "int", "group", 32, symmetric=False)),
+                         lambda w: ct_int_quantize(w, bits=4, strategy="group", group_size=32,
+                                                   symmetric=False).tensors),
+    "W8A16 channel": (quant_config("pack-quantized", weights(8, "int", "channel", None)),
+                      lambda w: ct_int_quantize(w, bits=8, strategy="channel").tensors),
+    "W8A8 int8": (quant_config("int-quantized", weights(8, "int", "channel", None), INT8_TOKEN),
+                  lambda w: ct_int_quantize(w, bits=8, strategy="channel", packed=False).tensors),
+    "W8A16 naive int8": (quant_config("naive-quantized", weights(8, "int", "channel", None)),
+                         lambda w: ct_int_quantize(w, bits=8, strategy="channel", packed=False).tensors),
+    "FP8 tensor": (quant_config("float-quantized", weights(8, "float", "tensor", None), FP8_STATIC),
+                   lambda w: ct_fp8_quantize(w, strategy="tensor", static_input=True).tensors),
+    "FP8 channel": (quant_config("float-quantized", weights(8, "float", "channel", None), FP8_TOKEN),
+                    lambda w: ct_fp8_quantize(w, strategy="channel").tensors),
+}
+
+
+@pytest.mark.parametrize("scheme", CONFORMANCE)
+def test_conforms_on_every_layer_kind(scheme: str) -> None:
+    config, tensors = CONFORMANCE[scheme]
+    check_quant_method("compressed-tensors", hf_quant_config=config, checkpoint_tensors=tensors)
+
+
+@pytest.mark.parametrize("scheme", ["W4A16 group", "W8A8 int8", "FP8 channel"])  # W4A16: torch's int4 kernel
+def test_bfloat16_activations_conform(scheme: str) -> None:
+    config, tensors = CONFORMANCE[scheme]
+    check_quant_method("compressed-tensors", hf_quant_config=config, checkpoint_tensors=tensors,
+                       dtype=torch.bfloat16, quick=True)
+
+
+def test_compressed_tensors_is_a_builtin_quantizer() -> None:
+    assert get_registry("quantizer").load("compressed-tensors") is CompressedTensorsConfig
+
+
+def test_layers_map_to_schemes_by_targets_and_ignore() -> None:
+    q = quant_config("pack-quantized", weights(4, "int", "group", 32), ignore=["lm_head", "re:.*mlp\\.down_proj$"])
+    q["config_groups"]["group_1"] = {"targets": ["re:.*self_attn\\..*"], "weights": weights(8, "int", "channel", None),
+                                     "format": "pack-quantized"}
+    config = CompressedTensorsConfig.from_config(q)
+    layer = ReplicatedLinear(64, 64)
+
+    def bits(prefix: str) -> int | None:
+        method = config.get_quant_method(layer, prefix)
+        return None if method is None else method.scheme.num_bits
+
+    assert bits("model.layers.0.self_attn.qkv_proj") == 8  # regex before the class "Linear"
+    assert bits("model.layers.0.mlp.gate_up_proj") == 4
+    assert bits("model.layers.0.mlp.down_proj") is None
+    assert bits("lm_head") is None
+
+
+def test_fused_shards_in_groups_alike_share_a_scheme() -> None:
+    q = quant_config("pack-quantized", weights(4, "int", "group", 32), targets=["re:.*q_proj$"])
+    q["config_groups"]["group_1"] = {**q["config_groups"]["group_0"], "targets": ["re:.*[kv]_proj$"]}
+    layer = QKVParallelLinear(64, 16, 2, 1, quant_config=CompressedTensorsConfig.from_config(q), prefix="a.qkv_proj")
+    assert isinstance(layer.quant_method, PackedMethod)
+
+
+def test_fused_shards_quantized_differently_are_refused() -> None:
+    config = CompressedTensorsConfig.from_config(
+        quant_config("pack-quantized", weights(4, "int", "group", 32), ignore=["model.layers.0.mlp.up_proj"])
+    )
+    with pytest.raises(ConfigError, match=r"fuses model.layers.0.mlp.gate_proj, model.layers.0.mlp.up_proj"):
+        MergedColumnParallelLinear(64, [64, 64], quant_config=config, prefix="model.layers.0.mlp.gate_up_proj")
+
+
+@pytest.mark.parametrize(
+    ("q", "message"),
+    [
+        (quant_config("float-quantized", {**weights(8, "float", "block", None), "block_structure": [128, 128]}),
+         r"config_groups.group_0 \(float-quantized, float8 weights, strategy 'block'\): strategy 'block' is not"),
+        (quant_config("pack-quantized", weights(4, "int", "group", 128), INT8_TOKEN),
+         r"group_0 .*: input_activations with packed weights \(W4A8\) are not supported"),
+        (quant_config("pack-quantized", weights(3, "int", "group", 128)), r"group_0 \(pack-quantized, int3 weights"),
+        (quant_config("nvfp4-pack-quantized", weights(4, "float", "tensor_group", 16)), r"strategy 'tensor_group'"),
+        (quant_config("pack-quantized", {**weights(4), "actorder": "group"}), r"actorder='group'"),
+        (quant_config("pack-quantized", weights(4), kv_cache_scheme={"num_bits": 8}), r"kv_cache_scheme"),
+        ({"quant_method": "gptq", "bits": 4}, r"this one is quantized as 'gptq'"),
+    ],
+)
+def test_what_it_cannot_serve_is_refused_naming_the_scheme(q: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        CompressedTensorsConfig.from_config(q)
+
+
+# --------------------------------------------------------------------------- #
+# A whole model: a compressed-tensors tiny Llama == transformers holding the dequantized weights
+# --------------------------------------------------------------------------- #
+
+def test_a_w4a16_llama_generates_what_transformers_does_with_the_dequantized_weights(tmp_path: Path) -> None:
+    # asymmetric groups of 32 (down_proj's 112 inputs: 4 groups, the last of 16)
+    quant = quant_config("pack-quantized", weights(4, "int", "group", 32, symmetric=False))
+    hf_model = write_quantized_llama(tmp_path, quant, lambda w, generator: ct_int_quantize(
+        w, bits=4, strategy="group", group_size=32, symmetric=False
+    ))
+    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
+    qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.quant_method, PackedMethod) and qkv.weight_packed.dtype == torch.int32
+
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
+    assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)

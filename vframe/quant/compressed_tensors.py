@@ -1,0 +1,375 @@
+"""compressed-tensors checkpoints (``quant_method: compressed-tensors``), as
+llm-compressor saves them through the ``compressed-tensors`` library.
+
+``quantization_config`` maps modules to schemes::
+
+    config_groups  {name: {targets: ["Linear" | "re:<regex>" | module name],
+                           weights: {num_bits, type: int | float, symmetric,
+                                     strategy: tensor | channel | group | block, group_size},
+                           input_activations: {...} | null, format: ...}}
+    ignore         ["lm_head", "re:...", ...]   modules left float
+    format         pack-quantized | int-quantized | float-quantized | naive-quantized
+                   | mixed-precision (then each group names its own)
+
+Per layer of ``in`` inputs and ``out`` outputs (``pack = 32 // bits``, the first
+value in the lowest bits; signed integers are stored plus ``2**(bits - 1)``)::
+
+    pack-quantized   weight_packed      int32 [out, in / pack]
+                     weight_scale       [out, groups] (group) or [out, 1] (channel), the model's dtype
+                     weight_zero_point  int32 [out / pack, groups]  asymmetric only, packed along the outputs
+                     weight_shape       int64 [2]                  (out, in)
+                     W[o, i] = scale[o, i // group_size] * (q[o, i] - zero[o, i // group_size])
+    int-quantized    weight int8 [out, in], weight_scale [out, 1]; activations int8 per token, dynamic
+    float-quantized  weight e4m3 [out, in], weight_scale [1] (tensor) or [out, 1] (channel),
+                     input_scale [1] with static activations
+
+Served: W4A16 / W8A16 (pack-quantized, group or channel, symmetric or not), W8A8
+int8 (int-quantized, channel or tensor weights, dynamic per-token int8
+activations) and FP8 weights (float-quantized, tensor or channel; activations
+stay in the model's dtype). Everything else is refused naming the group.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vframe.errors import ConfigError, ModelLoadError
+from vframe.layers.linear import LinearBase
+from vframe.quant import int4_cpu
+from vframe.quant.base import LinearMethodBase, QuantizationConfig, set_weight_attrs
+from vframe.quant.fp8 import FP8_DTYPE, _per_shard_loader
+from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
+
+# vframe's fused layers and the checkpoint modules they hold (their names in targets / ignore).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+INT8_MAX = 127
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One config group's weights, as vframe serves them."""
+
+    group: str = field(compare=False)  # its key in config_groups; groups alike are one scheme
+    format: str  # pack-quantized | int-quantized | float-quantized
+    type: str  # int | float
+    num_bits: int
+    symmetric: bool
+    strategy: str  # tensor | channel | group
+    group_size: int | None
+    activations: str | None  # None (weight-only), "int8-token" (dynamic), "fp8-static", "fp8-dynamic"
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    # 4-bit round to nearest: half a step, at most 1/15 of the group's largest |w|
+    # (symmetric scales are max |w| / 7.5); a row-parallel rank of a channel scale
+    # may not hold the row's largest |w|, hence twice that; 1e-3 for fp16 / bf16 scales.
+    weight_tolerance = 2 / 15 + 1e-3
+    # W8A8 rounds each token's activations to int8 (half a step of max |x| / 127).
+    # Weight-only schemes stay within float32 rounding (tested on their own).
+    reference_tolerance = 2**-6
+
+    def __init__(self, schemes: list[tuple[list[str], Scheme]], ignore: list[str]) -> None:
+        self.schemes = schemes
+        self.ignore = ignore
+
+    def __repr__(self) -> str:
+        return f"CompressedTensorsConfig(schemes={[s for _, s in self.schemes]}, ignore={self.ignore})"
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "compressed-tensors"
+
+    @classmethod
+    def get_supported_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def from_config(cls, hf_quant_config: dict[str, Any] | None) -> CompressedTensorsConfig:
+        if hf_quant_config is None:
+            raise ConfigError(
+                "quantization='compressed-tensors' reads an llm-compressor checkpoint (config.json "
+                "quantization_config); this checkpoint is float. Quantize it with llm-compressor first"
+            )
+        q = hf_quant_config
+        if q.get("quant_method", "compressed-tensors") != "compressed-tensors":
+            raise ConfigError(
+                "quantization='compressed-tensors' reads a compressed-tensors checkpoint; this one is "
+                f"quantized as {q.get('quant_method')!r}"
+            )
+        for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+            if q.get(key):
+                raise ConfigError(f"quantization_config.{key} is not supported yet; vframe reads weight schemes only")
+        status = q.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise ConfigError(
+                f"quantization_config.quantization_status={status!r}: vframe reads compressed checkpoints "
+                "(save with save_compressed=True)"
+            )
+        groups = q.get("config_groups") or {}
+        if not groups:
+            raise ConfigError("quantization_config.config_groups is empty: nothing says how layers are quantized")
+        schemes = [(list(g.get("targets") or []), _scheme(name, g, q.get("format"))) for name, g in groups.items()]
+        return cls(schemes, list(q.get("ignore") or []))
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
+        if not isinstance(layer, LinearBase):
+            return None
+        parent, _, leaf = prefix.rpartition(".")
+        names = [f"{parent}.{m}" if parent else m for m in FUSED[leaf]] if leaf in FUSED else [prefix]
+        found = {name: self._scheme_of(name) for name in names}
+        if len(set(found.values())) > 1:
+            raise ConfigError(
+                f"{prefix}: vframe fuses {', '.join(names)} into one layer, but the checkpoint quantizes them "
+                f"differently ({found}); compressed-tensors targets and ignore must treat them alike"
+            )
+        scheme = found[names[0]]
+        if scheme is None:
+            return None
+        return PackedMethod(scheme) if scheme.format == "pack-quantized" else NaiveMethod(scheme)
+
+    def _scheme_of(self, name: str) -> Scheme | None:
+        """The scheme of checkpoint module ``name``: ignored first, then the most
+        specific target (exact name, then regex, then the class ``Linear``)."""
+        if any(_matches(name, target) for target in self.ignore):
+            return None
+        for kind in ("name", "regex", "class"):
+            for targets, scheme in self.schemes:
+                if any(_target_kind(t) == kind and _matches(name, t) for t in targets):
+                    return scheme
+        return None
+
+
+def _target_kind(target: str) -> str:
+    return "regex" if target.startswith("re:") else "class" if target == "Linear" else "name"
+
+
+def _matches(name: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target.removeprefix("re:"), name) is not None
+    return target == "Linear" or target == name
+
+
+def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Scheme:
+    where = f"quantization_config.config_groups.{name}"
+    w = group.get("weights")
+    if not w:
+        raise ConfigError(f"{where}.weights is null: vframe serves weight-quantized schemes only")
+    if group.get("output_activations"):
+        raise ConfigError(f"{where}.output_activations: output quantization is not supported")
+    fmt = group.get("format") or default_format
+    if fmt in (None, "mixed-precision"):
+        raise ConfigError(f"{where}.format is unset: the group must name its format (e.g. 'pack-quantized')")
+    num_bits, wtype, symmetric = w.get("num_bits", 8), w.get("type", "int"), w.get("symmetric", True)
+    group_size = w.get("group_size")
+    strategy = w.get("strategy") or ("tensor" if group_size is None else "channel" if group_size == -1 else "group")
+    label = f"{where} ({fmt}, {wtype}{num_bits} weights, strategy {strategy!r})"
+    if strategy not in ("tensor", "channel", "group"):
+        raise ConfigError(f"{label}: strategy {strategy!r} is not supported yet; vframe serves tensor, channel, group")
+    if w.get("actorder") in ("group", "dynamic", True):
+        raise ConfigError(f"{label}: actorder={w['actorder']!r} (weight_g_idx) is not supported; 'weight' is")
+    if w.get("dynamic"):
+        raise ConfigError(f"{label}: dynamic weight quantization is not supported")
+    if strategy == "group" and (not isinstance(group_size, int) or group_size <= 0):
+        raise ConfigError(f"{label}: group_size={group_size!r}, expected a positive integer")
+    a = group.get("input_activations")
+
+    def scheme(activations: str | None) -> Scheme:
+        return Scheme(name, fmt, wtype, num_bits, bool(symmetric), strategy, group_size, activations)
+
+    if fmt == "pack-quantized" and wtype == "int" and num_bits in (4, 8) and strategy in ("group", "channel"):
+        if a:
+            raise ConfigError(f"{label}: input_activations with packed weights (W4A8) are not supported")
+        return scheme(None)
+    if fmt in ("int-quantized", "naive-quantized") and wtype == "int" and num_bits == 8 and symmetric:
+        if strategy not in ("tensor", "channel"):
+            raise ConfigError(f"{label}: int8 weights are served per channel or tensor")
+        if not a:
+            return scheme(None)
+        served = {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}
+        if any(a.get(key) != value for key, value in served.items()):
+            raise ConfigError(f"{label}: activations {a!r}; vframe serves dynamic symmetric int8 per token only")
+        return scheme("int8-token")
+    if fmt in ("float-quantized", "naive-quantized") and wtype == "float" and num_bits == 8 and symmetric:
+        if strategy not in ("tensor", "channel"):
+            raise ConfigError(f"{label}: FP8 weights are served per channel or tensor")
+        if not a:
+            return scheme(None)
+        if a.get("type") != "float" or a.get("num_bits") != 8:
+            raise ConfigError(f"{label}: activations {a!r}; vframe serves FP8 activations only with FP8 weights")
+        return scheme("fp8-dynamic" if a.get("dynamic") else "fp8-static")
+    raise ConfigError(
+        f"{label}, symmetric={symmetric}: not supported; vframe serves pack-quantized int4 / int8, "
+        "int-quantized int8 (W8A8) and float-quantized FP8"
+    )
+
+
+def _register(layer: nn.Module, name: str, tensor: torch.Tensor, attrs: dict[str, Any]) -> None:
+    param = nn.Parameter(tensor, requires_grad=False)
+    set_weight_attrs(param, attrs)
+    layer.register_parameter(name, param)
+
+
+class PackedMethod(LinearMethodBase):
+    """pack-quantized int4 / int8 weights, group or channel scales."""
+
+    def __init__(self, scheme: Scheme) -> None:
+        self.scheme = scheme
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        s = self.scheme
+        pack = pack_factor(s.num_bits)
+        where = layer.prefix or type(layer).__name__
+        why = f"compressed-tensors packs {pack} {s.num_bits}-bit values per int32"
+        check_divisible(input_size_per_partition, pack, f"{where}: the input size per partition", why)
+        if not s.symmetric:  # the zero points are packed along the outputs
+            for size in output_partition_sizes:
+                check_divisible(size, pack, f"{where}: an output shard", why)
+        split_inputs = input_size_per_partition != input_size
+        if s.strategy == "channel":
+            num_groups, group_input_dim = 1, None
+            self.group_size = input_size_per_partition
+        else:
+            if split_inputs:
+                check_divisible(
+                    input_size_per_partition, s.group_size, f"{where}: the input size per partition",
+                    f"tensor-parallel ranks split the groups of {s.group_size} inputs",
+                )
+            num_groups, group_input_dim = -(-input_size_per_partition // s.group_size), 1
+            self.group_size = s.group_size
+        out = sum(output_partition_sizes)
+        self.int4_kernel_group_size: int | None = None
+        _register(layer, "weight_packed", torch.empty(out, input_size_per_partition // pack, dtype=torch.int32),
+                  {"output_dim": 0, "input_dim": 1})  # [out, in / pack]
+        # float32 holds fp16 and bf16 checkpoint scales exactly.
+        _register(layer, "weight_scale", torch.empty(out, num_groups, dtype=torch.float32),
+                  {"output_dim": 0, "input_dim": group_input_dim})  # [out, groups]
+        if not s.symmetric:
+            _register(layer, "weight_zero_point", torch.empty(out // pack, num_groups, dtype=torch.int32),
+                      {"output_dim": 0, "input_dim": group_input_dim})  # [out / pack, groups]
+        _register(layer, "weight_shape", torch.empty(2, dtype=torch.int64),
+                  {"output_dim": None, "weight_loader": _weight_shape_loader(layer)})
+
+    def _ints(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored (offset) integers [out, in] and zero points [out, groups], both in [0, 2**bits)."""
+        bits = self.scheme.num_bits
+        q = unpack_int32(layer.weight_packed, bits, dim=1)
+        if self.scheme.symmetric:
+            return q, torch.full_like(layer.weight_scale, 1 << (bits - 1), dtype=torch.int32)
+        return q, unpack_int32(layer.weight_zero_point, bits, dim=0)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.scheme.num_bits == 4 and layer.weight_packed.device.type == "cpu":
+            self.int4_kernel_group_size = int4_cpu.kernel_group_size(layer, self.group_size)
+        if self.int4_kernel_group_size is not None:
+            q, zeros = self._ints(layer)
+            weight, scales_and_zeros = int4_cpu.pack(
+                q, layer.weight_scale.T, zeros.T, self.group_size, self.int4_kernel_group_size
+            )
+            layer.register_buffer("int4_weight", weight, persistent=False)
+            layer.register_buffer("int4_scales_and_zeros", scales_and_zeros, persistent=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.int4_kernel_group_size is not None and int4_cpu.applies(x):
+            return int4_cpu.matmul(x, layer.int4_weight, layer.int4_scales_and_zeros, self.int4_kernel_group_size, bias)
+        return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
+        q, zeros = self._ints(layer)
+        inputs = q.shape[1]
+        scales = layer.weight_scale.repeat_interleave(self.group_size, dim=1)[:, :inputs]  # [out, in]
+        return scales * (q - zeros.repeat_interleave(self.group_size, dim=1)[:, :inputs]).float()
+
+
+class NaiveMethod(LinearMethodBase):
+    """int8 (W8A8, dynamic per-token activations) or FP8 weights stored as they are."""
+
+    def __init__(self, scheme: Scheme) -> None:
+        self.scheme = scheme
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        s = self.scheme
+        dtype = torch.int8 if s.type == "int" else FP8_DTYPE
+        out = sum(output_partition_sizes)
+        _register(layer, "weight", torch.empty(out, input_size_per_partition, dtype=dtype),
+                  {"output_dim": 0, "input_dim": 1})  # [out, in]
+        if s.strategy == "channel":
+            _register(layer, "weight_scale", torch.empty(out, 1, dtype=torch.float32), {"output_dim": 0})  # [out, 1]
+        else:  # one scale per fused shard, repeated over its rows after loading
+            _register(layer, "weight_scale", torch.empty(len(output_partition_sizes), dtype=torch.float32),
+                      {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
+        if s.activations == "fp8-static":  # read, not used: activations stay in the model's dtype
+            _register(layer, "input_scale", torch.empty(len(output_partition_sizes), dtype=torch.float32),
+                      {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        scale = layer.weight_scale
+        if self.scheme.strategy == "tensor":
+            sizes = torch.tensor(layer.output_partition_sizes, device=scale.device)
+            scale = scale.repeat_interleave(sizes)
+        layer.weight_scale = nn.Parameter(scale.reshape(-1), requires_grad=False)  # [out] float32
+        if self.scheme.activations == "fp8-static":
+            layer.input_scale = None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.scheme.activations == "int8-token":
+            return _int8_linear(x, layer.weight, layer.weight_scale, bias)
+        return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
+        return layer.weight.float() * layer.weight_scale[:, None]
+
+
+def _int8_linear(
+    x: torch.Tensor,  # [T, in]
+    weight: torch.Tensor,  # [out, in] int8
+    weight_scale: torch.Tensor,  # [out] float32
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # [T, out], x's dtype
+    """Dynamic per-token int8: each token scaled by its own max |x| / 127, an
+    integer matmul, then both scales."""
+    x_scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX  # [T, 1]
+    xq = torch.round(x.float() / x_scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)  # [T, in]
+    tokens, inputs = xq.shape
+    # torch._int_mm on a GPU needs more than 16 rows and sizes that 8 divides; the CPU takes any.
+    if x.device.type == "cpu" or (tokens > 16 and inputs % 8 == 0 and weight.shape[0] % 8 == 0):
+        acc = torch._int_mm(xq, weight.T).float()  # [T, out] exact int32
+    else:
+        acc = xq.float() @ weight.float().T
+    out = (acc * x_scale * weight_scale).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def _weight_shape_loader(layer: LinearBase):
+    """``weight_shape`` (out, in) of a checkpoint tensor: checked against the layer's inputs, not kept per shard."""
+
+    def load(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if int(loaded_weight[-1]) != layer.input_size:
+            raise ModelLoadError(
+                f"weight_shape {loaded_weight.tolist()}: {layer.prefix or type(layer).__name__} has "
+                f"{layer.input_size} inputs"
+            )
+        param.data.copy_(loaded_weight.reshape(-1)[-2:])
+
+    return load
