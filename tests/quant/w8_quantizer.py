@@ -19,7 +19,7 @@ from torch import nn
 from vframe.errors import ConfigError
 from vframe.layers.linear import LinearBase
 from vframe.plugins import hookimpl
-from vframe.quant.base import LinearMethodBase, QuantizationConfig, set_weight_attrs
+from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight
 
 NAME = "w8-test"
 _HAS_INT8PACK_MM = hasattr(torch, "_weight_int8pack_mm")
@@ -62,9 +62,7 @@ class W8LinearMethod(LinearMethodBase):
     ) -> None:
         # The checkpoint's float weight lands here; process_weights_after_loading quantizes it.
         weight = torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype)
-        weight = nn.Parameter(weight, requires_grad=False)  # [out, in]
-        set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1})
-        layer.register_parameter("weight", weight)
+        register_weight(layer, "weight", weight, {"output_dim": 0, "input_dim": 1})  # [out, in]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.float()  # [out, in]

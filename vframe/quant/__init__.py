@@ -8,7 +8,14 @@ from vframe.quant.base import (
     LinearMethodBase,
     QuantizationConfig,
     UnquantizedLinearMethod,
+    register_weight,
     set_weight_attrs,
 )
 
-__all__ = ["LinearMethodBase", "QuantizationConfig", "UnquantizedLinearMethod", "set_weight_attrs"]
+__all__ = [
+    "LinearMethodBase",
+    "QuantizationConfig",
+    "UnquantizedLinearMethod",
+    "register_weight",
+    "set_weight_attrs",
+]

@@ -28,7 +28,7 @@ from torch import nn
 from vframe.errors import ConfigError
 from vframe.layers.linear import LinearBase
 from vframe.quant import int4_cpu
-from vframe.quant.base import LinearMethodBase, QuantizationConfig, set_weight_attrs
+from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
 BITS = 4
@@ -127,9 +127,7 @@ class AWQLinearMethod(LinearMethodBase):
             "scales": torch.empty(num_groups, out, dtype=torch.float32),  # [groups, out]
         }
         for name, tensor in tensors.items():
-            param = nn.Parameter(tensor, requires_grad=False)
-            set_weight_attrs(param, {"input_dim": 0, "output_dim": 1})
-            layer.register_parameter(name, param)
+            register_weight(layer, name, tensor, {"input_dim": 0, "output_dim": 1})
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.qweight.device.type == "cpu":

@@ -51,6 +51,15 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
         setattr(param, key, value)
 
 
+def register_weight(layer: nn.Module, name: str, tensor: torch.Tensor, attrs: dict[str, Any]) -> None:
+    """Register ``tensor`` on ``layer`` as the frozen parameter ``name`` carrying the
+    loading attributes ``attrs`` (see ``set_weight_attrs``): what every
+    ``create_weights`` does once per checkpoint tensor."""
+    param = nn.Parameter(tensor, requires_grad=False)
+    set_weight_attrs(param, attrs)
+    layer.register_parameter(name, param)
+
+
 class LinearMethodBase(ABC):
     """How one linear layer stores and multiplies its weight.
 
@@ -109,9 +118,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
     ) -> None:
         weight = torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype)
-        weight = nn.Parameter(weight, requires_grad=False)  # [out, in]
-        set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1})
-        layer.register_parameter("weight", weight)
+        register_weight(layer, "weight", weight, {"output_dim": 0, "input_dim": 1})  # [out, in]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)

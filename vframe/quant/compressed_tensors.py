@@ -42,7 +42,7 @@ from torch import nn
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant import int4_cpu
-from vframe.quant.base import LinearMethodBase, QuantizationConfig, set_weight_attrs
+from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight
 from vframe.quant.fp8 import FP8_DTYPE, _per_shard_loader
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
@@ -209,12 +209,6 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Sch
     )
 
 
-def _register(layer: nn.Module, name: str, tensor: torch.Tensor, attrs: dict[str, Any]) -> None:
-    param = nn.Parameter(tensor, requires_grad=False)
-    set_weight_attrs(param, attrs)
-    layer.register_parameter(name, param)
-
-
 class PackedMethod(LinearMethodBase):
     """pack-quantized int4 / int8 weights, group or channel scales."""
 
@@ -252,15 +246,15 @@ class PackedMethod(LinearMethodBase):
             self.group_size = s.group_size
         out = sum(output_partition_sizes)
         self.int4_kernel_group_size: int | None = None
-        _register(layer, "weight_packed", torch.empty(out, input_size_per_partition // pack, dtype=torch.int32),
+        register_weight(layer, "weight_packed", torch.empty(out, input_size_per_partition // pack, dtype=torch.int32),
                   {"output_dim": 0, "input_dim": 1})  # [out, in / pack]
         # float32 holds fp16 and bf16 checkpoint scales exactly.
-        _register(layer, "weight_scale", torch.empty(out, num_groups, dtype=torch.float32),
+        register_weight(layer, "weight_scale", torch.empty(out, num_groups, dtype=torch.float32),
                   {"output_dim": 0, "input_dim": group_input_dim})  # [out, groups]
         if not s.symmetric:
-            _register(layer, "weight_zero_point", torch.empty(out // pack, num_groups, dtype=torch.int32),
+            register_weight(layer, "weight_zero_point", torch.empty(out // pack, num_groups, dtype=torch.int32),
                       {"output_dim": 0, "input_dim": group_input_dim})  # [out / pack, groups]
-        _register(layer, "weight_shape", torch.empty(2, dtype=torch.int64),
+        register_weight(layer, "weight_shape", torch.empty(2, dtype=torch.int64),
                   {"output_dim": None, "weight_loader": _weight_shape_loader(layer)})
 
     def _ints(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,15 +306,15 @@ class NaiveMethod(LinearMethodBase):
         s = self.scheme
         dtype = torch.int8 if s.type == "int" else FP8_DTYPE
         out = sum(output_partition_sizes)
-        _register(layer, "weight", torch.empty(out, input_size_per_partition, dtype=dtype),
+        register_weight(layer, "weight", torch.empty(out, input_size_per_partition, dtype=dtype),
                   {"output_dim": 0, "input_dim": 1})  # [out, in]
         if s.strategy == "channel":
-            _register(layer, "weight_scale", torch.empty(out, 1, dtype=torch.float32), {"output_dim": 0})  # [out, 1]
+            register_weight(layer, "weight_scale", torch.empty(out, 1, dtype=torch.float32), {"output_dim": 0})  # [out, 1]
         else:  # one scale per fused shard, repeated over its rows after loading
-            _register(layer, "weight_scale", torch.empty(len(output_partition_sizes), dtype=torch.float32),
+            register_weight(layer, "weight_scale", torch.empty(len(output_partition_sizes), dtype=torch.float32),
                       {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
         if s.activations == "fp8-static":  # read, not used: activations stay in the model's dtype
-            _register(layer, "input_scale", torch.empty(len(output_partition_sizes), dtype=torch.float32),
+            register_weight(layer, "input_scale", torch.empty(len(output_partition_sizes), dtype=torch.float32),
                       {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -28,7 +28,7 @@ from torch import nn
 
 from vframe.errors import ConfigError
 from vframe.layers.linear import LinearBase
-from vframe.quant.base import LinearMethodBase, QuantizationConfig, set_weight_attrs
+from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -97,9 +97,7 @@ class Fp8OnTheFlyMethod(LinearMethodBase):
         params_dtype: torch.dtype,
     ) -> None:
         weight = torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype)
-        weight = nn.Parameter(weight, requires_grad=False)  # [out, in], quantized after loading
-        set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1})
-        layer.register_parameter("weight", weight)
+        register_weight(layer, "weight", weight, {"output_dim": 0, "input_dim": 1})  # [out, in], quantized after loading
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.float()  # [out, in]
@@ -131,15 +129,12 @@ class Fp8CheckpointMethod(Fp8OnTheFlyMethod):
         params_dtype: torch.dtype,
     ) -> None:
         weight = torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=FP8_DTYPE)
-        weight = nn.Parameter(weight, requires_grad=False)  # [out, in] e4m3
-        set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1})
-        layer.register_parameter("weight", weight)
+        register_weight(layer, "weight", weight, {"output_dim": 0, "input_dim": 1})  # [out, in] e4m3
         names = ["weight_scale"] + (["input_scale"] if self.config.activation_scheme == "static" else [])
         for name in names:
             # One scale per fused shard (or the whole layer); checkpoints store each as a scalar.
-            scale = nn.Parameter(torch.empty(len(output_partition_sizes), dtype=torch.float32), requires_grad=False)
-            set_weight_attrs(scale, {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
-            layer.register_parameter(name, scale)
+            scale = torch.empty(len(output_partition_sizes), dtype=torch.float32)
+            register_weight(layer, name, scale, {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         sizes = torch.tensor(layer.output_partition_sizes, device=layer.weight_scale.device)

@@ -37,7 +37,7 @@ from torch import nn
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant import int4_cpu
-from vframe.quant.base import LinearMethodBase, QuantizationConfig, set_weight_attrs
+from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
 _FORMATS = ("gptq", "gptq_v2")
@@ -153,23 +153,21 @@ class GPTQLinearMethod(LinearMethodBase):
         self.groups_follow_inputs = split_inputs and group_input_dim == 0
         self.int4_kernel_group_size: int | None = None  # set after loading when the int4 kernel applies
 
-        def register(name: str, tensor: torch.Tensor, attrs: dict[str, Any]) -> None:
-            param = nn.Parameter(tensor, requires_grad=False)
-            set_weight_attrs(param, attrs)
-            layer.register_parameter(name, param)
-
-        register(
+        register_weight(
+            layer,
             "qweight",
             torch.empty(input_size_per_partition // pack, out, dtype=torch.int32),  # [in / pack, out]
             {"input_dim": 0, "output_dim": 1},
         )
-        register(
+        register_weight(
+            layer,
             "qzeros",
             torch.empty(num_groups, out // pack, dtype=torch.int32),  # [groups, out / pack]
             {"input_dim": group_input_dim, "output_dim": 1},
         )
         # float32 holds fp16 and bf16 checkpoint scales exactly.
-        register(
+        register_weight(
+            layer,
             "scales",
             torch.empty(num_groups, out, dtype=torch.float32),  # [groups, out]
             {"input_dim": group_input_dim, "output_dim": 1},
@@ -177,7 +175,8 @@ class GPTQLinearMethod(LinearMethodBase):
         # One row per fused shard: q, k and v (gate, up) were quantized one by
         # one, each with its own activation order.
         num_shards = max(len(layer.shard_ids), 1)
-        register(
+        register_weight(
+            layer,
             "g_idx",
             torch.empty(num_shards, input_size_per_partition, dtype=torch.int32),  # [shards, in]
             {"input_dim": 1, "output_dim": None, "weight_loader": _g_idx_loader(layer)},
