@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig
+from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config
+from transformers import DeepseekV2Config, DeepseekV3Config
 
 from vframe import LLM
 from vframe.errors import ModelLoadError
@@ -28,6 +29,13 @@ FIELDS = [
         (LlamaConfig, {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
         (MistralConfig, {"sliding_window": 4096}),
+        (MixtralConfig, {}),  # its MoE fields: tests/models/test_mixtral.py
+        (Qwen2Config, {}),
+        (Qwen2Config, {"num_key_value_heads": 4, "tie_word_embeddings": True, "rope_parameters": {"rope_theta": 1e6}}),
+        (Qwen3Config, {}),  # head_dim 128, not hidden_size / heads
+        (Qwen3Config, {"head_dim": 64, "attention_bias": True, "rope_parameters": {"rope_theta": 1e6}}),
+        (DeepseekV2Config, {}),  # its MLA and MoE fields: tests/models/test_deepseek.py
+        (DeepseekV3Config, {}),
     ],
 )
 def test_fields_match_transformers(tmp_path, cls, overrides):
@@ -35,8 +43,8 @@ def test_fields_match_transformers(tmp_path, cls, overrides):
     ref.save_pretrained(tmp_path)
     ours = ModelConfig.from_file(tmp_path / "config.json")
     for name in FIELDS:
-        # Mistral has no bias fields: both sides fall back to "no bias".
-        assert getattr(ours, name) == getattr(ref, name, False), name
+        # Mistral and Qwen2 have no bias fields: both sides fall back to "no bias".
+        assert getattr(ours, name, False) == getattr(ref, name, False), name
     assert get_head_dim(ours) == get_head_dim(ref)
     assert rope_inv_freq(ours, get_head_dim(ours)).tolist() == rope_inv_freq(ref, get_head_dim(ref)).tolist()
 
@@ -109,3 +117,13 @@ def test_llm_on_a_broken_config_json_raises_the_named_error(tmp_path, field, val
 def test_explicit_head_dim_need_not_divide_hidden_size(tmp_path):
     path = write_model_dir(tmp_path, TINY_LLAMA | {"hidden_size": 66, "head_dim": 16})
     assert ModelConfig.from_file(path).head_dim == 16
+
+
+def test_mla_config_ignores_num_key_value_heads(tmp_path):
+    # transformers' DeepseekV3Config keeps num_key_value_heads=128 whatever the
+    # head count; MLA never reads it, so a tiny config with 4 heads must load.
+    from transformers import DeepseekV3Config
+
+    DeepseekV3Config(hidden_size=64, num_attention_heads=4, kv_lora_rank=32).save_pretrained(tmp_path)
+    ours = ModelConfig.from_file(tmp_path / "config.json")
+    assert (ours.num_attention_heads, ours.num_key_value_heads, ours.kv_lora_rank) == (4, 128, 32)

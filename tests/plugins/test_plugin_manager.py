@@ -50,8 +50,13 @@ def test_builtin_entries_are_registered_as_lazy_strings():
         for kind in ("model", "attention_backend", "scheduler", "kv_cache_manager", "sampler", "model_runner")
     } == {
         "model": {
+            "DeepseekV2ForCausalLM": ("vframe.models.deepseek:DeepseekV2ForCausalLM", "builtin"),
+            "DeepseekV3ForCausalLM": ("vframe.models.deepseek:DeepseekV3ForCausalLM", "builtin"),
             "LlamaForCausalLM": ("vframe.models.llama:LlamaForCausalLM", "builtin"),
             "MistralForCausalLM": ("vframe.models.llama:LlamaForCausalLM", "builtin"),
+            "MixtralForCausalLM": ("vframe.models.mixtral:MixtralForCausalLM", "builtin"),
+            "Qwen2ForCausalLM": ("vframe.models.qwen:Qwen2ForCausalLM", "builtin"),
+            "Qwen3ForCausalLM": ("vframe.models.qwen:Qwen3ForCausalLM", "builtin"),
         },
         "attention_backend": {
             "torch": ("vframe.backends.torch_attn:TorchAttentionBackend", "builtin"),
@@ -173,7 +178,7 @@ BROKEN = {
     ),
     "oldapi": (
         'VFRAME_PLUGIN_API = "0.3"\n',
-        "plugin 'oldapi' was written for vframe plugin API 0.x, but this vframe provides 1.2",
+        "plugin 'oldapi' was written for vframe plugin API 0.x, but this vframe provides 1.3",
     ),
     "wrapper": (
         """

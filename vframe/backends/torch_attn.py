@@ -1,7 +1,7 @@
 """Paged attention in plain PyTorch: runs on any device torch runs on.
 
 The KV cache of one layer is ``[2, num_blocks, block_size, KVH, D]`` (keys,
-then values). A token's slot is ``block_id * block_size + offset``, so the
+then values); multi-head latent attention layers are ``torch_mla.py``'s. A token's slot is ``block_id * block_size + offset``, so the
 flattened view ``[num_blocks * block_size, KVH, D]`` is indexed by slot.
 
 A step mixes prefills and decodes. Every request with one query token (a
@@ -27,7 +27,9 @@ from vframe.core.interfaces import (
     AttentionImpl,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
+    MLAAttentionImpl,
 )
+from vframe.core.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 
 
 @dataclass
@@ -224,14 +226,14 @@ class TorchAttentionImpl(AttentionImpl):
             # GQA as `group` query rows per KV head: query head h reads KV head
             # h // group, so [n, H, D] -> [n, KVH, group, D] and K/V are not repeated.
             q = query.index_select(0, dec.token_idx).view(n, self.num_kv_heads, group, self.head_size)
-            k = _gather_blocks(kv_cache[0], dec).view(kv_shape).transpose(1, 2)  # [n, KVH, L, D]
-            v = _gather_blocks(kv_cache[1], dec).view(kv_shape).transpose(1, 2)
+            k = gather_blocks(kv_cache[0], dec).view(kv_shape).transpose(1, 2)  # [n, KVH, L, D]
+            v = gather_blocks(kv_cache[1], dec).view(kv_shape).transpose(1, 2)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=dec.mask, scale=self.scale)
             output.index_copy_(0, dec.token_idx, out.reshape(n, self.num_heads, self.head_size))
         return output
 
 
-def _gather_blocks(
+def gather_blocks(
     cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]: one layer's keys or values
     dec: DecodeGroup,
 ) -> torch.Tensor:  # [n * max_blocks, block_size, KVH, D], zero wherever nothing was written
@@ -258,6 +260,18 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionImpl
 
     @classmethod
+    def get_mla_impl_cls(cls) -> type[MLAAttentionImpl]:
+        from vframe.backends.torch_mla import TorchMLAImpl
+
+        return TorchMLAImpl
+
+    @classmethod
+    def get_kv_cache_shape_for_spec(cls, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
+        if isinstance(spec, MLAAttentionSpec):
+            return (num_blocks, spec.block_size, spec.latent_size)
+        return super().get_kv_cache_shape_for_spec(spec, num_blocks)
+
+    @classmethod
     def validate_configuration(
         cls,
         *,
@@ -268,8 +282,6 @@ class TorchAttentionBackend(AttentionBackend):
         use_mla: bool = False,
     ) -> list[str]:
         reasons = []
-        if use_mla:
-            reasons.append("the torch backend does not implement MLA (multi-head latent attention)")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             reasons.append(f"the torch backend supports float32, bfloat16 and float16, not {dtype}")
         if head_size <= 0:

@@ -73,7 +73,7 @@ def run_vframe(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Resul
     torch.set_num_threads(args.threads)
     engine_kwargs.setdefault("dtype", "bfloat16")
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, **engine_kwargs)
+    llm = LLM(**(engine_kwargs | {"model": args.model}))  # --model is also an engine setting
     startup = time.perf_counter() - t0
     engine = llm.llm_engine
     prompts = _workload(args, engine.tokenizer, engine.vocab_size)

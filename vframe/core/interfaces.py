@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from vframe.core.config import EngineConfig
+    from vframe.core.kv_cache_spec import KVCacheSpec
     from vframe.core.outputs import (
         EngineCoreOutput,
         ModelRunnerOutput,
@@ -153,6 +154,53 @@ class AttentionImpl(ABC):
         object for every layer. Returns ``[T, H, D]``."""
 
 
+class MLAAttentionImpl(ABC):
+    """One multi-head latent attention layer (DeepSeek-V2/V3) over the paged
+    latent cache, in the absorbed form (plugin API 1.3).
+
+    The model absorbs the key up-projection into the query and the value
+    up-projection into the output, so what is left is multi-query attention
+    with one shared "head" of ``kv_lora_rank + qk_rope_head_dim`` elements per
+    token, the cache entry itself. Its first ``kv_lora_rank`` elements are also
+    the value::
+
+        score(h, t, s) = scale * q[t, h] . cache[s]             # both [R + P]
+        out[t, h]      = sum_s softmax_s(score) * cache[s, :R]  # [R]
+
+    The model builds one per MLA layer as
+    ``Impl(num_heads, kv_lora_rank, qk_rope_head_dim, scale)``; like
+    ``AttentionImpl`` it is built on the CPU and is no ``nn.Module``.
+    """
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.scale = scale
+
+    @property
+    def latent_size(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, R + P]
+        latent: torch.Tensor,  # [T, R + P]
+        kv_cache: torch.Tensor,  # backend's get_kv_cache_shape_for_spec(MLAAttentionSpec, ...)
+        attn_metadata: Any,  # what the backend's metadata builder built
+    ) -> torch.Tensor:  # [T, H, R]
+        """Write this step's ``latent`` rows into ``kv_cache`` at ``slot_mapping``,
+        then attend each query causally over its request's cached and new
+        latents, as the class docstring writes it.
+
+        ``query``: ``[T, H, R + P]``, the absorbed no-position part then the
+        rotated part. ``latent``: ``[T, R + P]``, the normalized ``c_kv`` then
+        the rotated shared key. Both in the model's dtype, rows ordered as
+        ``CommonAttentionMetadata.query_start_loc`` says. Returns ``[T, H, R]``
+        (the model applies the value up-projection)."""
+
+
 class AttentionMetadataBuilder(ABC):
     """Turns the common per-step metadata into what one backend's kernels need.
 
@@ -192,14 +240,39 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_impl_cls() -> type[AttentionImpl]: ...
 
+    @classmethod
+    def get_mla_impl_cls(cls) -> type[MLAAttentionImpl]:
+        """The implementation MLA layers build (plugin API 1.3). A backend that
+        serves MLA overrides this and ``get_kv_cache_shape_for_spec``, and
+        accepts ``use_mla=True`` in ``validate_configuration``."""
+        raise NotImplementedError(f"attention backend {cls.name!r} does not implement MLA")
+
+    @classmethod
+    def get_kv_cache_shape_for_spec(cls, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
+        """The shape of one layer's cache of ``num_blocks`` blocks for its spec
+        (plugin API 1.3). The default serves full-attention and sliding-window
+        specs through ``get_kv_cache_shape``; a backend serving MLA returns a
+        shape for ``MLAAttentionSpec`` (the torch backend:
+        ``(num_blocks, block_size, latent_size)``)."""
+        from vframe.core.kv_cache_spec import FullAttentionSpec
+
+        if isinstance(spec, FullAttentionSpec):
+            return cls.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        raise NotImplementedError(f"attention backend {cls.name!r} has no cache layout for {type(spec).__name__}")
+
     @staticmethod
     def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor) -> None:
         """Copy blocks ``src_to_dst[:, 0]`` of one layer's cache ``src`` into blocks
         ``src_to_dst[:, 1]`` of ``dst`` (device <-> swap space). The default assumes
-        the block dimension is dim 1 of ``get_kv_cache_shape``, as in ``(2, num_blocks, ...)``."""
+        the block dimension is dim 1 of ``get_kv_cache_shape``, as in ``(2, num_blocks, ...)``,
+        or dim 0 of a cache with one dimension less (an MLA latent cache of
+        ``(num_blocks, block_size, latent_size)``): ``src.dim()`` tells which."""
         src_ids = src_to_dst[:, 0].to(src.device)
         dst_ids = src_to_dst[:, 1].to(dst.device)
-        dst[:, dst_ids] = src[:, src_ids].to(dst.device)
+        if src.dim() == 3:
+            dst[dst_ids] = src[src_ids].to(dst.device)
+        else:
+            dst[:, dst_ids] = src[:, src_ids].to(dst.device)
 
     @classmethod
     def validate_configuration(
@@ -614,8 +687,8 @@ class ModelArchitecture(ABC):
     def forward(self, input_ids, positions, kv_caches, attn_metadata):  # -> [T, E]
         """One step over every scheduled token: ``input_ids`` ``[T]`` int64,
         ``positions`` ``[T]`` int64 (each token's position in its request),
-        ``kv_caches`` one tensor per layer in the backend's
-        ``get_kv_cache_shape``, ``attn_metadata`` what the backend's builder
+        ``kv_caches`` one tensor per layer, shaped by the backend's
+        ``get_kv_cache_shape_for_spec`` for that layer's spec, ``attn_metadata`` what the backend's builder
         built for the step (pass it to every ``AttentionImpl.forward``).
         Returns the hidden states ``[T, E]``."""
 
@@ -623,6 +696,16 @@ class ModelArchitecture(ABC):
     def compute_logits(self, hidden_states):  # [N, E] -> [N, V]
         """The output head on some rows of ``forward``'s result: ``[N, E]`` ->
         ``[N, V]`` float32 logits."""
+
+    def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
+        """What each layer caches per token, one ``vframe.core.kv_cache_spec``
+        spec per entry of ``kv_caches``, in order (plugin API 1.3; optional): the
+        runner sizes the cache from these bytes and shapes each layer's tensor
+        with the backend's ``get_kv_cache_shape_for_spec``. Without it every
+        layer gets a ``FullAttentionSpec`` of the config's kv-heads and head size.
+        A multi-head latent attention layer (DeepSeek) returns an
+        ``MLAAttentionSpec`` and builds the backend's ``get_mla_impl_cls()``."""
+        raise NotImplementedError
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -108,11 +108,109 @@ _LLAMA_DEFAULTS: dict[str, Any] = {
     "sliding_window": None,
 }
 
+# Per family: transformers' defaults for the model types each model module serves,
+# and rules for the fields only that family reads (merged into FIELD_RULES).
+_QWEN2_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 22016,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    # sliding_window applies only with use_sliding_window (vframe/models/qwen.py).
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+    "layer_types": None,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+_QWEN_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2": _QWEN2_DEFAULTS,
+    "qwen3": _QWEN2_DEFAULTS | {"head_dim": 128, "attention_bias": False},
+}
+_QWEN_RULES: dict[str, FieldRule] = {
+    "use_sliding_window": FieldRule(bool),
+    "max_window_layers": FieldRule(int, 0, 1024),
+    "layer_types": FieldRule(
+        list, items=str, optional=True, hint='a list of "full_attention" or "sliding_attention", one per layer'
+    ),
+}
+_MIXTRAL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": _LLAMA_DEFAULTS | {
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "router_jitter_noise": 0.0,  # training only
+    },
+}
+# 1 <= num_experts_per_tok <= num_local_experts: checked by the model (vframe/models/mixtral.py).
+_MIXTRAL_RULES: dict[str, FieldRule] = {
+    "num_local_experts": FieldRule(int, 1, 2**16),
+    "router_jitter_noise": FieldRule(float, 0, 1),
+}
+_DEEPSEEK_V2_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu", "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+    "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
+    "first_k_dense_replace": 0, "kv_lora_rank": 512, "q_lora_rank": 1536, "n_group": None, "n_routed_experts": 64,
+    "n_shared_experts": 2, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "routed_scaling_factor": 1.0,
+    "topk_group": None, "topk_method": "greedy", "norm_topk_prob": False, "v_head_dim": 128,
+    "num_experts_per_tok": None, "moe_intermediate_size": 1407,
+}
+_DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": _DEEPSEEK_V2_DEFAULTS,
+    "deepseek_v3": {
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+        "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+        "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1,
+        "tie_word_embeddings": False, "rope_theta": 10000.0, "rope_scaling": None, "rope_interleave": True,
+        "attention_bias": False, "mlp_bias": False, "num_nextn_predict_layers": 1,
+    },
+}
+_DEEPSEEK_RULES: dict[str, FieldRule] = {
+    "kv_lora_rank": FieldRule(int, 1, 2**16, optional=True),  # null: not an MLA model
+    "q_lora_rank": FieldRule(int, 1, 2**16, optional=True),
+    "qk_nope_head_dim": FieldRule(int, 1, 1024),
+    "qk_rope_head_dim": FieldRule(int, 2, 1024),
+    "v_head_dim": FieldRule(int, 1, 1024),
+    "n_routed_experts": FieldRule(int, 1, 2**16),
+    "n_shared_experts": FieldRule(int, 0, 1024, optional=True),
+    "moe_intermediate_size": FieldRule(int, 1, 2**18),
+    "num_experts_per_tok": FieldRule(int, 1, 1024, optional=True),
+    "first_k_dense_replace": FieldRule(int, 0, 1024, optional=True),
+    "n_group": FieldRule(int, 1, 2**16, optional=True),
+    "topk_group": FieldRule(int, 1, 2**16, optional=True),
+    "topk_method": FieldRule(str, optional=True, hint='"greedy", "group_limited_greedy" (DeepSeek-V2) or null'),
+    "norm_topk_prob": FieldRule(bool, optional=True),
+    "routed_scaling_factor": FieldRule(float, positive=True),
+    "rope_interleave": FieldRule(bool, optional=True),
+    "num_nextn_predict_layers": FieldRule(int, 0, 1024),
+}
+
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": _LLAMA_DEFAULTS,
     "mistral": _LLAMA_DEFAULTS
     | {"intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32},
+    **_QWEN_DEFAULTS,
+    **_MIXTRAL_DEFAULTS,
+    **_DEEPSEEK_DEFAULTS,
 }
+FIELD_RULES.update(_QWEN_RULES | _MIXTRAL_RULES | _DEEPSEEK_RULES)
 
 
 class ModelConfig:
@@ -132,7 +230,8 @@ class ModelConfig:
         if heads:
             if getattr(self, "num_key_value_heads", None) is None:
                 self.num_key_value_heads = heads
-            if heads % self.num_key_value_heads:
+            # MLA models (kv_lora_rank) cache a latent; their num_key_value_heads is unused.
+            if heads % self.num_key_value_heads and not getattr(self, "kv_lora_rank", None):
                 raise _invalid(source, "num_key_value_heads", self.num_key_value_heads,
                                f"a divisor of num_attention_heads={heads}")
             hidden = getattr(self, "hidden_size", None)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vframe.core.interfaces import AttentionBackend
+from vframe.core.kv_cache_spec import KVCacheSpec, full_attention_specs
 from vframe.errors import ModelLoadError
 from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vframe.models.loader.weights import load_named_weights
@@ -128,17 +129,18 @@ class LlamaAttention(nn.Module):
         dtype: torch.dtype,
         quant_config: QuantizationConfig | None,
         prefix: str,
+        layer_idx: int = 0,
     ) -> None:
         super().__init__()
         hidden_size = hf_config.hidden_size
         self.head_dim = get_head_dim(hf_config)
-        bias = getattr(hf_config, "attention_bias", False)
+        qkv_bias, o_proj_bias = self.projection_biases(hf_config)
         self.qkv_proj = QKVParallelLinear(
             hidden_size,
             self.head_dim,
             hf_config.num_attention_heads,
             getattr(hf_config, "num_key_value_heads", None),
-            bias=bias,
+            bias=qkv_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
             params_dtype=dtype,
@@ -149,18 +151,40 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             hf_config.num_attention_heads * self.head_dim,
             hidden_size,
-            bias=bias,
+            bias=o_proj_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
             params_dtype=dtype,
         )
+        self.sliding_window = self.layer_sliding_window(hf_config, layer_idx)
         self.attn = attn_backend.get_impl_cls()(
             self.num_heads,
             self.head_dim,
             self.head_dim**-0.5,
             self.num_kv_heads,
-            sliding_window=getattr(hf_config, "sliding_window", None),
+            sliding_window=self.sliding_window,
         )
+
+    # What models built on this attention change (vframe/models/qwen.py):
+
+    @staticmethod
+    def projection_biases(hf_config: Any) -> tuple[bool, bool]:
+        """Whether the q/k/v projection and the o projection have a bias."""
+        bias = getattr(hf_config, "attention_bias", False)
+        return bias, bias
+
+    @staticmethod
+    def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
+        """The window layer ``layer_idx`` attends over; None: every earlier token."""
+        return getattr(hf_config, "sliding_window", None)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalize q [T, H, D] and k [T, KVH, D] before rope: Llama does not."""
+        return q, k
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        (spec,) = full_attention_specs(1, self.num_kv_heads, self.head_dim, block_size, dtype, self.sliding_window)
+        return spec
 
     def forward(
         self,
@@ -175,17 +199,22 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        q, k = rotary_emb(positions, q, k)
+        q, k = rotary_emb(positions, *self.norm_qk(q, k))
         out = self.attn.forward(q, k, v, kv_cache, attn_metadata)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, hf_config: Any, dtype: torch.dtype, quant_config: QuantizationConfig | None, prefix: str
+        self,
+        hf_config: Any,
+        dtype: torch.dtype,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+        intermediate_size: int | None = None,  # default: the config's (MoE models' shared experts differ)
     ) -> None:
         super().__init__()
-        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        hidden, inter = hf_config.hidden_size, intermediate_size or hf_config.intermediate_size
         bias = getattr(hf_config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden,
@@ -212,13 +241,16 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         quant_config: QuantizationConfig | None,
         prefix: str,
+        layer_idx: int = 0,
+        attention_cls: type[LlamaAttention] = LlamaAttention,
+        mlp_cls: type[nn.Module] = LlamaMLP,  # built as mlp_cls(hf_config, dtype, quant_config, prefix)
     ) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(hf_config, attn_backend, dtype, quant_config, f"{prefix}.self_attn")
+        self.self_attn = attention_cls(hf_config, attn_backend, dtype, quant_config, f"{prefix}.self_attn", layer_idx)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
-        self.mlp = LlamaMLP(hf_config, dtype, quant_config, f"{prefix}.mlp")
+        self.mlp = mlp_cls(hf_config, dtype, quant_config, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -240,13 +272,17 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         quant_config: QuantizationConfig | None,
         prefix: str = "model",
+        attention_cls: type[LlamaAttention] = LlamaAttention,
+        mlp_cls: type[nn.Module] = LlamaMLP,
     ) -> None:
         super().__init__()
         # An explicit, uninitialised weight skips Embedding's random init.
         weight = torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype)
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, attn_backend, dtype, quant_config, f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(
+                hf_config, attn_backend, dtype, quant_config, f"{prefix}.layers.{i}", i, attention_cls, mlp_cls
+            )
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
@@ -266,6 +302,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention  # what a subclass swaps (vframe/models/qwen.py)
+    mlp_cls: type[nn.Module] = LlamaMLP  # MixtralSparseMoeBlock in vframe/models/mixtral.py
+
     def __init__(
         self,
         hf_config: Any,
@@ -279,7 +318,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # Parameters start uninitialised (torch.empty; load_weights fills every one):
         # random init of a multi-billion-parameter model would cost minutes.
-        self.model = LlamaModel(hf_config, attn_backend, dtype, quant_config)
+        self.model = LlamaModel(
+            hf_config, attn_backend, dtype, quant_config, attention_cls=self.attention_cls, mlp_cls=self.mlp_cls
+        )
         # The head stays unquantized, as checkpoints of the usual formats keep it.
         self.lm_head = ReplicatedLinear(
             hf_config.hidden_size, hf_config.vocab_size, bias=False, prefix="lm_head", params_dtype=dtype
@@ -299,6 +340,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, E] -> [N, V] float32
         return self.lm_head(hidden_states).float()
+
+    def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
+        return [layer.self_attn.kv_cache_spec(block_size, dtype) for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors; returns the names of the parameters now

@@ -15,6 +15,11 @@ VFRAME_PLUGIN_API = PLUGIN_API_VERSION
 def vframe_register_models(register: RegisterFn) -> None:
     register("LlamaForCausalLM", "vframe.models.llama:LlamaForCausalLM")
     register("MistralForCausalLM", "vframe.models.llama:LlamaForCausalLM")
+    register("MixtralForCausalLM", "vframe.models.mixtral:MixtralForCausalLM")
+    register("DeepseekV2ForCausalLM", "vframe.models.deepseek:DeepseekV2ForCausalLM")
+    register("DeepseekV3ForCausalLM", "vframe.models.deepseek:DeepseekV3ForCausalLM")
+    register("Qwen2ForCausalLM", "vframe.models.qwen:Qwen2ForCausalLM")
+    register("Qwen3ForCausalLM", "vframe.models.qwen:Qwen3ForCausalLM")
 
 
 @hookimpl

@@ -43,6 +43,7 @@ INTERFACES: tuple[str, ...] = (
     "vframe.core.interfaces:AttentionBackend",
     "vframe.core.interfaces:AttentionMetadataBuilder",
     "vframe.core.interfaces:AttentionImpl",
+    "vframe.core.interfaces:MLAAttentionImpl",
     "vframe.core.interfaces:ModelArchitecture",
     "vframe.core.sample.structured:StructuredOutputBackend",
     "vframe.core.sample.structured:CompiledGrammar",
@@ -72,6 +73,9 @@ DATA_OBJECTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Model runner and attention",
         (
             "vframe.core.interfaces:CommonAttentionMetadata",
+            "vframe.core.kv_cache_spec:FullAttentionSpec",
+            "vframe.core.kv_cache_spec:SlidingWindowSpec",
+            "vframe.core.kv_cache_spec:MLAAttentionSpec",
             "vframe.core.outputs:ModelRunnerOutput",
             "vframe.core.outputs:PromptLogprobsChunk",
         ),

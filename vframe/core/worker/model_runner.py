@@ -15,6 +15,7 @@ import torch
 
 from vframe.core.config import EngineConfig
 from vframe.core.interfaces import AttentionBackend, ModelRunner, Sampler
+from vframe.core.kv_cache_spec import KVCacheSpec, bytes_per_block, full_attention_specs
 from vframe.core.outputs import ModelRunnerOutput, RequestError, SamplerOutput, SchedulerOutput
 from vframe.core.plugin_context import PluginContext, takes_context
 from vframe.core.sample.metadata import SamplingMetadata
@@ -70,6 +71,7 @@ class TorchModelRunner(ModelRunner):
         self._sampler_cls = get_registry("sampler").load(config.sampler.sampler) if sampler is None else None
         self.input_batch = InputBatch(self.block_size, self.device)
         self.kv_caches: list[torch.Tensor] = []
+        self._kv_cache_specs: list[KVCacheSpec] | None = None
         self.swap_caches: list[torch.Tensor] = []
         self._profiler: torch.profiler.profile | None = None
         # Debug mode (cache.debug_verify_kv_tokens): the token id behind every KV slot.
@@ -161,7 +163,11 @@ class TorchModelRunner(ModelRunner):
 
     @property
     def head_size(self) -> int:
+        """The size backends are asked to serve: an attention head's, or with MLA
+        the cached latent's (``kv_lora_rank + qk_rope_head_dim``)."""
         cfg = self.hf_config
+        if self.use_mla:
+            return cfg.kv_lora_rank + cfg.qk_rope_head_dim
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     @property
@@ -174,14 +180,27 @@ class TorchModelRunner(ModelRunner):
 
     # ------------------------------------------------------------------ #
 
-    def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return self.attn_backend.get_kv_cache_shape(
-            num_blocks, self.block_size, self.num_kv_heads, self.head_size
-        )
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """What each layer caches per token: the model's ``get_kv_cache_specs``,
+        or for a model without one (plugin API < 1.3) full attention over the
+        config's kv-heads and head size in every layer."""
+        if self._kv_cache_specs is None:
+            declared = getattr(self.model, "get_kv_cache_specs", None)
+            if declared is not None:
+                self._kv_cache_specs = list(declared(self.block_size, self.dtype))
+            else:
+                self._kv_cache_specs = full_attention_specs(
+                    self.num_layers, self.num_kv_heads, self.head_size, self.block_size, self.dtype,
+                    getattr(self.hf_config, "sliding_window", None),
+                )
+        return self._kv_cache_specs
+
+    def _kv_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
+        return [self.attn_backend.get_kv_cache_shape_for_spec(spec, num_blocks) for spec in self.kv_cache_specs()]
 
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return math.prod(self._kv_shape(1)) * elem * self.num_layers
+        """Bytes one block id costs over every layer, from the layers' specs."""
+        return bytes_per_block(self.kv_cache_specs())
 
     def determine_num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -203,13 +222,14 @@ class TorchModelRunner(ModelRunner):
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = self._kv_shape(num_blocks)
         # Attention masks unwritten slots, but a NaN there would still leak through
         # 0 * NaN: the cache must start finite. On CPU, buffers this large come
         # from fresh, kernel-zeroed mmap pages, so `empty` is zero without paying
         # to write gigabytes at start-up; elsewhere zero it explicitly.
-        alloc = torch.empty if self.device.type == "cpu" and _is_large(shape, self.dtype) else torch.zeros
-        self.kv_caches = [alloc(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.kv_caches = []
+        for spec, shape in zip(self.kv_cache_specs(), self._kv_shapes(num_blocks), strict=True):
+            alloc = torch.empty if self.device.type == "cpu" and _is_large(shape, spec.dtype) else torch.zeros
+            self.kv_caches.append(alloc(shape, dtype=spec.dtype, device=self.device))
         if self.config.cache.debug_verify_kv_tokens:
             self.kv_token_check = KVTokenCheck(num_blocks * self.block_size)
 
@@ -227,9 +247,9 @@ class TorchModelRunner(ModelRunner):
     def initialize_swap_space(self, num_blocks: int) -> None:
         # The swap space lives in host memory whatever the device (pinned on CUDA).
         pin = self.device.type == "cuda"
-        shape = self._kv_shape(num_blocks)
         self.swap_caches = [
-            torch.empty(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)
+            torch.empty(shape, dtype=spec.dtype, pin_memory=pin)
+            for spec, shape in zip(self.kv_cache_specs(), self._kv_shapes(num_blocks), strict=True)
         ]
 
     def _swap(self, pairs: list[tuple[int, int]], src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:

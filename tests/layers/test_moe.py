@@ -1,0 +1,130 @@
+"""FusedMoE gives each token the router-weighted sum of its experts' SwiGLU outputs."""
+
+from __future__ import annotations
+
+from math import exp
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vframe.errors import ConfigError, ModelLoadError
+from vframe.layers.moe import FusedMoE, expert_params_mapping, match_expert_weight, softmax_topk
+
+HIDDEN, INTER = 32, 48
+
+
+def make_moe(num_experts: int, seed: int = 0) -> FusedMoE:
+    layer = FusedMoE(num_experts, HIDDEN, INTER, params_dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    layer.w13_weight.data.copy_(torch.randn(layer.w13_weight.shape, generator=generator) * 0.2)
+    layer.w2_weight.data.copy_(torch.randn(layer.w2_weight.shape, generator=generator) * 0.2)
+    return layer
+
+
+def per_token_reference(layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate, up = (layer.w13_weight[e] @ x[t]).chunk(2)
+            out[t] += weights[t, k] * (layer.w2_weight[e] @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "top_k", "num_experts"),
+    [(1, 1, 4), (1, 2, 4), (7, 1, 4), (13, 2, 8), (64, 2, 8)],
+)
+def test_matches_per_token_loop(num_tokens: int, top_k: int, num_experts: int) -> None:
+    layer = make_moe(num_experts)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(num_tokens, HIDDEN, generator=generator)
+    weights, ids = softmax_topk(torch.randn(num_tokens, num_experts, generator=generator), top_k, renormalize=True)
+    out = layer(x, weights, ids)
+    assert out.shape == (num_tokens, HIDDEN) and out.dtype == torch.float32
+    torch.testing.assert_close(out, per_token_reference(layer, x, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_experts_without_tokens() -> None:
+    layer = make_moe(6)
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(2))
+    # Experts 0, 2 and 4 get no token; expert 5 gets two, out of token order.
+    ids = torch.tensor([[5, 1], [3, 5], [1, 3]])
+    weights = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.5, 0.5]])
+    expected = per_token_reference(layer, x, weights, ids)
+    torch.testing.assert_close(layer(x, weights, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_output_dtype() -> None:
+    layer = make_moe(4).to(torch.bfloat16)
+    x = torch.randn(5, HIDDEN).to(torch.bfloat16)
+    weights, ids = softmax_topk(torch.randn(5, 4), 2, renormalize=True)
+    out = layer(x, weights, ids)
+    assert out.dtype == torch.bfloat16
+    ref = per_token_reference(layer.float(), x.float(), weights, ids)
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+def test_softmax_topk_hand_computed() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 3.5]])
+    weights, ids = softmax_topk(logits, 2, renormalize=False)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert ids.tolist() == [[1, 2], [3, 0]]
+    row0 = 1 + exp(2) + exp(1) + exp(-1)
+    row1 = exp(3) + 2 + exp(3.5)
+    expected = torch.tensor([[exp(2) / row0, exp(1) / row0], [exp(3.5) / row1, exp(3) / row1]])
+    torch.testing.assert_close(weights, expected)
+
+    # bfloat16 logits are routed in float32; renormalized over the chosen two.
+    weights, ids = softmax_topk(logits.bfloat16(), 2, renormalize=True)
+    assert ids.tolist() == [[1, 2], [3, 0]] and weights.dtype == torch.float32
+    expected = torch.tensor([[exp(2) / (exp(2) + exp(1)), exp(1) / (exp(2) + exp(1))],
+                             [exp(3.5) / (exp(3.5) + exp(3)), exp(3) / (exp(3.5) + exp(3))]])
+    torch.testing.assert_close(weights, expected)
+
+
+def test_weight_loader_places_gate_up_and_down() -> None:
+    layer = FusedMoE(3, 4, 2, params_dtype=torch.float32)
+    layer.w13_weight.data.zero_()
+    layer.w2_weight.data.zero_()
+    gate, up, down = torch.full((2, 4), 1.0), torch.full((2, 4), 3.0), torch.full((4, 2), 2.0)
+    layer.w13_weight.weight_loader(layer.w13_weight, gate, expert_id=1, shard_id="w1")
+    layer.w13_weight.weight_loader(layer.w13_weight, up, expert_id=1, shard_id="w3")
+    layer.w2_weight.weight_loader(layer.w2_weight, down, expert_id=2, shard_id="w2")
+    assert layer.w13_weight[1, :, 0].tolist() == [1.0, 1.0, 3.0, 3.0]
+    assert layer.w13_weight[0].abs().sum() == 0 and layer.w13_weight[2].abs().sum() == 0
+    assert layer.w2_weight[2].tolist() == down.tolist() and layer.w2_weight[:2].abs().sum() == 0
+    with pytest.raises(ModelLoadError, match=r"has shape \(3, 4\), expert 0 shard w1 expects \(2, 4\)"):
+        layer.w13_weight.weight_loader(layer.w13_weight, torch.zeros(3, 4), expert_id=0, shard_id="w1")
+
+
+def test_quantized_is_refused() -> None:
+    class FakeQuant:
+        @classmethod
+        def get_name(cls) -> str:
+            return "gptq"
+
+    with pytest.raises(ConfigError, match="MoE layers cannot run quantized yet.*gptq"):
+        FusedMoE(4, 8, 8, params_dtype=torch.float32, quant_config=FakeQuant(), prefix="model.layers.0.mlp.experts")
+
+
+def test_expert_params_mapping_and_matching() -> None:
+    mapping = expert_params_mapping(2, gate="w1", down="w2", up="w3")
+    assert mapping == [
+        ("experts.w13_weight", "experts.0.w1.", 0, "w1"),
+        ("experts.w2_weight", "experts.0.w2.", 0, "w2"),
+        ("experts.w13_weight", "experts.0.w3.", 0, "w3"),
+        ("experts.w13_weight", "experts.1.w1.", 1, "w1"),
+        ("experts.w2_weight", "experts.1.w2.", 1, "w2"),
+        ("experts.w13_weight", "experts.1.w3.", 1, "w3"),
+    ]
+    assert match_expert_weight("model.layers.3.block_sparse_moe.experts.1.w3.weight", mapping) == (
+        "model.layers.3.block_sparse_moe.experts.w13_weight", 1, "w3"
+    )
+    deepseek = expert_params_mapping(12, gate="gate_proj", down="down_proj", up="up_proj")
+    assert match_expert_weight("model.layers.1.mlp.experts.11.down_proj.weight", deepseek) == (
+        "model.layers.1.mlp.experts.w2_weight", 11, "w2"
+    )
+    assert match_expert_weight("model.layers.1.mlp.shared_experts.gate_proj.weight", deepseek) is None
+    assert match_expert_weight("model.layers.1.mlp.gate.weight", deepseek) is None

@@ -1,0 +1,65 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over the paged latent cache, in plain PyTorch.
+
+One layer's cache is ``[num_blocks, block_size, R + P]``: per token the
+normalized latent ``c_kv`` (``R = kv_lora_rank``) then the rotated shared key
+(``P = qk_rope_head_dim``). The model has absorbed the up-projections, so this
+is multi-query attention with a single key "head" of ``R + P`` whose first
+``R`` elements are the value too::
+
+    query [T, H, R + P] . cache[s] [R + P]  ->  softmax over s  ->  weights . cache[s, :R]  ->  [T, H, R]
+
+The step plan (prefill spans, length-sorted decode groups, masks, gathered
+block ids) is the torch backend's ``TorchAttentionMetadata``: the same
+positions and slots, only the row a slot holds is different.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vframe.backends.torch_attn import TorchAttentionMetadata, gather_blocks
+from vframe.core.interfaces import CommonAttentionMetadata, MLAAttentionImpl
+
+
+class TorchMLAImpl(MLAAttentionImpl):
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, R + P]
+        latent: torch.Tensor,  # [T, R + P]
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, R + P]
+        attn_metadata: Any,  # TorchAttentionMetadata (or CommonAttentionMetadata, planned here)
+    ) -> torch.Tensor:  # [T, H, R]
+        meta = attn_metadata
+        if isinstance(meta, CommonAttentionMetadata):
+            meta = TorchAttentionMetadata.from_common(meta)
+        rank = self.kv_lora_rank
+        n = meta.num_actual_tokens
+        slots = kv_cache.view(-1, self.latent_size)  # [num_slots, R + P]
+        slots.index_copy_(0, meta.slot_mapping, latent[:n])
+
+        output = query.new_zeros(query.shape[0], self.num_heads, rank)  # padding rows past n stay zero
+        for span in meta.prefills:
+            q = query[span.query_start : span.query_end].transpose(0, 1)[None]  # [1, H, Q, R + P]
+            if span.slots is None:
+                k = latent[span.query_start : span.query_end][None, None]  # [1, 1, Q, R + P]
+                out = F.scaled_dot_product_attention(
+                    q, k, k[..., :rank], is_causal=True, scale=self.scale, enable_gqa=True
+                )
+            else:
+                k = slots.index_select(0, span.slots)[None, None]  # [1, 1, S, R + P]
+                out = F.scaled_dot_product_attention(
+                    q, k, k[..., :rank], attn_mask=span.attn_mask, scale=self.scale, enable_gqa=True
+                )
+            output[span.query_start : span.query_end] = out[0].transpose(0, 1)  # [Q, H, R]
+
+        for dec in meta.decode_groups:
+            count, max_len = dec.mask.shape[0], dec.mask.shape[-1]
+            # All H query heads share the one latent "head": [n, 1, H, R + P].
+            q = query.index_select(0, dec.token_idx)[:, None]
+            k = gather_blocks(kv_cache, dec).view(count, 1, max_len, self.latent_size)  # [n, 1, L, R + P]
+            out = F.scaled_dot_product_attention(q, k, k[..., :rank], attn_mask=dec.mask, scale=self.scale)
+            output.index_copy_(0, dec.token_idx, out[:, 0])  # [n, H, R]
+        return output

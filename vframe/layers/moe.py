@@ -1,0 +1,235 @@
+"""Mixture of experts: ``num_experts`` SwiGLU MLPs, each token run through the
+``top_k`` its router picked, executed batched by expert.
+
+The ``T * K`` (token, expert) pairs are sorted by expert, so that each expert's
+rows are one contiguous segment; each expert multiplies its segment once::
+
+    topk_ids  [[2, 0],        pairs sorted by expert     segment per expert
+               [0, 3],   ->   (t0,e0) (t1,e0) (t0,e2)  -> e0: rows 0..1  e1: none
+               [3, 2]]        (t2,e2) (t1,e3) (t2,e3)     e2: rows 2..3  e3: rows 4..5
+
+Experts without tokens cost nothing and nothing ``[T, E, ...]`` is built: the
+time follows the experts that receive tokens (their weights are read once per
+step), not ``num_experts`` (``benchmarks/moe_layer.py``). Each
+output row is scaled by its router weight in float32, summed per token in
+float32 and cast once: transformers' default (``grouped_mm``) Mixtral numerics.
+
+``expert_params_mapping`` and ``match_expert_weight`` map the per-expert
+checkpoint names (``...experts.3.w1.weight``) onto the stacked parameters;
+``ExpertWeightLoader`` loads those and transformers' stacked layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vframe.errors import ConfigError, ModelLoadError
+from vframe.quant.base import QuantizationConfig
+
+# (parameter name prefix, checkpoint name fragment, expert id, shard id)
+ExpertParamsMapping = list[tuple[str, str, int, str]]
+
+
+class FusedMoE(nn.Module):
+    """num_experts experts of a SwiGLU MLP, run batched: tokens grouped by expert.
+
+    Parameters (the experts' weights stacked, Hugging Face ``[out, in]`` each):
+    ``w13_weight [E, 2I, H]`` (gate rows ``0..I-1``, then up rows ``I..2I-1``)
+    and ``w2_weight [E, H, I]`` (down). Their ``weight_loader(param,
+    loaded_weight, *, expert_id, shard_id)`` takes one expert's matrix with
+    shard id ``"w1"`` (gate), ``"w3"`` (up) or ``"w2"`` (down)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        params_dtype: torch.dtype,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        # None is how vframe spells "unquantized" (vframe/models/loader/load.py).
+        if quant_config is not None:
+            raise ConfigError(
+                f"{prefix or 'FusedMoE'}: MoE layers cannot run quantized yet "
+                f"(quantization={quant_config.get_name()!r}); drop the quantization setting"
+            )
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.prefix = prefix
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=params_dtype), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size, dtype=params_dtype), requires_grad=False
+        )
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, *, expert_id: int, shard_id: str
+    ) -> None:
+        """Place expert ``expert_id``'s checkpoint matrix of shard ``shard_id`` into ``param``."""
+        inter = self.intermediate_size
+        if shard_id == "w1":
+            target = param.data[expert_id, :inter]
+        elif shard_id == "w3":
+            target = param.data[expert_id, inter:]
+        elif shard_id == "w2":
+            target = param.data[expert_id]
+        else:
+            raise ValueError(f"shard_id={shard_id!r}; expected 'w1' (gate), 'w3' (up) or 'w2' (down)")
+        if param is not (self.w2_weight if shard_id == "w2" else self.w13_weight):
+            raise ValueError(f"shard_id={shard_id!r} does not belong to this parameter")
+        if target.shape != loaded_weight.shape:
+            raise ModelLoadError(
+                f"has shape {tuple(loaded_weight.shape)}, expert {expert_id} shard {shard_id} "
+                f"expects {tuple(target.shape)}"
+            )
+        target.copy_(loaded_weight)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [T, H]
+        topk_weights: torch.Tensor,  # [T, K] float32
+        topk_ids: torch.Tensor,  # [T, K] int64
+    ) -> torch.Tensor:  # [T, H], in hidden_states' dtype
+        """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x_t)`` for every token ``t``."""
+        num_tokens, top_k = topk_ids.shape
+        flat_ids = topk_ids.reshape(-1)  # [T*K]
+        # Stable: within an expert, pairs stay in token order.
+        order = torch.argsort(flat_ids, stable=True)  # [T*K]
+        token_ids = order // top_k  # [T*K]: the token of each sorted pair
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)  # [E]
+        x = hidden_states[token_ids]  # [T*K, H], grouped by expert
+        out = _grouped_swiglu(x, self.w13_weight, self.w2_weight, counts)  # [T*K, H]
+        weighted = out.float() * topk_weights.reshape(-1)[order, None]  # [T*K, H] float32
+        acc = torch.zeros(num_tokens, self.hidden_size, dtype=torch.float32, device=hidden_states.device)
+        acc.index_add_(0, token_ids, weighted)
+        return acc.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+
+
+def _grouped_swiglu(
+    x: torch.Tensor,  # [S, H], rows grouped by expert
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    counts: torch.Tensor,  # [E] rows of each expert
+) -> torch.Tensor:  # [S, H]
+    """Each expert's SwiGLU MLP over its segment of rows: one matrix product per
+    expert that has rows, the activation once over all rows. On CPU (torch 2.13)
+    this is as fast as ``F.grouped_mm`` (same products, bit for bit) and does not
+    visit the experts without rows; see ``benchmarks/moe_layer.py``."""
+    starts = (counts.cumsum(0) - counts).tolist()
+    segments = [(e, start, start + n) for e, (start, n) in enumerate(zip(starts, counts.tolist())) if n]
+    gate_up = torch.empty(x.shape[0], w13.shape[1], dtype=x.dtype, device=x.device)  # [S, 2I]
+    for e, start, end in segments:
+        torch.mm(x[start:end], w13[e].t(), out=gate_up[start:end])
+    gate, up = gate_up.chunk(2, dim=-1)  # [S, I] each
+    act = F.silu(gate).mul_(up)  # [S, I]
+    out = torch.empty(x.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)  # [S, H]
+    for e, start, end in segments:
+        torch.mm(act[start:end], w2[e].t(), out=out[start:end])
+    return out
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral / Qwen-MoE routing: softmax over experts in float32, then the
+    ``top_k`` largest, optionally rescaled to sum to 1 per token.
+
+    ``router_logits [T, E]`` -> ``(weights [T, K] float32, ids [T, K] int64)``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K] each
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def expert_params_mapping(num_experts: int, gate: str, down: str, up: str) -> ExpertParamsMapping:
+    """``(parameter name prefix, checkpoint name fragment, expert id, shard id)``
+    for every expert's gate, up and down matrix, e.g.
+    ``("experts.w13_weight", "experts.3.w1.", 3, "w1")``. Mixtral: ``gate="w1",
+    down="w2", up="w3"``; DeepSeek and Qwen-MoE: ``"gate_proj", "down_proj", "up_proj"``."""
+    return [
+        (param, f"experts.{expert_id}.{name}.", expert_id, shard_id)
+        for expert_id in range(num_experts)
+        for param, name, shard_id in (
+            ("experts.w13_weight", gate, "w1"),
+            ("experts.w2_weight", down, "w2"),
+            ("experts.w13_weight", up, "w3"),
+        )
+    ]
+
+
+def match_expert_weight(name: str, mapping: ExpertParamsMapping) -> tuple[str, int, str] | None:
+    """``(parameter name, expert id, shard id)`` of a per-expert checkpoint name,
+    ``None`` for any other name::
+
+        model.layers.0.block_sparse_moe.experts.3.w1.weight
+        -> ("model.layers.0.block_sparse_moe.experts.w13_weight", 3, "w1")
+    """
+    for param, fragment, expert_id, shard_id in mapping:
+        parent, found, leaf = name.partition(fragment)
+        # "shared_experts.0.x." must not match "experts.0.x.": the fragment starts a module name.
+        if found and leaf == "weight" and (not parent or parent.endswith(".")):
+            return parent + param, expert_id, shard_id
+    return None
+
+
+class ExpertWeightLoader:
+    """Places a checkpoint's expert tensors into a model's ``FusedMoE`` parameters,
+    in either layout, and tracks which parameters have every (expert, shard):
+
+    * per expert, as released checkpoints name them: ``...experts.3.w1.weight``
+      (Mixtral) or ``...experts.3.gate_proj.weight`` (DeepSeek, Qwen-MoE);
+    * stacked, as transformers >= 5 names them in memory: ``...experts.gate_up_proj``
+      ``[E, 2I, H]`` (gate rows, then up rows) and ``...experts.down_proj`` ``[E, H, I]``.
+    """
+
+    def __init__(self, model: nn.Module, num_experts: int, gate: str, down: str, up: str) -> None:
+        self.mapping = expert_params_mapping(num_experts, gate, down, up)
+        self.params = dict(model.named_parameters())
+        self.needed = {
+            "w13_weight": {(e, s) for e in range(num_experts) for s in ("w1", "w3")},
+            "w2_weight": {(e, "w2") for e in range(num_experts)},
+        }
+        self.seen: dict[str, set[tuple[int, str]]] = {}
+
+    def load(self, name: str, tensor: torch.Tensor) -> bool:
+        """Load ``name`` if it is an expert tensor; whether it was."""
+        match = match_expert_weight(name, self.mapping)
+        if match is not None:
+            self._place(*match, tensor)
+            return True
+        parent, _, leaf = name.rpartition("experts.")
+        if leaf == "gate_up_proj" and (not parent or parent.endswith(".")):
+            for expert_id, (gate, up) in enumerate(t.chunk(2, dim=0) for t in tensor):  # [I, H] each
+                self._place(f"{parent}experts.w13_weight", expert_id, "w1", gate)
+                self._place(f"{parent}experts.w13_weight", expert_id, "w3", up)
+            return True
+        if leaf == "down_proj" and (not parent or parent.endswith(".")):
+            for expert_id, down in enumerate(tensor):  # [H, I]
+                self._place(f"{parent}experts.w2_weight", expert_id, "w2", down)
+            return True
+        return False
+
+    def loaded(self) -> set[str]:
+        """The expert parameters that have all their (expert, shard) tensors."""
+        return {name for name, seen in self.seen.items() if seen >= self.needed[name.rpartition(".")[2]]}
+
+    def _place(self, param_name: str, expert_id: int, shard_id: str, tensor: torch.Tensor) -> None:
+        param = self.params.get(param_name)
+        if param is None:
+            raise ModelLoadError(f"checkpoint expert tensor for {param_name!r} has no place in the model")
+        try:
+            param.weight_loader(param, tensor, expert_id=expert_id, shard_id=shard_id)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{param_name} (expert {expert_id}, {shard_id}) {e}") from None
+        self.seen.setdefault(param_name, set()).add((expert_id, shard_id))
