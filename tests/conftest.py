@@ -2,12 +2,38 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from vframe.models.loader import ResolvedModel, resolve_model
+
+
+def _import_triton_interpreted() -> None:
+    """Without a GPU, import Triton (and vframe's kernels) under its interpreter
+    before any test module can: Triton reads TRITON_INTERPRET once, at import,
+    and importing transformers' models imports Triton too. The variable is
+    restored afterwards, so everything else sees the backend as a CPU user does
+    (refused); tests/backends/test_triton_attn.py sets it again where it runs
+    the kernels."""
+    if torch.cuda.is_available() or "triton" in sys.modules or importlib.util.find_spec("triton") is None:
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import vframe.backends.triton.kernels  # noqa: F401
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_import_triton_interpreted()
 
 
 @pytest.fixture(scope="session")

@@ -124,13 +124,19 @@ def test_triton_validate_configuration_lists_every_reason() -> None:
     from vframe.backends.triton.backend import TritonAttentionBackend
 
     reasons = TritonAttentionBackend.validate_configuration(
-        head_size=512, dtype=torch.float64, device="cuda", block_size=2, use_mla=True
+        head_size=512, dtype=torch.float64, device="cuda", block_size=2
     )
     assert reasons == [
-        "the triton backend does not implement MLA (multi-head latent attention)",
         "the triton backend supports float32, bfloat16 and float16, not torch.float64",
         "head_size 512 is not supported by the triton backend; use 16 to 256",
         "block_size 2 is not supported by the triton backend; use one of 4, 8, 16, 32, 64, 128, 256",
+    ]
+    # MLA (plugin API 1.3): head_size is the latent's kv_lora_rank + qk_rope_head_dim
+    mla = dict(dtype=torch.bfloat16, device="cuda", block_size=16, use_mla=True)
+    assert TritonAttentionBackend.validate_configuration(head_size=576, **mla) == []
+    assert TritonAttentionBackend.validate_configuration(head_size=2048, **mla) == [
+        "an MLA latent of 2048 (kv_lora_rank + qk_rope_head_dim) is not supported by the triton backend; "
+        "use 16 to 1024"
     ]
     # head sizes that are no power of two are padded inside the kernels
     accepted = dict(head_size=80, dtype=torch.float16, device="cuda", block_size=16)

@@ -1,8 +1,8 @@
 """The Triton attention backend: its kernels against the plain-PyTorch reference.
 
 On a machine without a GPU the kernels run under Triton's interpreter. Triton
-reads ``TRITON_INTERPRET`` once, when it is imported, so this module imports it
-(and the kernels) with the variable set, then restores the environment: the
+reads ``TRITON_INTERPRET`` once, when it is imported, so tests/conftest.py imports
+it (and the kernels) with the variable set, then restores the environment: the
 rest of the suite sees the backend as a user would (refused on the CPU), and the
 tests that run it set the variable again through the ``interpreted`` fixture.
 Shapes stay small: interpreted kernels are slow. The ``gpu`` tests run the
@@ -11,7 +11,6 @@ compiled kernels (on a machine with a GPU nothing is interpreted).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,17 +19,7 @@ from types import ModuleType
 import pytest
 import torch
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pytest.importorskip("triton")
-        import vframe.backends.triton.kernels  # noqa: F401
-    finally:
-        if _saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
+# tests/conftest.py imports Triton under its interpreter on a machine without a GPU.
 pytest.importorskip("triton")
 
 from vframe.backends.triton import backend as triton_backend  # noqa: E402
@@ -40,6 +29,7 @@ from vframe.backends.triton.backend import (  # noqa: E402
     plan_programs,
 )
 from vframe.testing.attention import ATTENTION_TOLERANCES, check_attention_backend, reference_attention  # noqa: E402
+from vframe.testing.mla import check_mla_backend  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
@@ -88,6 +78,43 @@ def test_split_kv_decodes_conform_interpreted(interpreted: ModuleType, monkeypat
 def test_conforms_full_interpreted(interpreted: ModuleType, dtype: torch.dtype) -> None:
     # every case (MHA, sliding window, custom scale ...), head sizes 32-256 and 80, block sizes 4, 16, 32
     check_attention_backend("triton", dtype=dtype)  # about a minute each
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mla_conforms_quick_interpreted(interpreted: ModuleType, dtype: torch.dtype) -> None:
+    # the absorbed MLA form over a latent of 32 + 8: prefills, cached prefixes, mixed steps, MQA over 4-8 heads
+    check_mla_backend("triton", dtype=dtype, quick=True)
+
+
+@pytest.mark.slow
+def test_mla_conforms_full_interpreted(interpreted: ModuleType) -> None:
+    # every case, latents of 32 + 8 and DeepSeek's 512 + 64, block sizes 16, 4, 32
+    check_mla_backend("triton", dtype=torch.float32)
+
+
+def test_deepseek_greedy_tokens_equal_the_torch_backend_interpreted(
+    interpreted: ModuleType, tmp_path: pytest.TempPathFactory
+) -> None:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from vframe import LLM, SamplingParams
+
+    config = DeepseekV3Config(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+        intermediate_size=96, first_k_dense_replace=1, max_position_embeddings=128, initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(config).save_pretrained(tmp_path)
+    prompts = [{"prompt_token_ids": [3, 17, 42, 99, 7, 64, 5]}, {"prompt_token_ids": [9, 8, 7]}]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def greedy(backend: str) -> list[list[int]]:
+        llm = LLM(str(tmp_path), attention_backend=backend, dtype="float32", skip_tokenizer_init=True)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    assert greedy("triton") == greedy("torch")
 
 
 # --------------------------------------------------------------------------- #
@@ -293,6 +320,13 @@ def test_more_greedy_tokens_equal_the_torch_backend_interpreted(interpreted: Mod
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_conforms_on_gpu(compiled: ModuleType, dtype: torch.dtype) -> None:
     check_attention_backend("triton", dtype=dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mla_conforms_on_gpu(compiled: ModuleType, dtype: torch.dtype) -> None:
+    check_mla_backend("triton", dtype=dtype, device="cuda")
 
 
 @pytest.mark.gpu

@@ -175,8 +175,11 @@ def save_tiny_llama(path: Path, **overrides: object) -> torch.nn.Module:
         {},
         {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}, "attention_bias": True},
         {"tie_word_embeddings": True, "mlp_bias": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+        # YaRN: positions past 32 are interpolated, and cos/sin carry its attention factor (~1.07)
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
+                             "original_max_position_embeddings": 32}},
     ],
-    ids=["llama3-untied", "linear-attn-bias", "default-tied-mlp-bias"],
+    ids=["llama3-untied", "linear-attn-bias", "default-tied-mlp-bias", "yarn"],
 )
 def test_tiny_checkpoint_matches_transformers(tmp_path: Path, overrides: dict[str, object]) -> None:
     hf_model = save_tiny_llama(tmp_path, **overrides)
@@ -209,5 +212,9 @@ def test_unsupported_rope_type(tmp_path: Path) -> None:
         tmp_path,
         rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
     )
-    with pytest.raises(ModelLoadError, match="rope_type='dynamic' is not supported"):
+    with pytest.raises(
+        ModelLoadError,
+        match="rope_type='dynamic' is not supported by vframe's rotary embedding; "
+        "supported: 'default', 'linear', 'llama3', 'yarn'",
+    ):
         load_model(resolve_model(str(tmp_path)), LlamaForCausalLM, TorchAttentionBackend, torch.float32)

@@ -12,7 +12,8 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from vframe import LLM
 from vframe.errors import ModelLoadError
 from vframe.models.config import ModelConfig
-from vframe.models.llama import get_head_dim, rope_inv_freq
+from vframe.layers.rotary import rope_inv_freq
+from vframe.models.llama import get_head_dim
 
 FIELDS = [
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -1,6 +1,12 @@
-"""YaRN rotary scaling (https://arxiv.org/abs/2309.00071), as transformers computes it.
+"""Rotary position embedding frequencies, as transformers computes them.
 
-YaRN keeps the fast-rotating dimensions (more than ``beta_fast`` turns over the
+``rope_frequencies(hf_config, dim)`` gives the inverse frequencies and the
+attention factor for the config's ``rope_type``: ``default``, ``linear``,
+``llama3`` and ``yarn``. The models apply the rotation themselves (Llama and
+Qwen by halves, DeepSeek by pairs); every one multiplies cos and sin by the
+attention factor (1 except under YaRN), as transformers does.
+
+YaRN (https://arxiv.org/abs/2309.00071) keeps the fast-rotating dimensions (more than ``beta_fast`` turns over the
 original context), interpolates the slow ones (fewer than ``beta_slow`` turns)
 by ``factor``, and ramps linearly between them. It also returns the
 "attention factor" by which cos and sin are multiplied, which scales every
@@ -18,6 +24,10 @@ import math
 from typing import Any
 
 import torch
+
+from vframe.errors import ModelLoadError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -69,3 +79,41 @@ def yarn_inv_freq(hf_config: Any, dim: int) -> tuple[torch.Tensor, float]:
     extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, float(attention_factor)
+
+
+def rope_frequencies(hf_config: Any, dim: int) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [dim/2] float32, attention_factor)`` for the config's rope type;
+    ``ModelLoadError`` naming the supported ones for any other."""
+    if rope_parameters(hf_config)["rope_type"] == "yarn":
+        return yarn_inv_freq(hf_config, dim)
+    return rope_inv_freq(hf_config, dim), 1.0
+
+
+def rope_inv_freq(hf_config: Any, dim: int) -> torch.Tensor:  # [dim/2] float32
+    """Inverse frequencies of the ``default``, ``linear`` and ``llama3`` rope types."""
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        # Long wavelengths are stretched by `factor`, short ones kept, the band between blended.
+        factor = params["factor"]
+        low_freq_factor = params["low_freq_factor"]
+        high_freq_factor = params["high_freq_factor"]
+        old_context_len = params["original_max_position_embeddings"]
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ModelLoadError(
+        f"rope_type={rope_type!r} is not supported by vframe's rotary embedding; "
+        f"supported: {', '.join(repr(t) for t in SUPPORTED_ROPE_TYPES)}"
+    )

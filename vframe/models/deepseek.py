@@ -37,8 +37,8 @@ from vframe.errors import ModelLoadError
 from vframe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from vframe.layers.moe import ExpertWeightLoader, FusedMoE
 from vframe.layers.moe_routing import grouped_topk
-from vframe.layers.rotary import rope_parameters, yarn_get_mscale, yarn_inv_freq
-from vframe.models.llama import LlamaMLP, RMSNorm, rope_inv_freq
+from vframe.layers.rotary import rope_frequencies, rope_parameters, yarn_get_mscale
+from vframe.models.llama import LlamaMLP, RMSNorm
 from vframe.models.loader.weights import load_named_weights
 from vframe.quant.base import QuantizationConfig
 
@@ -71,10 +71,7 @@ class DeepseekRotaryEmbedding(nn.Module):
 
     def __init__(self, hf_config: Any, rope_dim: int, *, interleaved: bool, in_float32: bool) -> None:
         super().__init__()
-        if rope_parameters(hf_config)["rope_type"] == "yarn":
-            inv_freq, attention_factor = yarn_inv_freq(hf_config, rope_dim)  # [P/2]
-        else:
-            inv_freq, attention_factor = rope_inv_freq(hf_config, rope_dim), 1.0
+        inv_freq, attention_factor = rope_frequencies(hf_config, rope_dim)  # [P/2]
         positions = torch.arange(hf_config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_pos, P/2]
         cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor  # [max_pos, P]

@@ -10,7 +10,6 @@ onto (fused parameter, shard id) and lets the parameters' loaders place them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,8 +19,8 @@ from torch import nn
 
 from vframe.core.interfaces import AttentionBackend
 from vframe.core.kv_cache_spec import KVCacheSpec, full_attention_specs
-from vframe.errors import ModelLoadError
 from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from vframe.layers.rotary import rope_frequencies
 from vframe.models.loader.weights import load_named_weights
 from vframe.quant.base import QuantizationConfig
 
@@ -46,46 +45,16 @@ def get_head_dim(hf_config: Any) -> int:
 # --------------------------------------------------------------------------- #
 
 
-def rope_inv_freq(hf_config: Any, head_dim: int) -> torch.Tensor:  # [D/2] float32
-    """Inverse frequencies, including ``default``, ``linear`` and ``llama3`` scaling."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / params["factor"]
-    if rope_type == "llama3":
-        # Long wavelengths are stretched by `factor`, short ones kept, the band between blended.
-        factor = params["factor"]
-        low_freq_factor = params["low_freq_factor"]
-        high_freq_factor = params["high_freq_factor"]
-        old_context_len = params["original_max_position_embeddings"]
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ModelLoadError(
-        f"rope_type={rope_type!r} is not supported by vframe's Llama; "
-        "supported: 'default', 'linear', 'llama3'"
-    )
-
-
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (rotate_half), as Hugging Face Llama applies it."""
 
     def __init__(self, hf_config: Any, head_dim: int) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(hf_config, head_dim)  # [D/2]
+        inv_freq, attention_factor = rope_frequencies(hf_config, head_dim)  # [D/2]
         positions = torch.arange(hf_config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_pos, D/2]
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor  # [max_pos, D]
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(
         self,

@@ -3,7 +3,7 @@
 One step is two launches per layer, whatever mixes of prefills and decodes it
 holds: one writes the step's keys and values at ``slot_mapping``, one attends
 every request's new tokens over its cached and new keys (causal, GQA, variable
-lengths). A step of decodes only over long contexts adds a split-KV launch
+lengths). Multi-head latent attention layers (DeepSeek) are ``mla.py``'s. A step of decodes only over long contexts adds a split-KV launch
 (flash-decoding): each request's keys are cut into shares attended in parallel,
 then merged by a third kernel.
 
@@ -34,11 +34,14 @@ from vframe.core.interfaces import (
     AttentionImpl,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
+    MLAAttentionImpl,
 )
+from vframe.core.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 
 PREFILL_BLOCK_Q = 16  # query tokens per program when some request has more than one
 BLOCK_SIZES = (4, 8, 16, 32, 64, 128, 256)
 MIN_HEAD_SIZE, MAX_HEAD_SIZE = 16, 256
+MAX_MLA_LATENT_SIZE = 1024  # kv_lora_rank + qk_rope_head_dim; DeepSeek-V2/V3: 512 + 64
 # Split-KV decoding: only when every request decodes, its keys reach this many,
 # and the plain launch would leave streaming multiprocessors idle.
 SPLIT_MIN_KEYS_PER_SPLIT = 512
@@ -166,6 +169,18 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionImpl
 
     @classmethod
+    def get_mla_impl_cls(cls) -> type[MLAAttentionImpl]:
+        from vframe.backends.triton.mla import TritonMLAImpl
+
+        return TritonMLAImpl
+
+    @classmethod
+    def get_kv_cache_shape_for_spec(cls, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
+        if isinstance(spec, MLAAttentionSpec):
+            return (num_blocks, spec.block_size, spec.latent_size)
+        return super().get_kv_cache_shape_for_spec(spec, num_blocks)
+
+    @classmethod
     def validate_configuration(
         cls,
         *,
@@ -176,11 +191,15 @@ class TritonAttentionBackend(AttentionBackend):
         use_mla: bool = False,
     ) -> list[str]:
         reasons = []
-        if use_mla:
-            reasons.append("the triton backend does not implement MLA (multi-head latent attention)")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             reasons.append(f"the triton backend supports float32, bfloat16 and float16, not {dtype}")
-        if not MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE:
+        if use_mla:  # head_size: the latent's kv_lora_rank + qk_rope_head_dim
+            if not MIN_HEAD_SIZE <= head_size <= MAX_MLA_LATENT_SIZE:
+                reasons.append(
+                    f"an MLA latent of {head_size} (kv_lora_rank + qk_rope_head_dim) is not supported by the "
+                    f"triton backend; use {MIN_HEAD_SIZE} to {MAX_MLA_LATENT_SIZE}"
+                )
+        elif not MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE:
             reasons.append(
                 f"head_size {head_size} is not supported by the triton backend; use {MIN_HEAD_SIZE} to {MAX_HEAD_SIZE}"
             )
