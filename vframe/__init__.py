@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         StructuredOutputsParams,
     )
     from vframe.entrypoints.llm import LLM
+    from vframe.lora.request import LoRARequest
 
 _LAZY = {
     "LLM": "vframe.entrypoints.llm",
@@ -33,6 +34,7 @@ _LAZY = {
     "Logprob": "vframe.core.outputs",
     "EngineConfig": "vframe.core.config",
     "LLMEngine": "vframe.core.engine",
+    "LoRARequest": "vframe.lora.request",
     "hookimpl": "vframe.plugins.hookspecs",
 }
 

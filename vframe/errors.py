@@ -21,3 +21,7 @@ class InvalidRequestError(VFrameError, ValueError):
 
 class PluginError(VFrameError):
     """An unknown registry name or a plugin that cannot be used."""
+
+
+class LoRAAdapterError(InvalidRequestError):
+    """A LoRA adapter that cannot be served: unreadable, unsupported or made for another model."""

@@ -161,3 +161,48 @@ def test_swap_mode_without_swap_space_is_a_config_error():
     config = EngineConfig.from_sources(env={}, max_num_batched_tokens=8, preemption_mode="swap")
     with pytest.raises(ConfigError, match="preemption_mode='swap' needs a swap space"):
         DefaultScheduler(config, PagedKVCacheManager(4, 4, enable_caching=False))
+
+
+# --------------------------------------------------------------------------- #
+# LoRA: at most max_loras distinct adapters among running requests
+# --------------------------------------------------------------------------- #
+
+
+def lora_request(req_id, lora_int_id, num_prompt=2, max_tokens=2):
+    from vframe.lora.request import LoRARequest
+
+    adapter = None if lora_int_id is None else LoRARequest(f"adapter{lora_int_id}", lora_int_id, f"/adapters/{lora_int_id}")
+    return Request(req_id, [1] * num_prompt, SamplingParams(max_tokens=max_tokens), lora_request=adapter)
+
+
+def test_running_requests_use_at_most_max_loras_adapters_and_the_blocked_one_is_next():
+    sched, _ = make_scheduler(budget=16, max_num_seqs=8, enable_lora=True, max_loras=2)
+    for req_id, lora_id in [("a1", 1), ("b", None), ("a2", 2), ("a3", 3), ("a1b", 1), ("base", None)]:
+        sched.add_request(lora_request(req_id, lora_id, max_tokens=3 if req_id == "a1" else 2))
+    out, _ = step(sched)
+    # adapters 1 and 2 fill both slots; a3 (adapter 3) waits at the head and so does everyone behind it
+    assert list(out.num_scheduled_tokens) == ["a1", "b", "a2"]
+    out, _ = step(sched)
+    assert list(out.num_scheduled_tokens) == ["a1", "b", "a2"]
+    out, _ = step(sched)
+    # b and a2 finished after 2 tokens: adapter 2's slot is free, a3 and everyone behind it run
+    assert list(out.num_scheduled_tokens) == ["a1", "a3", "a1b", "base"]
+
+
+def test_without_enable_lora_adapters_are_not_counted():
+    sched, _ = make_scheduler(budget=16, max_num_seqs=8)
+    for req_id, lora_id in [("a1", 1), ("a2", 2), ("a3", 3)]:
+        sched.add_request(lora_request(req_id, lora_id))
+    out, _ = step(sched)
+    assert list(out.num_scheduled_tokens) == ["a1", "a2", "a3"]
+    assert [r.lora_request.lora_int_id for r in out.scheduled_new_reqs] == [1, 2, 3]
+
+
+def test_prefix_cache_blocks_are_keyed_by_adapter():
+    sched, kv = make_scheduler(budget=32, max_num_seqs=8, caching=True, enable_lora=True, max_loras=4)
+    prompt = 9  # two full blocks of 4, then one token
+    for req_id, lora_id in [("first", 1), ("same", 1), ("other", 2), ("base", None)]:
+        sched.add_request(lora_request(req_id, lora_id, num_prompt=prompt, max_tokens=1))
+        step(sched)
+    # only the request with the same adapter as the first hits its two full blocks
+    assert kv.get_stats()["prefix_cache_hits"] == 8

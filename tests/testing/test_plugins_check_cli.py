@@ -102,6 +102,7 @@ def test_builtin_torch_backend_passes_in_every_dtype() -> None:
         "PASS  attention_backend 'torch' (float32, cpu)",
         "PASS  attention_backend 'torch' (bfloat16, cpu)",
         "PASS  attention_backend 'torch' (float16, cpu)",
+        "PASS  lora_kernel 'torch' (float32)",  # the built-in LoRA kernel has the same name
     ]
 
 
@@ -227,6 +228,7 @@ def test_run_quick_checks_returns_what_ran() -> None:
         "attention_backend 'torch' (float32, cpu)",
         "attention_backend 'torch' (bfloat16, cpu)",
         "attention_backend 'torch' (float16, cpu)",
+        "lora_kernel 'torch' (float32)",
     ]
     assert run_quick_checks("fcfs", kind="scheduling_policy") == ["scheduling_policy 'fcfs'"]
     assert run_quick_checks("LlamaForCausalLM") == []  # nothing to run for a model

@@ -29,7 +29,6 @@ from vframe.core.interfaces import (
     CommonAttentionMetadata,
     MLAAttentionImpl,
 )
-from vframe.core.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 
 
 @dataclass
@@ -264,12 +263,6 @@ class TorchAttentionBackend(AttentionBackend):
         from vframe.backends.torch_mla import TorchMLAImpl
 
         return TorchMLAImpl
-
-    @classmethod
-    def get_kv_cache_shape_for_spec(cls, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
-        if isinstance(spec, MLAAttentionSpec):
-            return (num_blocks, spec.block_size, spec.latent_size)
-        return super().get_kv_cache_shape_for_spec(spec, num_blocks)
 
     @classmethod
     def validate_configuration(

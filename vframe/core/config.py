@@ -151,9 +151,13 @@ class QuantizationSection(BaseModel):
 class LoRASection(BaseModel):
     model_config = _STRICT
 
-    enable_lora: bool = Field(False, description="serve LoRA adapters (not yet supported)")
-    max_loras: int = Field(1, ge=1, description="adapters resident at once")
-    max_lora_rank: int = Field(16, ge=1, description="largest adapter rank")
+    enable_lora: bool = Field(False, description="serve PEFT LoRA adapters (requests name one with lora_request)")
+    max_loras: int = Field(1, ge=1, description="adapters resident at once, i.e. in one step's batch")
+    max_lora_rank: int = Field(16, ge=1, description="largest adapter rank accepted")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="adapters kept loaded in host memory (LRU); None: max_loras"
+    )
+    lora_kernel: str = Field("torch", description="lora_kernel registry name of the batched LoRA kernel")
 
 
 class ObservabilitySection(BaseModel):
@@ -214,8 +218,9 @@ class EngineConfig(BaseModel):
             )
         if self.parallel.pipeline_parallel_size > 1:
             raise ValueError("pipeline_parallel_size > 1 is not supported; use 1")
-        if self.lora.enable_lora:
-            raise ValueError("enable_lora=True is not yet supported; LoRA adapters are a later feature")
+        lora = self.lora
+        if lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
+            raise ValueError(f"max_cpu_loras={lora.max_cpu_loras} must be at least max_loras={lora.max_loras}")
         return self
 
     # ------------------------------------------------------------------ #

@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vframe.core.config import EngineConfig
 from vframe.core.interfaces import KVCacheManager, ModelRunner, Scheduler
@@ -30,6 +30,9 @@ from vframe.core.sampling_params import SamplingParams
 from vframe.errors import ConfigError, InvalidRequestError
 from vframe.plugins import get_registry
 from vframe.plugins.manager import call_lifecycle, load_plugins
+
+if TYPE_CHECKING:
+    from vframe.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ def _check_registry_names(config: EngineConfig) -> None:
         "sampler": config.sampler.sampler,
         "attention_backend": config.attention.attention_backend,
         "quantizer": config.quantization.quantization,
+        "lora_kernel": config.lora.lora_kernel if config.lora.enable_lora else None,
     }
     for kind, name in names.items():
         if name is not None:
@@ -67,6 +71,7 @@ class LLMEngine:
         runner_cls = get_registry("model_runner").load(config.device.model_runner)
         self.model_runner: ModelRunner = runner_cls(config)
         self.model_runner.load_model()
+        self._lora_of_request: dict[str, int] = {}  # in-flight request id -> its adapter
         self.tokenizer = None
         if not config.model.skip_tokenizer_init:
             from vframe.models.loader import load_tokenizer
@@ -203,9 +208,12 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Bad input raises
-        ``InvalidRequestError`` and leaves the engine untouched."""
+        ``InvalidRequestError`` and leaves the engine untouched. With
+        ``lora_request`` the request runs with that adapter, loaded now if it
+        is not (an adapter that cannot load is the request's error)."""
         request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
         if self.output_processor.is_in_use(request_id):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
@@ -233,6 +241,9 @@ class LLMEngine:
                 f"policy {policy_name!r} ignores priority"
             )
 
+        if lora_request is not None:
+            self.add_lora(lora_request)
+
         parent = ParentRequest(request_id, text, token_ids, params)
         children: list[Request] = []
         num_children = params.best_of or params.n  # the n best of best_of are returned
@@ -252,9 +263,13 @@ class LLMEngine:
                     child_params.logprobs = 0  # the ranking needs each token's logprob
             parent.children[child_id] = index
             children.append(
-                Request(child_id, token_ids, child_params, arrival_time, priority, max_tokens, cache_salt)
+                Request(
+                    child_id, token_ids, child_params, arrival_time, priority, max_tokens, cache_salt, lora_request
+                )
             )
         self.output_processor.add_request(parent)
+        if lora_request is not None:
+            self._lora_of_request[request_id] = lora_request.lora_int_id
         for child in children:
             self.scheduler.add_request(child)
         call_lifecycle(
@@ -265,6 +280,36 @@ class LLMEngine:
             engine_view=self.engine_view,
         )
         return request_id
+
+    # ------------------------------------------------------------------ #
+    # LoRA adapters
+    # ------------------------------------------------------------------ #
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter into host memory (or mark it recently used), so that
+        requests naming it start without waiting for the disk. Raises
+        ``InvalidRequestError`` (``LoRAAdapterError``) for an adapter that cannot
+        serve this model, ``ConfigError`` when LoRA is not enabled."""
+        from vframe.lora.request import LoRARequest
+
+        if not self.config.lora.enable_lora:
+            raise ConfigError("this engine serves no LoRA adapters: start it with enable_lora=True")
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(
+                f"lora_request must be a vframe.lora.request.LoRARequest, got {type(lora_request).__name__}"
+            )
+        self.model_runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; ``False`` if it was not loaded or requests in
+        flight still use it."""
+        if lora_int_id in self._lora_of_request.values():
+            return False
+        return self.model_runner.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters added so far and not removed."""
+        return self.model_runner.list_loras() if self.config.lora.enable_lora else []
 
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
         """Checks the prompt and returns the request's resolved ``max_tokens``."""
@@ -349,6 +394,7 @@ class LLMEngine:
         return outputs
 
     def _report_finished(self, out: RequestOutput) -> None:
+        self._lora_of_request.pop(out.request_id, None)
         reason = ",".join(sorted({c.finish_reason or "abort" for c in out.outputs}))
         call_lifecycle(
             "vframe_request_finished",

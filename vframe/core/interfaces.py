@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from vframe.core.request import Request, RequestStatus
     from vframe.core.sample.metadata import SamplingMetadata
     from vframe.core.sampling_params import SamplingParams
+    from vframe.lora.request import LoRARequest
 
 
 # --------------------------------------------------------------------------- #
@@ -243,21 +244,24 @@ class AttentionBackend(ABC):
     @classmethod
     def get_mla_impl_cls(cls) -> type[MLAAttentionImpl]:
         """The implementation MLA layers build (plugin API 1.3). A backend that
-        serves MLA overrides this and ``get_kv_cache_shape_for_spec``, and
-        accepts ``use_mla=True`` in ``validate_configuration``."""
+        serves MLA overrides this (and ``get_kv_cache_shape_for_spec`` if its
+        latent cache is not laid out as the default's), and accepts
+        ``use_mla=True`` in ``validate_configuration``."""
         raise NotImplementedError(f"attention backend {cls.name!r} does not implement MLA")
 
     @classmethod
     def get_kv_cache_shape_for_spec(cls, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
         """The shape of one layer's cache of ``num_blocks`` blocks for its spec
         (plugin API 1.3). The default serves full-attention and sliding-window
-        specs through ``get_kv_cache_shape``; a backend serving MLA returns a
-        shape for ``MLAAttentionSpec`` (the torch backend:
-        ``(num_blocks, block_size, latent_size)``)."""
-        from vframe.core.kv_cache_spec import FullAttentionSpec
+        specs through ``get_kv_cache_shape``, and gives an ``MLAAttentionSpec``
+        the standard latent layout ``(num_blocks, block_size, latent_size)``
+        (the torch and Triton backends'; what ``swap_blocks`` assumes)."""
+        from vframe.core.kv_cache_spec import FullAttentionSpec, MLAAttentionSpec
 
         if isinstance(spec, FullAttentionSpec):
             return cls.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        if isinstance(spec, MLAAttentionSpec):
+            return (num_blocks, spec.block_size, spec.latent_size)
         raise NotImplementedError(f"attention backend {cls.name!r} has no cache layout for {type(spec).__name__}")
 
     @staticmethod
@@ -619,6 +623,26 @@ class ModelRunner(ABC):
 
     def profile(self, is_start: bool) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support profiling")
+
+    # LoRA adapters (plugin API 1.3). With ``enable_lora`` the engine calls
+    # ``add_lora`` when a request names an adapter (before the request is
+    # queued: a failure is that request's error), and every step's
+    # ``NewRequestData.lora_request`` says which adapter each request runs with.
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load the adapter into host memory, or mark it recently used. Raise
+        ``vframe.errors.LoRAAdapterError`` for an adapter that cannot serve the model."""
+        from vframe.errors import ConfigError
+
+        raise ConfigError(f"model runner {type(self).__name__} does not serve LoRA adapters")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (no request in flight uses it); whether it was known."""
+        return False
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters added and not removed."""
+        return []
 
 
 # --------------------------------------------------------------------------- #

@@ -177,6 +177,8 @@ class NewRequestData:
             ``num_scheduled_tokens[req_id]`` more from there.
         num_output_tokens: ``len(all_token_ids) - len(prompt_token_ids)``,
             the tokens generated before a preemption.
+        lora_request: the request's ``LoRARequest``, ``None`` for the base
+            model (plugin API 1.3; typed ``object`` as ``sampling_params``).
     """
 
     req_id: str
@@ -186,6 +188,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     num_output_tokens: int = 0
+    lora_request: object = None  # LoRARequest | None
 
 
 @dataclass

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from vframe.core.outputs import FinishReason
 from vframe.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vframe.lora.request import LoRARequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -85,6 +89,11 @@ class Request:
             under the ``priority`` policy.
         cache_salt (str | None): part of every block hash: requests with
             different salts never share prefix-cache blocks.
+        lora_request (LoRARequest | None): the LoRA adapter it runs with
+            (plugin API 1.3); its ``lora_int_id`` is part of every block hash,
+            so requests with different adapters never share prefix-cache blocks.
+        lora_int_id (int | None): ``lora_request.lora_int_id``, ``None`` for
+            the base model.
         max_tokens (int): most tokens it may generate, already capped by the
             engine so that prompt plus output fit ``max_model_len``.
         status (RequestStatus): where it is in its lifecycle.
@@ -111,6 +120,7 @@ class Request:
         priority: int = 0,
         max_tokens: int | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -119,6 +129,7 @@ class Request:
         self.priority = priority
         # Part of every block hash: requests with different salts never share KV.
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
         # max_tokens resolved against max_model_len by the engine.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.status = RequestStatus.WAITING
@@ -128,6 +139,11 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+
+    @property
+    def lora_int_id(self) -> int | None:
+        """The adapter's id, ``None`` for the base model."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

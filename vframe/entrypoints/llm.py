@@ -13,6 +13,7 @@ from vframe.core.outputs import CompletionOutput, Logprob, RequestOutput
 from vframe.core.sample.beam_search import BeamSearchOutput, BeamSearchSequence, beam_search
 from vframe.core.sampling_params import BeamSearchParams, SamplingParams
 from vframe.errors import InvalidRequestError
+from vframe.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order.
+        ``lora_request``: one adapter for every prompt, or one (or ``None``) per
+        prompt (needs ``enable_lora=True``)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -64,12 +68,17 @@ class LLM:
         prompts = list(prompts)
         params = self._per_prompt(sampling_params, len(prompts), "sampling_params")
         priorities = self._per_prompt(priority, len(prompts), "priority", default=0)
+        loras = _per_prompt_lora(lora_request, len(prompts))
         if any(p.use_beam_search for p in params):
-            return self._generate_with_beam_search(prompts, params, priorities, use_tqdm)
-        return self._run(list(zip(prompts, params, priorities)), use_tqdm)
+            return self._generate_with_beam_search(prompts, params, priorities, loras, use_tqdm)
+        return self._run(list(zip(prompts, params, priorities, loras)), use_tqdm)
 
     def beam_search(
-        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search over each prompt (transformers' ``num_beams`` semantics, see
         ``vframe/core/sample/beam_search.py``); per prompt the ``beam_width`` best
@@ -82,7 +91,7 @@ class LLM:
         token_prompts = [engine.tokenize_prompt(p)[1] for p in prompts]
         results = self._beam_search(
             token_prompts, params.beam_width, params.max_tokens, params.ignore_eos,
-            params.length_penalty, params.early_stopping,
+            params.length_penalty, params.early_stopping, lora_request,
         )
         tokenizer = self.get_tokenizer()
         for beams in results:
@@ -98,6 +107,7 @@ class LLM:
         ignore_eos: bool,
         length_penalty: float,
         early_stopping: bool | str,
+        lora_request: LoRARequest | None = None,
     ) -> list[list[BeamSearchSequence]]:
         engine = self.llm_engine
         # A beam cannot grow past max_model_len; a prompt that leaves no room fails in generate().
@@ -105,7 +115,9 @@ class LLM:
 
         def step(beams: list[list[int]], k: int) -> list[dict[int, Logprob]]:
             params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True, detokenize=False)
-            outputs = self.generate([{"prompt_token_ids": b} for b in beams], params, use_tqdm=False)
+            outputs = self.generate(
+                [{"prompt_token_ids": b} for b in beams], params, use_tqdm=False, lora_request=lora_request
+            )
             return [out.outputs[0].logprobs[0] for out in outputs]
 
         eos = set() if ignore_eos else engine.eos_token_ids
@@ -116,13 +128,15 @@ class LLM:
         prompts: list[PromptType],
         params: list[SamplingParams],
         priorities: list[int],
+        loras: list[LoRARequest | None],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         """``SamplingParams(use_beam_search=True)``: the ``n`` best of ``best_of`` (or
         ``n``) beams become the completions; other prompts are generated as usual."""
         results: list[RequestOutput | None] = [None] * len(prompts)
         plain = [i for i, p in enumerate(params) if not p.use_beam_search]
-        for i, out in zip(plain, self._run([(prompts[i], params[i], priorities[i]) for i in plain], use_tqdm)):
+        plain_items = [(prompts[i], params[i], priorities[i], loras[i]) for i in plain]
+        for i, out in zip(plain, self._run(plain_items, use_tqdm)):
             results[i] = out
         tokenizer = self.get_tokenizer()
         for i, sp in enumerate(params):
@@ -131,7 +145,7 @@ class LLM:
             text, prompt_ids = self.llm_engine.tokenize_prompt(prompts[i])
             [beams] = self._beam_search(
                 [prompt_ids], sp.beam_width, sp.max_tokens or self.llm_engine.max_model_len,
-                sp.ignore_eos, sp.length_penalty, sp.early_stopping,
+                sp.ignore_eos, sp.length_penalty, sp.early_stopping, loras[i],
             )
             completions = []
             for index, beam in enumerate(beams[: sp.n]):
@@ -164,6 +178,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations,
         formatted with the tokenizer's chat template."""
@@ -184,14 +199,16 @@ class LLM:
             # The template already holds any special tokens it wants.
             ids = tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def _run(self, items: list[tuple[PromptType, SamplingParams, int]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, items: list[tuple[PromptType, SamplingParams, int, LoRARequest | None]], use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:
-            for i, (prompt, params, prio) in enumerate(items):
-                order[engine.add_request(None, prompt, params, priority=prio)] = i
+            for i, (prompt, params, prio, lora) in enumerate(items):
+                order[engine.add_request(None, prompt, params, priority=prio, lora_request=lora)] = i
         except Exception:
             engine.abort_request(list(order))
             raise
@@ -235,6 +252,18 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    # LoRA adapters (enable_lora=True); requests name one with lora_request=.
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter ahead of the requests that name it."""
+        self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.llm_engine.list_loras()
+
     def get_stats(self) -> dict[str, float]:
         return self.llm_engine.get_stats()
 
@@ -243,3 +272,13 @@ def _progress_bar(total: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+
+def _per_prompt_lora(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or not isinstance(lora_request, (list, tuple)):
+        return [lora_request] * n
+    if len(lora_request) != n:
+        raise InvalidRequestError(f"lora_request has {len(lora_request)} entries for {n} prompts")
+    return list(lora_request)

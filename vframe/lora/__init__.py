@@ -1,11 +1,14 @@
 """LoRA: the batched low-rank delta added after a linear layer's ``apply`` (DESIGN.md §9).
 
-For now this is the kernel contract only: ``LoRASegments`` (which tokens of a
-step use which adapter slot), ``LoRAKernel`` (the callable a kernel
-implements) and ``add_lora`` (the built-in torch kernel). Loading adapters and
-the layer wrappers come with multi-LoRA serving; kernels (Triton, punica-style
-SGMV/BGMV) will then be selectable by name. Until then a third-party kernel is
-typed against ``LoRAKernel`` and checked with ``vframe.testing.check_lora_kernel``.
+- ``ops``: the kernel contract: ``LoRASegments`` (which tokens of a step use
+  which adapter slot), ``LoRAKernel`` (the callable a kernel implements) and
+  ``add_lora`` (the built-in torch kernel, registry kind ``lora_kernel``, name
+  ``"torch"``); a third-party kernel is checked with ``vframe.testing.check_lora_kernel``.
+- ``request``: ``LoRARequest``, which adapter a request runs with.
+- ``peft``: ``load_peft_adapter``, a PEFT directory into host tensors.
+- ``layers``: ``LoRALinear``, a vframe linear layer plus the step's deltas.
+- ``manager``: ``LoRAManager``, which wraps a model's layers and keeps
+  adapters resident in host memory and device slots.
 """
 
 from __future__ import annotations

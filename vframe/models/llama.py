@@ -271,6 +271,11 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Checkpoint modules fused into one of ours (what LoRA adapters target by name).
+    packed_modules_mapping: dict[str, list[str]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
     attention_cls: type[LlamaAttention] = LlamaAttention  # what a subclass swaps (vframe/models/qwen.py)
     mlp_cls: type[nn.Module] = LlamaMLP  # MixtralSparseMoeBlock in vframe/models/mixtral.py
 

@@ -65,3 +65,8 @@ def vframe_register_quantizers(register: RegisterFn) -> None:
     register("awq", "vframe.quant.awq:AWQConfig")
     register("fp8", "vframe.quant.fp8:Fp8Config")
     register("compressed-tensors", "vframe.quant.compressed_tensors:CompressedTensorsConfig")
+
+
+@hookimpl
+def vframe_register_lora_kernels(register: RegisterFn) -> None:
+    register("torch", "vframe.lora.ops:add_lora")

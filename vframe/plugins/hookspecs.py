@@ -124,6 +124,13 @@ def vframe_register_structured_output_backends(register: RegisterFn) -> None:
     (default ``"guidance"``)."""
 
 
+@hookspec
+def vframe_register_lora_kernels(register: RegisterFn) -> None:
+    """Register LoRA kernels: functions typed against ``vframe.lora.ops.LoRAKernel``
+    (``"my_pkg.kernels:sgmv_add_lora"``), checked with
+    ``vframe.testing.check_lora_kernel`` (built-in: ``torch``, ``vframe.lora.ops:add_lora``)."""
+
+
 # --------------------------------------------------------------------------- #
 # Lifecycle hooks
 # --------------------------------------------------------------------------- #
@@ -183,6 +190,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "vframe_register_quantizers": "quantizer",
     "vframe_register_logits_processors": "logits_processor",
     "vframe_register_structured_output_backends": "structured_output",
+    "vframe_register_lora_kernels": "lora_kernel",
 }
 
 LIFECYCLE_HOOKS: tuple[str, ...] = (

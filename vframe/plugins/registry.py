@@ -30,6 +30,7 @@ Kind = Literal[
     "quantizer",
     "logits_processor",
     "structured_output",
+    "lora_kernel",
 ]
 
 BUILTIN = "builtin"
@@ -49,6 +50,7 @@ _KINDS: dict[str, tuple[str, str | None]] = {
         "structured-output backend",
         "vframe.core.sample.structured:StructuredOutputBackend",
     ),
+    "lora_kernel": ("LoRA kernel", None),  # a function typed against vframe.lora.ops:LoRAKernel
 }
 KINDS: tuple[str, ...] = tuple(_KINDS)
 

@@ -225,6 +225,15 @@ def _quantizer(kind: str, name: str) -> list[QuickCheck]:
     return [QuickCheck(label, run)]
 
 
+def _lora_kernel(kind: str, name: str) -> list[QuickCheck]:
+    def run() -> None:
+        from vframe.testing.lora import check_lora_kernel
+
+        check_lora_kernel(get_registry(kind).load(name), quick=True)
+
+    return [QuickCheck(f"{kind} {name!r} (float32)", run)]
+
+
 def _model(kind: str, name: str) -> list[QuickCheck]:
     note = (
         "model parity needs a checkpoint, which a quick check does not have; in your tests call "
@@ -249,6 +258,7 @@ _PLANNERS: dict[str, Callable[[str, str], list[QuickCheck]]] = {
     "scheduling_policy": _scheduling_policy,
     "logits_processor": _logits_processor,
     "quantizer": _quantizer,
+    "lora_kernel": _lora_kernel,
     "model": _model,
     LIFECYCLE: _lifecycle,
 }

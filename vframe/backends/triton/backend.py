@@ -36,7 +36,6 @@ from vframe.core.interfaces import (
     CommonAttentionMetadata,
     MLAAttentionImpl,
 )
-from vframe.core.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 
 PREFILL_BLOCK_Q = 16  # query tokens per program when some request has more than one
 BLOCK_SIZES = (4, 8, 16, 32, 64, 128, 256)
@@ -173,12 +172,6 @@ class TritonAttentionBackend(AttentionBackend):
         from vframe.backends.triton.mla import TritonMLAImpl
 
         return TritonMLAImpl
-
-    @classmethod
-    def get_kv_cache_shape_for_spec(cls, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
-        if isinstance(spec, MLAAttentionSpec):
-            return (num_blocks, spec.block_size, spec.latent_size)
-        return super().get_kv_cache_shape_for_spec(spec, num_blocks)
 
     @classmethod
     def validate_configuration(

@@ -35,6 +35,21 @@ MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows on NVIDIA GPUs
 
 
 @triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """One key tile of the online softmax, in base 2: ``s [M, TILE]`` scores
+    (``-inf`` where not allowed), ``m_i``/``l_i [M]`` the running max and sum.
+    Returns the tile's probabilities ``p`` (relative to the new max), ``alpha``,
+    the factor the accumulator is rescaled by, and the new max and sum."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with nothing allowed yet keeps max -inf: shift by 0 so that its
+    # probabilities are exp2(-inf) = 0, not exp2(-inf - -inf) = NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _write_kv_kernel(
     key_ptr,  # [T, KVH, D]
     value_ptr,
@@ -159,19 +174,12 @@ def _paged_attention_kernel(
             allowed = allowed & (pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(allowed, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with nothing allowed yet keeps max -inf: shift by 0 so that its
-        # probabilities are exp2(-inf) = 0, not exp2(-inf - -inf) = NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         if UPCAST_DOT:  # keep the rounding of p to the cache dtype that the GPU path has
             p_v = p.to(cache_ptr.dtype.element_ty).to(tl.float32)
         else:
             p_v = p.to(v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision="ieee")
-        m_i = m_new
 
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
     if NUM_SPLITS == 1:

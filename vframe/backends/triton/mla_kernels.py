@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vframe.backends.triton.kernels import INTERPRETED, MIN_DOT_ROWS, TILE_N
+from vframe.backends.triton.kernels import INTERPRETED, MIN_DOT_ROWS, TILE_N, online_softmax_step
 
 DECODE_BLOCK_H = 16  # heads per program when each request has one query token
 
@@ -110,17 +110,12 @@ def _mla_attention_kernel(
         allowed = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(allowed, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet: no NaN
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         if UPCAST_DOT:
             p_v = p.to(cache_ptr.dtype.element_ty).to(tl.float32)
         else:
             p_v = p.to(c.dtype)
         acc = acc * alpha[:, None] + tl.dot(p_v, c, input_precision="ieee")
-        m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh

@@ -253,4 +253,11 @@ class PagedKVCacheManager(KVCacheManager):
 
 
 def _extra_keys(request: Request) -> tuple:
-    return () if request.cache_salt is None else (("cache_salt", request.cache_salt),)
+    """What the first block's hash carries besides tokens: the cache salt and
+    the LoRA adapter, so that neither tenants nor adapters share KV."""
+    keys: tuple = ()
+    if request.cache_salt is not None:
+        keys += (("cache_salt", request.cache_salt),)
+    if request.lora_int_id is not None:
+        keys += (("lora", request.lora_int_id),)
+    return keys

@@ -3,7 +3,10 @@
 There are no prefill and decode phases. Each step every request is brought
 closer to ``num_tokens``: running requests first (a decode is one token, a
 prefill chunk as many as the budget allows), then waiting requests while the
-budget, ``max_num_seqs`` and free KV blocks last.
+budget, ``max_num_seqs`` and free KV blocks last. With LoRA, the running
+requests use at most ``max_loras`` distinct adapters: a waiting request whose
+adapter would be one more waits at the head of the queue (admission stops
+behind it) until a running adapter's last request finishes.
 
 The order of both queues is the configured ``SchedulingPolicy``'s
 (``scheduling_policy``, looked up in the plugin registry): waiting requests are
@@ -94,6 +97,8 @@ class DefaultScheduler(Scheduler):
         self.token_budget = sc.max_num_batched_tokens  # resolved by the engine
         self.enable_chunked_prefill = sc.enable_chunked_prefill
         self.long_prefill_token_threshold = sc.long_prefill_token_threshold
+        # Distinct LoRA adapters among running requests: at most the resident slots.
+        self.max_loras = config.lora.max_loras if config.lora.enable_lora else None
         policy_cls = get_registry("scheduling_policy").load(sc.scheduling_policy)
         self.policy: SchedulingPolicy = policy_cls(config)
         self.preemption_mode = sc.preemption_mode
@@ -182,6 +187,10 @@ class DefaultScheduler(Scheduler):
         # 2. Waiting requests, while budget, seats and blocks last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting.peek()
+            if not self._adapter_fits(request):
+                # It waits at the head, and so does everyone behind it, until a
+                # running adapter's last request finishes: it cannot be starved.
+                break
             if request.status == RequestStatus.SWAPPED:
                 num_new = self._cap(request.num_tokens - request.num_computed_tokens, budget)
                 copies = self.kv_cache_manager.swap_in(request, num_new)
@@ -223,6 +232,14 @@ class DefaultScheduler(Scheduler):
         self.running.append(request)
         num_scheduled[request.request_id] = num_new
         new_blocks[request.request_id] = blocks
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether running ``request`` keeps the running requests' distinct LoRA
+        adapters within ``max_loras`` (the resident slots of one step)."""
+        if self.max_loras is None or request.lora_int_id is None:
+            return True
+        running = {r.lora_int_id for r in self.running if r.lora_int_id is not None}
+        return request.lora_int_id in running or len(running) < self.max_loras
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens
@@ -306,6 +323,7 @@ class DefaultScheduler(Scheduler):
                         block_ids=list(self.kv_cache_manager.get_block_ids(req_id)),
                         num_computed_tokens=request.num_computed_tokens,
                         num_output_tokens=request.num_output_tokens,
+                        lora_request=request.lora_request,
                     )
                 )
             request.num_computed_tokens += n

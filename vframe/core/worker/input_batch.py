@@ -23,6 +23,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: RequestSamplingState
+    lora_int_id: int | None = None  # its LoRA adapter, None: the base model
 
     @property
     def num_output_tokens(self) -> int:
@@ -81,6 +82,7 @@ class InputBatch:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             sampling=RequestSamplingState(sp, token_ids, num_prompt_tokens, self.device),
+            lora_int_id=None if new.lora_request is None else new.lora_request.lora_int_id,  # type: ignore[attr-defined]
         )
 
     def prepare(self, so: SchedulerOutput) -> StepInputs:
@@ -136,6 +138,16 @@ class InputBatch:
             sampled_req_ids=[r for r, m in zip(req_ids, is_sampled) if m],
             logits_indices=to(logits_indices),
         )
+
+    def lora_segments(self, inputs: StepInputs) -> list[tuple[int, int, int]]:
+        """``(first token, end token, lora_int_id)`` of each request of the step
+        that runs with an adapter, in token order."""
+        qsl = inputs.common.query_start_loc_cpu
+        return [
+            (qsl[i], qsl[i + 1], lora_id)
+            for i, req_id in enumerate(inputs.req_ids)
+            if (lora_id := self.requests[req_id].lora_int_id) is not None and qsl[i + 1] > qsl[i]
+        ]
 
     def sampling_metadata(self, req_ids: list[str], vocab_size: int) -> SamplingMetadata:
         return self.sampling.metadata([self.requests[r].sampling for r in req_ids], vocab_size)

@@ -11,6 +11,8 @@ import math
 import os
 import time
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from vframe.core.config import EngineConfig
@@ -24,6 +26,10 @@ from vframe.core.worker.input_batch import InputBatch
 from vframe.core.worker.kv_token_check import KVTokenCheck
 from vframe.errors import ConfigError, PluginError
 from vframe.plugins import get_registry
+
+if TYPE_CHECKING:
+    from vframe.lora.manager import LoRAManager
+    from vframe.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +78,7 @@ class TorchModelRunner(ModelRunner):
         self.input_batch = InputBatch(self.block_size, self.device)
         self.kv_caches: list[torch.Tensor] = []
         self._kv_cache_specs: list[KVCacheSpec] | None = None
+        self.lora_manager: LoRAManager | None = None  # built by load_model with enable_lora
         self.swap_caches: list[torch.Tensor] = []
         self._profiler: torch.profiler.profile | None = None
         # Debug mode (cache.debug_verify_kv_tokens): the token id behind every KV slot.
@@ -104,8 +111,35 @@ class TorchModelRunner(ModelRunner):
             self.resolved, model_cls, self.attn_backend, self.dtype, quant_config=self.quant_config
         ).to(self.device)
         self.model.eval()
+        if self.config.lora.enable_lora:
+            self.lora_manager = self._build_lora_manager()
         # One builder per runner: it may keep buffers across steps.
         self.attn_metadata_builder = self.attn_backend.get_metadata_builder_cls()(self.config, self.device)
+
+    def _build_lora_manager(self) -> LoRAManager:
+        from vframe.lora.manager import LoRAManager
+
+        lora = self.config.lora
+        return LoRAManager(
+            self.model,
+            max_loras=lora.max_loras,
+            max_lora_rank=lora.max_lora_rank,
+            max_cpu_loras=lora.max_cpu_loras or lora.max_loras,
+            dtype=self.dtype,
+            device=self.device,
+            kernel=get_registry("lora_kernel").load(lora.lora_kernel),
+        )
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        if self.lora_manager is None:
+            raise ConfigError("this engine serves no LoRA adapters: start it with enable_lora=True")
+        self.lora_manager.add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora_manager is not None and self.lora_manager.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora_manager is None else self.lora_manager.list_adapters()
 
     def _select_attention_backend(self) -> type[AttentionBackend]:
         """The configured backend, or with ``attention_backend`` unset (``auto``) the
@@ -276,6 +310,8 @@ class TorchModelRunner(ModelRunner):
         inputs = batch.prepare(scheduler_output)
         if self.kv_token_check is not None:
             self.kv_token_check.verify_and_record(inputs, batch)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step(batch.lora_segments(inputs))
         attn_metadata = self.attn_metadata_builder.build(inputs.common)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_metadata)  # [T, E]
         prompt_logprobs = {}
