@@ -80,7 +80,8 @@ class _CountMatmuls(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default):
+        aten = torch.ops.aten
+        if func in (aten.mm.default, aten.mm.out, aten.bmm.default, aten.addmm.default):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -89,11 +90,28 @@ def test_one_shrink_and_one_expand_per_distinct_slot() -> None:
     x = torch.randn(300, 8)
     y = torch.zeros(300, 8)
     lora_a, lora_b = torch.randn(4, 2, 8), torch.randn(4, 8, 2)
-    # 5 segments, 300 tokens, 2 distinct slots: 4 matmuls, not one per token or per segment
+    # 5 segments, 2 distinct slots of 200 and 100 tokens: too uneven to pad into one batch,
+    # so one mm pair per slot: 4 matmuls, not one per token or per segment
     segments = LoRASegments.from_lists([0, 50, 100, 200, 250], [50, 100, 200, 250, 300], [3, 1, 3, 1, 3])
     with _CountMatmuls() as counter:
         add_lora(y, x, lora_a, lora_b, torch.ones(4), segments)
     assert counter.count == 4
+
+
+def test_a_decode_step_is_one_batched_shrink_and_expand() -> None:
+    x = torch.randn(64, 8)
+    lora_a, lora_b = torch.randn(4, 2, 8), torch.randn(4, 8, 2)
+    scaling = torch.tensor([0.5, 1.5, 3.0, 2.0])
+    # 62 one-token requests round-robin over slots 2, 0, 3, 1 (16, 16, 15, 15 tokens), 2 without an adapter
+    tokens = [t for t in range(64) if t not in (5, 40)]
+    segments = LoRASegments.from_lists(tokens, [t + 1 for t in tokens], [(2, 0, 3, 1)[i % 4] for i in range(62)])
+    y = torch.randn(64, 8)
+    expected = reference_add_lora(y, x, lora_a, lora_b, scaling, segments)
+    with _CountMatmuls() as counter:
+        add_lora(y, x, lora_a, lora_b, scaling, segments)
+    assert counter.count == 2
+    torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(y[[5, 40]].double(), expected[[5, 40]])
 
 
 def test_segment_fields() -> None:

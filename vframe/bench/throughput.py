@@ -36,6 +36,9 @@ class Result:
     def total_tps(self) -> float:
         return (self.prompt_tokens + self.output_tokens) / self.wall_s
 
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"output_tps": self.output_tps, "total_tps": self.total_tps}
+
 
 def offline_prompts(
     vocab_size: int, special_ids: set[int], num_requests: int = 64, min_len: int = 32, max_len: int = 512, seed: int = 0
@@ -46,20 +49,26 @@ def offline_prompts(
     return [allowed[rng.integers(0, len(allowed), size=n)].tolist() for n in lengths]
 
 
-def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+def add_offline_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The model, the offline workload's size, threads and ``--output-json``."""
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded)")
-    parser.add_argument("--backend", choices=["vframe", "hf", "both"], default="vframe",
-                        help="engine to run: vframe, transformers (hf), or both with their ratio")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--min-input-len", type=int, default=32)
     parser.add_argument("--max-input-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (BENCHMARK.md: 2)")
-    parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the hf peer")
     parser.add_argument("--output-json", default=None, help="also write the results to this file")
 
 
-def _workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[list[int]]:
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    add_offline_workload_args(parser)
+    parser.add_argument("--backend", choices=["vframe", "hf", "both"], default="vframe",
+                        help="engine to run: vframe, transformers (hf), or both with their ratio")
+    parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the hf peer")
+
+
+def workload_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[list[int]]:
+    """The offline workload's prompts as ``args`` sizes them (``add_throughput_args``)."""
     return offline_prompts(
         vocab_size, set(tokenizer.all_special_ids), args.num_prompts, args.min_input_len, args.max_input_len
     )
@@ -68,29 +77,42 @@ def _workload(args: argparse.Namespace, tokenizer, vocab_size: int) -> list[list
 def run_vframe(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Result:
     import torch
 
-    from vframe import LLM, SamplingParams
+    from vframe import LLM
 
     torch.set_num_threads(args.threads)
     engine_kwargs.setdefault("dtype", "bfloat16")
     t0 = time.perf_counter()
     llm = LLM(**(engine_kwargs | {"model": args.model}))  # --model is also an engine setting
     startup = time.perf_counter() - t0
+    return time_offline(llm, args, "vframe", startup)
+
+
+def time_offline(
+    llm, args: argparse.Namespace, backend: str, startup_s: float, lora_requests: list | None = None
+) -> Result:
+    """Time the offline workload on a built ``LLM``, after a warm-up; ``lora_requests``: one
+    ``LoRARequest`` (or None) per prompt, cycled, each distinct one warmed up."""
+    from vframe import SamplingParams
+
     engine = llm.llm_engine
-    prompts = _workload(args, engine.tokenizer, engine.vocab_size)
+    prompts = workload_prompts(args, engine.tokenizer, engine.vocab_size)
+    loras = [lora_requests[i % len(lora_requests)] for i in range(len(prompts))] if lora_requests else None
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
-    llm.generate([{"prompt_token_ids": prompts[0][:64]}], params, use_tqdm=False)  # warm-up
+    warm_loras = list(dict.fromkeys(loras)) if loras else [None]
+    llm.generate([{"prompt_token_ids": prompts[0][:64]}] * len(warm_loras), params, use_tqdm=False,
+                 lora_request=warm_loras)  # warm-up
     llm.reset_prefix_cache()  # timing must not reuse the warm-up's blocks
     t0 = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
     wall = time.perf_counter() - t0
     return Result(
-        backend="vframe",
+        backend=backend,
         dtype=str(engine.model_runner.dtype).removeprefix("torch."),
         num_requests=len(prompts),
         prompt_tokens=sum(len(p) for p in prompts),
         output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         wall_s=wall,
-        startup_s=startup,
+        startup_s=startup_s,
         num_preemptions=int(llm.get_stats()["num_preemptions"]),
     )
 
@@ -109,7 +131,7 @@ def run_hf(args: argparse.Namespace, dtype_name: str) -> Result:
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
     startup = time.perf_counter() - t0
-    prompts = _workload(args, tokenizer, model.config.vocab_size)
+    prompts = workload_prompts(args, tokenizer, model.config.vocab_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def generate(batch: list[list[int]]) -> int:
@@ -135,7 +157,7 @@ def run_hf(args: argparse.Namespace, dtype_name: str) -> Result:
     return Result("hf", dtype_name, len(prompts), sum(len(p) for p in prompts), output_tokens, wall, startup)
 
 
-def _print(result: Result) -> None:
+def print_result(result: Result) -> None:
     print(
         f"{result.backend:>7} [{result.dtype}]: {result.num_requests} requests, "
         f"{result.prompt_tokens} prompt + {result.output_tokens} output tokens in {result.wall_s:.1f} s | "
@@ -149,14 +171,14 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> i
     results: list[Result] = []
     if args.backend in ("vframe", "both"):
         results.append(run_vframe(args, dict(engine_kwargs)))
-        _print(results[-1])
+        print_result(results[-1])
     if args.backend in ("hf", "both"):
         dtype = engine_kwargs.get("dtype") or "bfloat16"
         results.append(run_hf(args, dtype))
-        _print(results[-1])
+        print_result(results[-1])
     if len(results) == 2:
         print(f"vframe / hf output tokens/s: {results[0].output_tps / results[1].output_tps:.2f}x")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump([asdict(r) | {"output_tps": r.output_tps, "total_tps": r.total_tps} for r in results], f, indent=2)
+            json.dump([r.as_dict() for r in results], f, indent=2)
     return 0

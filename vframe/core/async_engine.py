@@ -8,6 +8,8 @@ back through ``loop.call_soon_threadsafe``::
     ---------------------------                -------------------------------------
     add_request() --- _Add ----> commands ---> drain: engine.add_request()
                   <-- accepted / error ------- (call_soon_threadsafe)
+    add_lora()    --- _Call ---> commands ---> drain: engine.add_lora() (likewise
+                  <-- result / error --------  remove_lora, list_loras)
     RequestStream <-- RequestOutputs -------- engine.step() -> outputs, stats snapshot
     abort()       --- _Abort --> commands ---> drain: engine.abort_request()
 
@@ -42,6 +44,7 @@ from vframe.core.engine import LLMEngine, PromptType
 from vframe.core.outputs import RequestOutput
 from vframe.core.sampling_params import SamplingParams
 from vframe.errors import VFrameError
+from vframe.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,16 @@ class _Add:
     prompt: PromptType
     params: SamplingParams
     priority: int
+    lora_request: LoRARequest | None
     accepted: asyncio.Future[None]
+
+
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between steps; its result or error goes to ``done``."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future[Any]
 
 
 @dataclass
@@ -129,7 +141,7 @@ class AsyncLLMEngine:
         self._config = engine if isinstance(engine, EngineConfig) else None
         self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
         self.on_dead = on_dead  # called on the event loop if the engine thread fails
-        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, RequestStream] = {}
@@ -137,6 +149,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
+        self._setup: Callable[[LLMEngine], None] | None = None
         self._stats: dict[str, float] = {}
         self.dead_error: BaseException | None = None
         # Held while queueing an add and while the thread closes its queue for good,
@@ -147,9 +160,14 @@ class AsyncLLMEngine:
         self._compile_pool = ThreadPoolExecutor(2, thread_name_prefix="vframe-grammar")
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
-        """Build the engine in the engine thread and wait until it is loaded."""
+    def from_config(
+        cls, config: EngineConfig, setup: Callable[[LLMEngine], None] | None = None
+    ) -> AsyncLLMEngine:
+        """Build the engine in the engine thread and wait until it is loaded.
+        ``setup`` runs there next, before any request (a server's LoRA adapters);
+        what it raises is raised here."""
         engine = cls(config)
+        engine._setup = setup
         engine.load()
         return engine
 
@@ -231,16 +249,18 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ #
 
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request and wait until the engine accepts it.
 
         Raises what ``LLMEngine.add_request`` raises for bad input
-        (``InvalidRequestError``), or ``EngineDeadError``."""
-        if self.dead_error is not None or self._stop.is_set():
-            raise EngineDeadError(f"the engine is not running ({self.dead_error or 'shut down'})")
-        if self._loop is None:
-            raise RuntimeError("call AsyncLLMEngine.start() first")
+        (``InvalidRequestError``, ``LoRAAdapterError``), or ``EngineDeadError``."""
+        self._check_running()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = RequestStream(request_id, self)
@@ -249,7 +269,7 @@ class AsyncLLMEngine:
             if self._closed:
                 raise EngineDeadError(f"the engine is not running ({self.dead_error or 'shut down'})")
             self._streams[request_id] = stream
-            self._submit(_Add(request_id, prompt, params, priority, accepted))
+            self._submit(_Add(request_id, prompt, params, priority, lora_request, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -260,6 +280,34 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             raise
         return stream
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """``LLMEngine.add_lora`` on the engine thread, between two steps (the load
+        from disk delays one step, never a request's admission)."""
+        await self._call(lambda engine: engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """``LLMEngine.remove_lora``: False if unknown or requests in flight use it."""
+        return await self._call(lambda engine: engine.remove_lora(lora_int_id))
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return await self._call(lambda engine: engine.list_loras())
+
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        self._check_running()
+        assert self._loop is not None
+        done: asyncio.Future[Any] = self._loop.create_future()
+        with self._closing:
+            if self._closed:
+                raise EngineDeadError(f"the engine is not running ({self.dead_error or 'shut down'})")
+            self._submit(_Call(fn, done))
+        return await done
+
+    def _check_running(self) -> None:
+        if self.dead_error is not None or self._stop.is_set():
+            raise EngineDeadError(f"the engine is not running ({self.dead_error or 'shut down'})")
+        if self._loop is None:
+            raise RuntimeError("call AsyncLLMEngine.start() first")
 
     async def compile_structured_output(self, params: SamplingParams) -> None:
         """Compile ``params.structured_outputs`` into ``params`` in a worker thread;
@@ -294,7 +342,7 @@ class AsyncLLMEngine:
             self.abort(stream.request_id)
         return len(streams)
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Add | _Abort | _Call) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -307,6 +355,8 @@ class AsyncLLMEngine:
             if self.engine is None:
                 assert self._config is not None
                 self.engine = LLMEngine(self._config)
+            if self._setup is not None:
+                self._setup(self.engine)
             self._stats = dict(self.engine.get_stats())
         except BaseException as e:  # a bad model path, out of memory: load() raises it
             self._load_error = e
@@ -353,17 +403,26 @@ class AsyncLLMEngine:
                 if not refuse:
                     self.engine.abort_request(command.request_id)
                 continue
+            result: Any = None
             if refuse or self._stop.is_set():
                 error: BaseException | None = EngineDeadError("the engine is shutting down")
             else:
                 try:
-                    self.engine.add_request(
-                        command.request_id, command.prompt, command.params, priority=command.priority
-                    )
+                    if isinstance(command, _Call):
+                        result = command.fn(self.engine)
+                    else:
+                        self.engine.add_request(
+                            command.request_id,
+                            command.prompt,
+                            command.params,
+                            priority=command.priority,
+                            lora_request=command.lora_request,
+                        )
                     error = None
                 except Exception as e:  # InvalidRequestError and friends go back to the caller
                     error = e
-            self._to_loop(_resolve, command.accepted, error)
+            future = command.done if isinstance(command, _Call) else command.accepted
+            self._to_loop(_resolve, future, error, result)
 
     def _to_loop(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None
@@ -393,10 +452,10 @@ class AsyncLLMEngine:
             self.on_dead(error)
 
 
-def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
+def _resolve(future: asyncio.Future[Any], error: BaseException | None, result: Any = None) -> None:
     if future.done():  # the caller was cancelled while waiting
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)

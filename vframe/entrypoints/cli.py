@@ -153,6 +153,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add_bench_serve_args(bs)
     add_engine_args(bs)
+    from vframe.bench.lora import add_bench_lora_args
+
+    bl = bench_sub.add_parser(
+        "lora",
+        help="the offline workload with 4 LoRA adapters of rank 16 round-robin vs the base model",
+        description="Run the offline workload on the base model, on a LoRA-enabled engine with "
+        "base-model requests, and with random adapters assigned round-robin, in one run, printing "
+        "output tokens/s of each and the loss 1 - lora / base.",
+    )
+    add_bench_lora_args(bl)
+    add_engine_args(bl)
     return parser
 
 
@@ -238,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             from vframe.bench.shared_prefix import run_shared_prefix
 
             return run_shared_prefix(args, engine_kwargs(args))
+        if args.command == "bench" and args.bench_command == "lora":
+            from vframe.bench.lora import run_bench_lora
+
+            return run_bench_lora(args, engine_kwargs(args))
     except VFrameError as e:
         print(f"vframe: error: {e}", file=sys.stderr)
         return 2

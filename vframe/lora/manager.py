@@ -259,6 +259,13 @@ class LoRAManager:
     # Introspection
     # ------------------------------------------------------------------ #
 
+    def target_shapes(self, rank: int) -> dict[str, tuple[list[int], list[int]]]:
+        """Every module an adapter may target (checkpoint path, e.g. ``model.layers.0.self_attn.q_proj``)
+        -> the shapes of its ``lora_A`` and ``lora_B`` at ``rank``, as a PEFT file holds them."""
+        return {
+            module: self._layers[layer_name].full_shapes(i, rank) for module, (layer_name, i) in self._targets.items()
+        }
+
     def slot_ids(self) -> list[int | None]:
         """The adapter id in each device slot."""
         return list(self._slots)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -101,6 +102,80 @@ class LoRASegments:
         """Tokens in some segment."""
         return sum(end - start for start, end in zip(self.starts_cpu, self.ends_cpu, strict=True))
 
+    @cached_property
+    def by_slot(self) -> SlotGroups:
+        """The step's tokens grouped by slot, built on first use and shared by every layer of the step."""
+        return SlotGroups.build(self)
+
+
+# A padded batch may hold at most this many rows per token in a segment; beyond it
+# (one long prompt beside short ones) the kernel loops over slots instead.
+_MAX_PADDING = 1.25
+
+
+@dataclass(frozen=True, eq=False)
+class SlotGroups:
+    """The tokens of a step's segments sorted by slot, for a kernel that gathers them once::
+
+        segments  [0, 2) slot 1, [2, 3) slot 0, [3, 4) slot 1, [5, 6) slot 0
+        slots_cpu [1, 0]             distinct slots, in order of first use
+        token_ids [0, 1, 3, 2, 5]    slot 1's tokens, then slot 0's
+        bounds    [(0, 3), (3, 5)]   each slot's rows of token_ids
+        padded    [0, 1, 3, 2, 5, 2] [U * M] token_ids with each slot's rows padded to M = 3
+        rows      [0, 1, 2, 3, 4]    rows of padded that hold token_ids (None: no padding)
+
+    Attributes:
+        slots: ``[U]`` int64, the distinct slots.
+        slots_cpu: host copy of ``slots``.
+        token_ids: ``[n]`` int64, the tokens in some segment, grouped by slot.
+        bounds: ``(first, end)`` rows of ``token_ids`` of each slot.
+        padded: ``[U * M]`` int64, ``token_ids`` with each slot's group padded to the largest
+            (``M`` rows) by repeating its own first token; None when padding would cost more than
+            ``_MAX_PADDING`` times the tokens.
+        rows: ``[n]`` int64, the rows of ``padded`` that are not padding; None when none are.
+    """
+
+    slots: torch.Tensor
+    slots_cpu: list[int]
+    token_ids: torch.Tensor
+    bounds: list[tuple[int, int]]
+    padded: torch.Tensor | None
+    rows: torch.Tensor | None
+
+    @property
+    def max_count(self) -> int:
+        return max(end - first for first, end in self.bounds)
+
+    @classmethod
+    def build(cls, segments: LoRASegments) -> SlotGroups:
+        device = segments.starts.device
+        ranges_by_slot: dict[int, list[range]] = {}
+        for start, end, slot in zip(segments.starts_cpu, segments.ends_cpu, segments.slots_cpu, strict=True):
+            ranges_by_slot.setdefault(slot, []).append(range(start, end))
+        groups = [[t for r in ranges for t in r] for ranges in ranges_by_slot.values()]
+        token_ids = [t for group in groups for t in group]
+        bounds, first = [], 0
+        for group in groups:
+            bounds.append((first, first + len(group)))
+            first += len(group)
+        max_count = max(len(group) for group in groups)
+        padded = rows = None
+        if len(groups) * max_count <= _MAX_PADDING * len(token_ids):
+            padded_ids = [t for group in groups for t in group + [group[0]] * (max_count - len(group))]
+            if len(padded_ids) > len(token_ids):
+                rows_cpu = [i * max_count + j for i, group in enumerate(groups) for j in range(len(group))]
+                rows = torch.tensor(rows_cpu, dtype=torch.int64).to(device, non_blocking=True)
+            padded = torch.tensor(padded_ids, dtype=torch.int64).to(device, non_blocking=True)
+        slots_cpu = list(ranges_by_slot)
+        return cls(
+            slots=torch.tensor(slots_cpu, dtype=torch.int64).to(device, non_blocking=True),
+            slots_cpu=slots_cpu,
+            token_ids=torch.tensor(token_ids, dtype=torch.int64).to(device, non_blocking=True),
+            bounds=bounds,
+            padded=padded,
+            rows=rows,
+        )
+
 
 class LoRAKernel(Protocol):
     """What a LoRA kernel computes, in place: for every token ``t`` in a segment with slot ``s``,
@@ -129,10 +204,12 @@ def add_lora(
 ) -> None:
     """Add each segment's low-rank delta to ``y`` in place (see ``LoRAKernel``).
 
-    Tokens are gathered by slot, then one shrink (``x A^T``) and one expand
-    (``B``) matmul run per distinct slot of the step, in ``x``'s dtype
-    (float32 accumulation where torch's matmul does it). Slots no segment
-    names are never read."""
+    The step's tokens are gathered once, grouped by slot (``segments.by_slot``).
+    When the groups are of similar sizes (a decode step: one token per request)
+    they are padded to one batch and the shrink (``x A^T``) and the expand
+    (``B``) are one ``bmm`` each over the distinct slots; otherwise one ``mm``
+    each per distinct slot. In ``x``'s dtype, float32 accumulation where torch's
+    matmul does it. Slots no segment names are never read."""
     if segments.num_segments == 0:
         return
     num_tokens = x.shape[0]
@@ -141,12 +218,25 @@ def add_lora(
     if max(segments.slots_cpu) >= lora_a.shape[0]:
         raise ValueError(f"add_lora: slot {max(segments.slots_cpu)} of a stack of {lora_a.shape[0]} adapters")
 
-    ranges_by_slot: dict[int, list[torch.Tensor]] = {}
-    for start, end, slot in zip(segments.starts_cpu, segments.ends_cpu, segments.slots_cpu, strict=True):
-        ranges_by_slot.setdefault(slot, []).append(torch.arange(start, end))
-    for slot, ranges in ranges_by_slot.items():
-        token_ids = torch.cat(ranges).to(y.device, non_blocking=True)  # [n]
-        xs = x.index_select(0, token_ids)  # [n, in]
-        shrunk = (xs @ lora_a[slot].to(x.dtype).T) * scaling[slot]  # [n, R]; scaling is 0-d: keeps x's dtype
-        delta = shrunk @ lora_b[slot].to(x.dtype).T  # [n, out]
-        y.index_add_(0, token_ids, delta.to(y.dtype))
+    groups = segments.by_slot
+    dtype = x.dtype
+    if groups.padded is not None:
+        num_slots, max_count = len(groups.slots_cpu), groups.max_count
+        if groups.slots_cpu == list(range(lora_a.shape[0])):
+            a, b, s = lora_a, lora_b, scaling  # every slot, in order: no gather
+        else:
+            a, b, s = (w.index_select(0, groups.slots) for w in (lora_a, lora_b, scaling))
+        xs = x.index_select(0, groups.padded).view(num_slots, max_count, -1)  # [U, M, in]
+        shrunk = torch.bmm(xs, a.to(dtype).transpose(1, 2))  # [U, M, R]
+        shrunk *= s.to(dtype).view(num_slots, 1, 1)
+        delta = torch.bmm(shrunk, b.to(dtype).transpose(1, 2)).view(num_slots * max_count, -1)  # [U * M, out]
+        if groups.rows is not None:
+            delta = delta.index_select(0, groups.rows)  # [n, out]
+    else:
+        xs = x.index_select(0, groups.token_ids)  # [n, in]
+        delta = torch.empty(xs.shape[0], y.shape[1], dtype=dtype, device=x.device)  # [n, out]
+        for slot, (first, end) in zip(groups.slots_cpu, groups.bounds, strict=True):
+            shrunk = (xs[first:end] @ lora_a[slot].to(dtype).T) * scaling[slot]  # [m, R]; 0-d scaling keeps dtype
+            torch.mm(shrunk, lora_b[slot].to(dtype).T, out=delta[first:end])  # [m, out]
+    # each token is in one segment: a gather, an add and a copy back (index_add_ is slower on the CPU)
+    y.index_copy_(0, groups.token_ids, y.index_select(0, groups.token_ids) + delta.to(y.dtype))

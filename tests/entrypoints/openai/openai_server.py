@@ -88,12 +88,14 @@ def start_server(
     api_key: str | None = API_KEY,
     timeout_s: float = 180.0,
     entry: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Server:
-    """``entry``: what runs the CLI (default ``python -m vframe.entrypoints.cli``)."""
+    """``entry``: what runs the CLI (default ``python -m vframe.entrypoints.cli``);
+    ``env``: variables set for the server on top of ``server_env()``."""
     log_path = tmp_path / "server.log"
     entry = entry or [sys.executable, "-m", "vframe.entrypoints.cli"]
     command = [*entry, "serve", "--host", "127.0.0.1", "--port", "0", *SERVER_FLAGS, *extra]
-    env = server_env()
+    env = server_env() | (env or {})
     if api_key is not None:
         command += ["--api-key", api_key]
     with open(log_path, "w") as log:

@@ -19,14 +19,14 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from vframe.core.async_engine import AsyncLLMEngine
 from vframe.core.config import EngineConfig
-from vframe.core.engine import EMBEDDED_MODEL_NAME
+from vframe.core.engine import EMBEDDED_MODEL_NAME, LLMEngine
 from vframe.entrypoints.openai.chat import create_chat_completion
 from vframe.entrypoints.openai.completions import create_completion
-from vframe.entrypoints.openai.args import ServerPolicy
+from vframe.entrypoints.openai.args import LoRAModule, ServerPolicy
 from vframe.entrypoints.openai.errors import APIError, error_response, install_error_handlers
 from vframe.entrypoints.openai.guards import (
     OPEN_PATHS,
@@ -36,6 +36,7 @@ from vframe.entrypoints.openai.guards import (
     is_loopback,
 )
 from vframe.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from vframe.entrypoints.openai.models import ServingModels, runtime_lora_updating_allowed
 from vframe.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -44,19 +45,25 @@ from vframe.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from vframe.entrypoints.openai.serving import ServingContext
 from vframe.errors import ConfigError
+from vframe.lora.request import LoRARequest
 from vframe.version import __version__
 
 logger = logging.getLogger("vframe.serve")
 
 _ENDPOINTS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", *OPEN_PATHS}
+    {
+        "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+        "/v1/load_lora_adapter", "/v1/unload_lora_adapter", *OPEN_PATHS,
+    }
 )
 # After --shutdown-timeout every response is ending (its request aborted); uvicorn
 # cancels whatever is still open this much later.
@@ -67,13 +74,22 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def build_app(
-    engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None, policy: ServerPolicy | None = None
+    engine: AsyncLLMEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    policy: ServerPolicy | None = None,
+    lora_requests: list[LoRARequest] | None = None,
 ) -> FastAPI:
     """The app; its lifespan starts the engine thread and shuts it down.
-    ``policy`` (default: ``ServerPolicy(api_key=api_key)``) sets what clients may send."""
+    ``policy`` (default: ``ServerPolicy(api_key=api_key)``) sets what clients may send;
+    ``lora_requests`` are adapters the engine has already added, served under their names."""
     policy = policy or ServerPolicy(api_key=api_key)
     metrics = ServerMetrics(lambda: engine.stats)
-    ctx = ServingContext(engine, served_model_name, metrics, policy.trust_request_chat_template)
+    models = ServingModels(
+        engine, served_model_name, str(engine.config.model.model or EMBEDDED_MODEL_NAME), engine.max_model_len,
+        lora_requests,
+    )
+    ctx = ServingContext(engine, models, metrics, policy.trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -104,20 +120,26 @@ def build_app(
         """Answer a conversation, formatted with the model's chat template."""
         return await create_chat_completion(ctx, request, raw_request)
 
-    def model_card() -> ModelCard:
-        return ModelCard(
-            id=served_model_name, root=str(engine.config.model.model or EMBEDDED_MODEL_NAME),
-            max_model_len=engine.max_model_len,
-        )
-
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        """The base model, then each LoRA adapter with its base model as ``parent``."""
+        return ModelList(data=models.cards())
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)
     async def retrieve_model(model: str) -> ModelCard:
-        ctx.check_model(model)
-        return model_card()
+        return models.card(model)
+
+    if runtime_lora_updating_allowed():  # vLLM's rule: otherwise the routes do not exist (404)
+
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> PlainTextResponse:
+            """Load a PEFT adapter and serve it as ``model: lora_name``."""
+            return PlainTextResponse(await models.load(request.lora_name, request.lora_path))
+
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+            """Stop serving an adapter; refused while requests in flight use it."""
+            return PlainTextResponse(await models.unload(request.lora_name))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
@@ -230,10 +252,16 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     if config.model.skip_tokenizer_init:
         raise ConfigError("vframe serve needs the tokenizer (texts, chat templates): drop skip_tokenizer_init")
     served_name = args.served_model_name or config.model.model or EMBEDDED_MODEL_NAME
+    lora_requests = _lora_requests(args.lora_modules or [], config.lora.enable_lora, served_name)
     sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
     host, port = sock.getsockname()[:2]
-    engine = AsyncLLMEngine.from_config(config)
-    app = build_app(engine, served_name, policy=policy)
+
+    def add_loras(llm_engine: LLMEngine) -> None:  # on the engine thread, before any request
+        for lora in lora_requests:
+            llm_engine.add_lora(lora)
+
+    engine = AsyncLLMEngine.from_config(config, setup=add_loras)
+    app = build_app(engine, served_name, policy=policy, lora_requests=lora_requests)
     server = _Server(
         uvicorn.Config(
             app,
@@ -267,6 +295,19 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     )
     server.run(sockets=[sock])
     return 0 if server.started and engine.dead_error is None else 1
+
+
+def _lora_requests(modules: list[LoRAModule], enable_lora: bool, served_name: str) -> list[LoRARequest]:
+    """``--lora-modules`` as requests with ids 1, 2, ..."""
+    if modules and not enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora (the engine serves no LoRA adapters without it)")
+    names = [m.name for m in modules]
+    if clash := sorted({n for n in names if names.count(n) > 1 or n == served_name}):
+        raise ConfigError(
+            f"--lora-modules: the names {clash} are given twice or are the base model's name; "
+            "give each adapter its own name"
+        )
+    return [LoRARequest(m.name, i, m.path, m.base_model_name) for i, m in enumerate(modules, start=1)]
 
 
 class _Server(uvicorn.Server):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 
@@ -38,11 +39,52 @@ class ServerPolicy:
         )
 
 
+@dataclass(frozen=True)
+class LoRAModule:
+    """One ``--lora-modules`` entry: ``name=path`` or a JSON object (vLLM's two forms)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> LoRAModule:
+        """Raises ``ValueError`` naming the entry and the accepted forms."""
+        forms = "give name=path or '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'"
+        if text.lstrip().startswith("{"):
+            try:
+                fields = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{text!r} is not valid JSON ({e}); {forms}") from e
+            if not isinstance(fields, dict):
+                raise ValueError(f"{text!r}: a JSON entry must be an object; {forms}")
+            unknown = set(fields) - {"name", "path", "base_model_name"}
+            name, path = fields.get("name"), fields.get("path")
+            base = fields.get("base_model_name")
+            strings = all(isinstance(v, str) and v for v in (name, path)) and isinstance(base, str | None)
+            if unknown or not strings:
+                raise ValueError(
+                    f"{text!r}: needs the strings name and path, optionally base_model_name; {forms}"
+                )
+            return cls(name, path, base)
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"{text!r}: {forms}")
+        return cls(name, path)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text}")
     return value
+
+
+def _lora_module(text: str) -> LoRAModule:
+    try:
+        return LoRAModule.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +119,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--trust-request-chat-template", action="store_true",
         help="let requests send their own chat template (chat_template), rendered sandboxed with a time bound",
+    )
+    server.add_argument(
+        "--lora-modules", nargs="+", default=None, type=_lora_module, metavar="NAME=PATH",
+        help="LoRA adapters to serve under their names (needs --enable-lora): name=path, or vLLM's JSON "
+        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; loaded and checked at start-up",
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     server.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")

@@ -47,7 +47,7 @@ async def create_chat_completion(
     ctx: ServingContext, request: ChatCompletionRequest, raw_request: Request
 ) -> Response:
     arrival = time.perf_counter()
-    model = ctx.check_model(request.model)
+    model, lora_request = ctx.check_model(request.model)
     try:
         params = request.to_sampling_params()
     except REQUEST_ERRORS as e:
@@ -63,7 +63,7 @@ async def create_chat_completion(
     ctx.check_length(prompt, params.max_tokens, explicit, "messages")
     await ctx.prepare(params, "messages")
     request_id = ctx.new_id("chatcmpl")
-    generation = await ctx.start(request_id, [prompt], params, request.priority, "messages", arrival)
+    generation = await ctx.start(request_id, [prompt], params, request.priority, "messages", arrival, lora_request)
     run = _Run(request, model, request_id, generation)
     if request.stream:
         return ClosingStreamingResponse(run.stream(), on_close=generation.close)

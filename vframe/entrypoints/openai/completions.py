@@ -38,7 +38,7 @@ from vframe.entrypoints.openai.serving import (
 
 async def create_completion(ctx: ServingContext, request: CompletionRequest, raw_request: Request) -> Response:
     arrival = time.perf_counter()
-    model = ctx.check_model(request.model)
+    model, lora_request = ctx.check_model(request.model)
     try:
         params = request.to_sampling_params()
     except REQUEST_ERRORS as e:
@@ -49,7 +49,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
         ctx.check_length(prompt, params.max_tokens, explicit, "prompt")
     await ctx.prepare(params, "prompt")
     request_id = ctx.new_id("cmpl")
-    generation = await ctx.start(request_id, prompts, params, request.priority, "prompt", arrival)
+    generation = await ctx.start(request_id, prompts, params, request.priority, "prompt", arrival, lora_request)
     run = _Run(request, model, request_id, generation, len(prompts))
     if request.stream:
         return ClosingStreamingResponse(run.stream(), on_close=generation.close)

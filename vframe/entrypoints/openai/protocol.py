@@ -483,6 +483,7 @@ class ModelCard(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "vframe"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 
@@ -521,3 +522,16 @@ class DetokenizeRequest(_Body):
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """``POST /v1/load_lora_adapter`` (vLLM's body); both fields are required, checked with a clear message."""
+
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body)."""
+
+    lora_name: str | None = None

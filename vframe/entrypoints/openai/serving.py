@@ -27,9 +27,11 @@ from vframe.core.outputs import CompletionOutput, Logprob, RequestOutput
 from vframe.core.sampling_params import SamplingParams
 from vframe.entrypoints.openai.errors import REQUEST_ERRORS, APIError, error_body
 from vframe.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from vframe.entrypoints.openai.models import ServingModels
 from vframe.entrypoints.openai.prompts import Prompt, PromptBuilder
 from vframe.entrypoints.openai.protocol import UsageInfo
 from vframe.errors import ConfigError, PluginError
+from vframe.lora.request import LoRARequest
 
 # Compiling a response_format grammar (llguidance, bounded by its parser limits)
 # longer than this is refused; the compile then ends in its worker thread.
@@ -40,14 +42,15 @@ class ServingContext:
     def __init__(
         self,
         engine: AsyncLLMEngine,
-        served_model_name: str,
+        models: ServingModels,
         metrics: ServerMetrics,
         trust_request_chat_template: bool = False,
     ) -> None:
         if engine.tokenizer is None:
             raise ConfigError("the OpenAI server needs a tokenizer; do not set skip_tokenizer_init")
         self.engine = engine
-        self.served_model_name = served_model_name
+        self.models = models
+        self.served_model_name = models.base_model_name
         self.metrics = metrics
         self.max_model_len = engine.max_model_len
         self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len, trust_request_chat_template)
@@ -56,16 +59,11 @@ class ServingContext:
     # input
     # ------------------------------------------------------------------ #
 
-    def check_model(self, model: str | None) -> str:
-        if model is not None and model != self.served_model_name:
-            raise APIError(
-                404,
-                f"The model '{model}' does not exist; this server serves '{self.served_model_name}' "
-                "(see /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
-        return self.served_model_name
+    def check_model(self, model: str | None) -> tuple[str, LoRARequest | None]:
+        """The model name to answer with and the LoRA adapter ``model`` selects
+        (``None``: the base model); 404 for a name this server does not serve."""
+        lora = self.models.resolve(model)
+        return (self.served_model_name if lora is None else lora.lora_name), lora
 
     async def prepare(self, params: SamplingParams, prompt_field: str) -> None:
         """Compile ``response_format`` into ``params`` in a worker thread, with a time bound."""
@@ -114,14 +112,18 @@ class ServingContext:
         priority: int,
         prompt_field: str,
         arrival: float,
+        lora_request: LoRARequest | None = None,
     ) -> Generation:
-        """One engine request per prompt; all or none are started."""
+        """One engine request per prompt, with ``lora_request``'s adapter if given; all or none are started."""
         streams: list[RequestStream] = []
+        self.models.check_served(lora_request)
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
-                streams.append(await self.engine.add_request(engine_id, engine_prompt, params, priority))
+                streams.append(
+                    await self.engine.add_request(engine_id, engine_prompt, params, priority, lora_request)
+                )
         except BaseException as e:
             for stream in streams:
                 stream.abort()
