@@ -56,3 +56,35 @@ def test_seeded_sampling_on_cuda(tiny_llama):
     a = llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)[0].outputs[0].token_ids
     b = llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)[0].outputs[0].token_ids
     assert a == b and len(a) == 8
+
+
+SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.", "1, 2, 3, 5, 8,"]
+
+
+@pytest.mark.parametrize(
+    "backend, block_size, dtype",
+    [
+        ("torch", 16, "float32"),
+        ("torch", 16, "bfloat16"),
+        ("triton", 16, "float32"),
+        ("triton", 16, "bfloat16"),
+        ("flex", 16, "bfloat16"),
+        ("flash_attn", 256, "bfloat16"),
+        ("flash_attn", 256, "float16"),
+    ],
+)
+def test_smollm2_on_cuda_matches_transformers(backend: str, block_size: int, dtype: str) -> None:
+    """The embedded SmolLM2 on CUDA with each attention backend, greedy, against
+    transformers on CUDA in the same dtype (the parity rule of vframe.testing.models)."""
+    from vframe.plugins import get_registry
+    from vframe.testing.models import assert_matches_transformers
+
+    registry = get_registry("attention_backend")
+    if backend not in registry.names():
+        pytest.skip(f"attention backend {backend!r} is not registered")
+    if reasons := registry.load(backend).check_available():
+        pytest.skip(f"attention backend {backend!r}: " + "; ".join(reasons))
+    assert_matches_transformers(
+        None, SMOLLM2_PROMPTS, max_tokens=32, dtype=dtype, device="cuda", attention_backend=backend,
+        block_size=block_size,
+    )  # fmt: skip

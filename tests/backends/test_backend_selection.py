@@ -13,19 +13,19 @@ from vframe.core.config import EngineConfig
 from vframe.core.worker import model_runner
 from vframe.core.worker.model_runner import TorchModelRunner
 from vframe.errors import ConfigError
-from vframe.plugins import get_registry, hookimpl, register_plugin, unregister_plugin
+from vframe.plugins import hookimpl, register_plugin, unregister_plugin
 
 
 class Accepting(TorchAttentionBackend):
-    name = "flash_attn"
+    name = "acme_attn"
 
 
 class Refusing(TorchAttentionBackend):
-    name = "flash_attn"
+    name = "acme_attn"
 
     @classmethod
     def check_available(cls) -> list[str]:
-        return ["the flash_attn package is not installed"]
+        return ["the acme package is not installed"]
 
     @classmethod
     def validate_configuration(cls, **kwargs: object) -> list[str]:
@@ -36,16 +36,18 @@ def _plugin(backend: type | str) -> object:
     class Plugin:
         @hookimpl
         def vframe_register_attention_backends(self, register):
-            register("flash_attn", backend)
+            register("acme_attn", backend)
 
     return Plugin()
 
 
 @pytest.fixture
-def fake_flash_attn(request: pytest.FixtureRequest) -> Iterator[None]:
-    register_plugin(_plugin(request.param), "fake-flash-attn")
+def acme_attn(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A plugin backend ``acme_attn``, first in line for ``auto`` on CUDA."""
+    monkeypatch.setitem(model_runner.AUTO_ATTENTION_BACKENDS, "cuda", ["acme_attn", "flash_attn", "triton", "torch"])
+    register_plugin(_plugin(request.param), "acme-attn")
     yield
-    unregister_plugin("fake-flash-attn")
+    unregister_plugin("acme-attn")
 
 
 @pytest.fixture(autouse=True)
@@ -90,33 +92,33 @@ def test_explicit_triton_on_cpu_fails_with_every_reason() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where triton cannot run")
-def test_auto_on_cuda_passes_over_missing_and_refusing_backends() -> None:
-    # flash_attn is not registered and triton has no GPU here: torch is next in line
-    assert "flash_attn" not in get_registry("attention_backend").names()
+def test_auto_on_cuda_passes_over_refusing_backends() -> None:
+    # flash_attn and triton have no GPU here: torch is next in line
+    assert model_runner.AUTO_ATTENTION_BACKENDS["cuda"] == ["flash_attn", "triton", "torch"]
     assert _runner("cuda")._select_attention_backend() is TorchAttentionBackend
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where triton cannot run")
-@pytest.mark.parametrize("fake_flash_attn", ["vframe_no_such_module:FlashAttentionBackend"], indirect=True)
-def test_auto_passes_over_a_backend_that_cannot_be_imported(fake_flash_attn: None) -> None:
+@pytest.mark.parametrize("acme_attn", ["vframe_no_such_module:AcmeAttentionBackend"], indirect=True)
+def test_auto_passes_over_a_backend_that_cannot_be_imported(acme_attn: None) -> None:
     assert _runner("cuda")._select_attention_backend() is TorchAttentionBackend
 
 
-@pytest.mark.parametrize("fake_flash_attn", [Accepting], indirect=True)
-def test_auto_on_cuda_prefers_flash_attn(fake_flash_attn: None) -> None:
+@pytest.mark.parametrize("acme_attn", [Accepting], indirect=True)
+def test_auto_on_cuda_takes_the_first_in_line(acme_attn: None) -> None:
     assert _runner("cuda")._select_attention_backend() is Accepting
 
 
-@pytest.mark.parametrize("fake_flash_attn", [Refusing], indirect=True)
+@pytest.mark.parametrize("acme_attn", [Refusing], indirect=True)
 def test_auto_that_finds_nothing_lists_every_candidate_and_reason(
-    fake_flash_attn: None, monkeypatch: pytest.MonkeyPatch
+    acme_attn: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(model_runner.AUTO_ATTENTION_BACKENDS, "cuda", ["flash_attn", "not_registered"])
+    monkeypatch.setitem(model_runner.AUTO_ATTENTION_BACKENDS, "cuda", ["acme_attn", "not_registered"])
     with pytest.raises(ConfigError) as err:
         _runner("cuda")._select_attention_backend()
     assert str(err.value) == (
-        "attention_backend='auto' found no usable backend on cuda among flash_attn: flash_attn: "
-        "the flash_attn package is not installed; head_size 64 is not supported"
+        "attention_backend='auto' found no usable backend on cuda among acme_attn: acme_attn: "
+        "the acme package is not installed; head_size 64 is not supported"
     )
 
 

@@ -61,6 +61,7 @@ def test_builtin_entries_are_registered_as_lazy_strings():
         "attention_backend": {
             "torch": ("vframe.backends.torch_attn:TorchAttentionBackend", "builtin"),
             "triton": ("vframe.backends.triton.backend:TritonAttentionBackend", "builtin"),
+            "flash_attn": ("vframe.backends.flash_attn.backend:FlashAttentionBackend", "builtin"),
         },
         "scheduler": {"default": ("vframe.core.sched.scheduler:DefaultScheduler", "builtin")},
         "kv_cache_manager": {

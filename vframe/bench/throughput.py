@@ -117,19 +117,19 @@ def time_offline(
     )
 
 
-def run_hf(args: argparse.Namespace, dtype_name: str) -> Result:
-    """transformers ``generate`` with static left-padded batches on a dense copy."""
+def run_hf(args: argparse.Namespace, dtype_name: str, device: str = "cpu") -> Result:
+    """transformers ``generate`` with static left-padded batches on a dense copy, on ``device``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vframe.models.loader import resolve_model
 
     torch.set_num_threads(args.threads)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype_name]
     t0 = time.perf_counter()
     directory = resolve_model(args.model).model_dir  # a GGUF's dense conversion
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval().to(device)
     startup = time.perf_counter() - t0
     prompts = workload_prompts(args, tokenizer, model.config.vocab_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -143,7 +143,7 @@ def run_hf(args: argparse.Namespace, dtype_name: str) -> Result:
             mask[i, width - len(p) :] = 1
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=args.output_len,
+                input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=args.output_len,
                 min_new_tokens=args.output_len, pad_token_id=pad_id,
             )
         return (out.shape[1] - width) * len(batch)
@@ -174,7 +174,12 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> i
         print_result(results[-1])
     if args.backend in ("hf", "both"):
         dtype = engine_kwargs.get("dtype") or "bfloat16"
-        results.append(run_hf(args, dtype))
+        device = engine_kwargs.get("device") or "auto"
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        results.append(run_hf(args, dtype, device))
         print_result(results[-1])
     if len(results) == 2:
         print(f"vframe / hf output tokens/s: {results[0].output_tps / results[1].output_tps:.2f}x")

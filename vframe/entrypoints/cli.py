@@ -164,6 +164,16 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add_bench_lora_args(bl)
     add_engine_args(bl)
+    from vframe.bench.attention import add_bench_attention_args
+
+    ba = bench_sub.add_parser(
+        "attention",
+        help="each attention backend against the plain-PyTorch one: time per call and max error",
+        description="Time one attention step (write the new tokens' keys and values, attend) of every "
+        "available attention backend, or --backends, over decode and prefill shapes, against the torch "
+        "backend on the same data: median ms per call, speedup and max abs error vs torch.",
+    )
+    add_bench_attention_args(ba)
     return parser
 
 
@@ -253,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             from vframe.bench.lora import run_bench_lora
 
             return run_bench_lora(args, engine_kwargs(args))
+        if args.command == "bench" and args.bench_command == "attention":
+            from vframe.bench.attention import run_bench_attention
+
+            return run_bench_attention(args)
     except VFrameError as e:
         print(f"vframe: error: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ def vframe_register_models(register: RegisterFn) -> None:
 def vframe_register_attention_backends(register: RegisterFn) -> None:
     register("torch", "vframe.backends.torch_attn:TorchAttentionBackend")
     register("triton", "vframe.backends.triton.backend:TritonAttentionBackend")
+    register("flash_attn", "vframe.backends.flash_attn.backend:FlashAttentionBackend")
 
 
 @hookimpl

@@ -69,6 +69,9 @@ float32 reference computed from the same ``dtype``-rounded inputs."""
 NUM_LAYERS = 2  # two layers share each step's metadata, as in a model
 HEAD_SIZES = (64, 128, 32, 256, 80)
 BLOCK_SIZES = (16, 4, 32)
+# Tried only when a backend accepts none of BLOCK_SIZES: paged kernels that need
+# large pages (flash-attn's: multiples of 256).
+LARGE_BLOCK_SIZES = (256,)
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,8 @@ def check_attention_backend(
     the class); raise ``AssertionError`` naming the case, the dtype and the
     error against the tolerance at the first output that is wrong.
 
-    Every head size in ``HEAD_SIZES`` and block size in ``BLOCK_SIZES`` that
+    Every head size in ``HEAD_SIZES`` and block size in ``BLOCK_SIZES`` (or,
+    when it accepts none of those, ``LARGE_BLOCK_SIZES``) that
     ``validate_configuration`` accepts for ``dtype`` on ``device`` is run, all
     ``CASES`` each (a few seconds on CPU); ``quick``: the first accepted
     ``(head_size, block_size)`` and the four ``QUICK_CASES`` (well under a
@@ -162,15 +166,18 @@ def accepted_configurations(
     most one), and the reasons it gave for the others."""
     accepted: list[tuple[int, int]] = []
     refusals: list[str] = []
-    for head_size in HEAD_SIZES:
-        for block_size in BLOCK_SIZES:
-            reasons = cls.validate_configuration(
-                head_size=head_size, dtype=dtype, device=device.type, block_size=block_size
-            )
-            if reasons:
-                refusals.append(f"head_size={head_size}, block_size={block_size}: {'; '.join(reasons)}")
-            elif not quick or not accepted:
-                accepted.append((head_size, block_size))
+    for block_sizes in (BLOCK_SIZES, LARGE_BLOCK_SIZES):
+        if accepted:
+            break
+        for head_size in HEAD_SIZES:
+            for block_size in block_sizes:
+                reasons = cls.validate_configuration(
+                    head_size=head_size, dtype=dtype, device=device.type, block_size=block_size
+                )
+                if reasons:
+                    refusals.append(f"head_size={head_size}, block_size={block_size}: {'; '.join(reasons)}")
+                elif not quick or not accepted:
+                    accepted.append((head_size, block_size))
     if accepted and not quick:
         # Every accepted head size with the first accepted block size, and vice versa.
         first_head, first_block = accepted[0]
@@ -379,6 +386,7 @@ def _assert_close(
     device: torch.device,
     where: str,
     common: CommonAttentionMetadata,
+    tolerances: dict[torch.dtype, tuple[float, float]] = ATTENTION_TOLERANCES,
 ) -> None:
     if not isinstance(out, torch.Tensor):
         raise AssertionError(f"{where}: forward returned {type(out).__name__}, not a tensor")
@@ -396,7 +404,7 @@ def _assert_close(
             f"{where}: output has {int(bad.sum())} NaN/inf values, first at token {t} (request "
             f"{int(request_of[t])} of the step): unused or padding KV slots leaked into the result"
         )
-    atol, rtol = ATTENTION_TOLERANCES[dtype]
+    atol, rtol = tolerances[dtype]
     err = (got - expected).abs()
     excess = err - (atol + rtol * expected.abs())
     if excess.max() > 0:
@@ -406,7 +414,7 @@ def _assert_close(
             f"{where}: output differs from the float32 reference: max |out - ref| = "
             f"{err.max().item():.3g}; at token {t} (request {int(request_of[t])} of the step), head {h}: "
             f"|out - ref| = {err.flatten()[flat].item():.3g} > atol + rtol * |ref| = "
-            f"{atol:g} + {rtol:g} * {expected.abs().flatten()[flat].item():.3g} (ATTENTION_TOLERANCES[{dtype}])"
+            f"{atol:g} + {rtol:g} * {expected.abs().flatten()[flat].item():.3g} (tolerances for {dtype})"
         )
 
 
