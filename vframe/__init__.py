@@ -19,6 +19,8 @@ if TYPE_CHECKING:
         SamplingParams,
         StructuredOutputsParams,
     )
+    from vframe.core.inputs import PromptType, TextPrompt, TokensPrompt
+    from vframe.engine.arg_utils import EngineArgs
     from vframe.entrypoints.llm import LLM
     from vframe.lora.request import LoRARequest
 
@@ -34,6 +36,10 @@ _LAZY = {
     "Logprob": "vframe.core.outputs",
     "EngineConfig": "vframe.core.config",
     "LLMEngine": "vframe.core.engine",
+    "EngineArgs": "vframe.engine.arg_utils",
+    "PromptType": "vframe.core.inputs",
+    "TextPrompt": "vframe.core.inputs",
+    "TokensPrompt": "vframe.core.inputs",
     "LoRARequest": "vframe.lora.request",
     "hookimpl": "vframe.plugins.hookspecs",
 }

@@ -192,6 +192,10 @@ class AsyncLLMEngine:
         return self._loaded_engine.vocab_size
 
     @property
+    def generation_defaults(self) -> dict[str, Any]:
+        return self._loaded_engine.generation_defaults
+
+    @property
     def _loaded_engine(self) -> LLMEngine:
         if self.engine is None:
             raise RuntimeError("the engine is not loaded yet: call AsyncLLMEngine.load() first")

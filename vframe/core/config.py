@@ -20,11 +20,21 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from vframe.errors import ConfigError
 
 _STRICT = ConfigDict(extra="forbid", validate_assignment=True)
+# vLLM's dtype names (and torch's, without the "torch." prefix) -> vframe's.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 class ModelSection(BaseModel):
@@ -33,10 +43,14 @@ class ModelSection(BaseModel):
     model: str | None = Field(None, description="GGUF file or Hugging Face directory; None = embedded SmolLM2")
     tokenizer: str | None = Field(None, description="tokenizer directory; defaults to the model's")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights and activations; auto = the model's (bfloat16 for GGUF)"
+        "auto",
+        description="weights and activations; auto = the model's (bfloat16 for GGUF); vLLM's aliases "
+        "half (float16) and float (float32) and torch dtypes are accepted",
     )
     max_model_len: int | None = Field(None, ge=1, description="context length; defaults to the model's")
-    seed: int = Field(0, description="seed of the engine's random generator (unseeded sampling)")
+    seed: int = Field(
+        0, description="seed of the engine's random generator (unseeded sampling), Python's random and numpy"
+    )
     skip_tokenizer_init: bool = Field(False, description="no tokenizer: prompts must be token ids")
     max_logprobs: int = Field(
         20, ge=-1, description="largest logprobs / prompt_logprobs a request may ask for; -1 = the vocabulary size"
@@ -44,6 +58,103 @@ class ModelSection(BaseModel):
     trust_remote_code: bool = Field(
         False, description="accepted for vLLM compatibility; vframe never runs code shipped with a model"
     )
+    tokenizer_mode: str = Field(
+        "auto", description="auto, slow or hf (all load the same fast tokenizer, which tokenizes as the slow one)"
+    )
+    generation_config: str = Field(
+        "auto",
+        description="where default sampling parameters (LLM.generate without any, server fields left out) "
+        "come from: auto = the model's generation_config.json, vllm = SamplingParams(), or a directory "
+        "holding a generation_config.json",
+    )
+    revision: str | None = Field(None, description="vLLM's Hub revision; only None (vframe reads local files)")
+    code_revision: str | None = Field(None, description="vLLM's Hub revision; only None (vframe reads local files)")
+    tokenizer_revision: str | None = Field(
+        None, description="vLLM's Hub revision; only None (vframe reads local files)"
+    )
+    config_format: str = Field("auto", description="auto or hf (config.json); vLLM's mistral format is refused")
+    load_format: str = Field(
+        "auto", description="auto, safetensors or gguf: what the model path must hold (auto = either)"
+    )
+    hf_overrides: dict[str, Any] | None = Field(
+        None,
+        description="fields replacing those of the model's config.json (a dict merges into an object "
+        "field such as rope_scaling), checked as the file's",
+    )
+    enable_prompt_embeds: bool = Field(False, description="only False (prompts are text or token ids)")
+    allowed_local_media_path: str = Field(
+        "", description="accepted, no effect: vframe serves text-only models and reads no media"
+    )
+    mm_processor_kwargs: dict[str, Any] | None = Field(
+        None, description="only None or {}: vframe serves text-only models"
+    )
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, v: Any) -> Any:
+        if isinstance(v, str) or type(v).__name__ == "dtype":  # a torch.dtype, without importing torch
+            name = str(v).removeprefix("torch.")
+            return _DTYPE_ALIASES.get(name, name)
+        return v
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _none_seed_is_zero(cls, v: Any) -> Any:
+        return 0 if v is None else v  # vLLM v1 reads seed=None as 0
+
+    @field_validator("tokenizer_mode")
+    @classmethod
+    def _tokenizer_mode(cls, v: str) -> str:
+        if v not in ("auto", "slow", "hf"):
+            raise ValueError(
+                f"tokenizer_mode={v!r} is not supported: vframe loads Hugging Face tokenizers only; "
+                "use 'auto', 'slow' or 'hf'"
+            )
+        return v
+
+    @field_validator("revision", "code_revision", "tokenizer_revision")
+    @classmethod
+    def _no_revision(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None:
+            raise ValueError(
+                f"{info.field_name}={v!r} is not supported: vframe reads local files only and never "
+                "downloads from the Hugging Face Hub; check out that revision locally and pass its directory"
+            )
+        return v
+
+    @field_validator("config_format")
+    @classmethod
+    def _config_format(cls, v: str) -> str:
+        if v not in ("auto", "hf"):
+            raise ValueError(f"config_format={v!r} is not supported: vframe reads config.json; use 'auto' or 'hf'")
+        return v
+
+    @field_validator("load_format")
+    @classmethod
+    def _load_format(cls, v: str) -> str:
+        if v not in ("auto", "safetensors", "gguf"):
+            raise ValueError(
+                f"load_format={v!r} is not supported: vframe reads safetensors and GGUF files; "
+                "use 'auto', 'safetensors' or 'gguf'"
+            )
+        return v
+
+    @field_validator("mm_processor_kwargs")
+    @classmethod
+    def _no_mm_processor(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v:
+            raise ValueError(
+                f"mm_processor_kwargs={v!r} is not supported: vframe serves text-only models, which have "
+                "no multimodal processor"
+            )
+        return v
+
+    @field_validator("enable_prompt_embeds")
+    @classmethod
+    def _no_prompt_embeds(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("enable_prompt_embeds=True is not supported: prompts are text or token ids")
+        return v
 
 
 class CacheSection(BaseModel):
@@ -55,6 +166,8 @@ class CacheSection(BaseModel):
         0.9, gt=0.0, le=1.0, description="on CUDA: fraction of free GPU memory for the KV cache"
     )
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    kv_cache_dtype: str = Field("auto", description="only auto: the KV cache holds the model's dtype")
+    cpu_offload_gb: float = Field(0.0, ge=0.0, description="only 0: weights stay on the device")
     prefix_caching_hash_algo: Literal["builtin", "sha256"] = Field(
         "builtin", description="block hash: Python's builtin (fast) or sha256 (collision-resistant)"
     )
@@ -71,6 +184,23 @@ class CacheSection(BaseModel):
     def _power_of_two(cls, v: int) -> int:
         if v & (v - 1):
             raise ValueError(f"block_size must be a power of two, got {v}")
+        return v
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv_cache_dtype(cls, v: str) -> str:
+        if v != "auto":
+            raise ValueError(
+                f"kv_cache_dtype={v!r} is not supported: the KV cache holds the model's dtype "
+                "(no FP8 KV cache yet); use 'auto'"
+            )
+        return v
+
+    @field_validator("cpu_offload_gb")
+    @classmethod
+    def _no_offload(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError(f"cpu_offload_gb={v:g} is not supported: weights stay on the device; use 0")
         return v
 
 
@@ -102,6 +232,9 @@ class ParallelSection(BaseModel):
 
     tensor_parallel_size: int = Field(1, ge=1, description="ranks per model (only 1 so far)")
     pipeline_parallel_size: int = Field(1, ge=1, description="pipeline stages (only 1)")
+    disable_custom_all_reduce: bool = Field(
+        False, description="accepted, no effect: one rank, so no all-reduce runs"
+    )
 
 
 class DeviceSection(BaseModel):
@@ -110,6 +243,22 @@ class DeviceSection(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when visible, else cpu")
     model_runner: str = Field("default", description="model runner registry name")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
+    enforce_eager: bool = Field(False, description="accepted, no effect: vframe always runs eagerly (no CUDA graphs)")
+    compilation_config: int | dict[str, Any] | None = Field(
+        None,
+        description="only None, {}, 0 or {'level': 0}: vframe compiles nothing (no torch.compile, no CUDA graphs)",
+    )
+
+    @field_validator("compilation_config")
+    @classmethod
+    def _no_compilation(cls, v: int | dict[str, Any] | None) -> int | dict[str, Any] | None:
+        # vLLM's level / mode 0 means "no compilation": the only one vframe has.
+        if v and not (isinstance(v, dict) and set(v) <= {"level", "mode"} and not any(v.values())):
+            raise ValueError(
+                f"compilation_config={v!r} is not supported: vframe runs the model eagerly and compiles "
+                "nothing; use None, {}, 0 or {'level': 0}"
+            )
+        return v
 
 
 class AttentionSection(BaseModel):
@@ -163,6 +312,9 @@ class LoRASection(BaseModel):
 class ObservabilitySection(BaseModel):
     model_config = _STRICT
 
+    disable_log_stats: bool = Field(
+        False, description="accepted, no effect: the engine logs no periodic statistics (see /metrics)"
+    )
     torch_profiler_dir: str | None = Field(
         None, description="where LLM.stop_profile() writes traces (or VFRAME_TORCH_PROFILER_DIR)"
     )
@@ -303,6 +455,9 @@ def _format_validation_error(e: ValidationError) -> str:
         value = err.get("input")
         msg = err["msg"]
         ctx = err.get("ctx") or {}
+        if err["type"] == "value_error":  # a validator's own message names the field and the value
+            lines.append(str(ctx.get("error", msg)))
+            continue
         if "expected" in ctx:
             msg = f"expected {ctx['expected']}"
         lines.append(f"invalid value for {field!r}: {value!r} ({msg})")

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vframe.core.config import EngineConfig
+from vframe.core.generation_defaults import load_generation_defaults
+from vframe.core.inputs import PROMPT_KEYS, PromptType
 from vframe.core.interfaces import KVCacheManager, ModelRunner, Scheduler
 from vframe.core.output_processor import OutputProcessor, ParentRequest
 from vframe.core.outputs import RequestError, RequestOutput
@@ -32,6 +34,7 @@ from vframe.plugins import get_registry
 from vframe.plugins.manager import call_lifecycle, load_plugins
 
 if TYPE_CHECKING:
+    from vframe.engine.arg_utils import EngineArgs
     from vframe.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -39,8 +42,6 @@ logger = logging.getLogger(__name__)
 _DEFAULT_TOKEN_BUDGET = 4096
 # What EngineView.model says for model=None (the OpenAI server's model id for it too).
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-PromptType = str | dict[str, Any] | list[int]
 
 
 def _check_registry_names(config: EngineConfig) -> None:
@@ -77,6 +78,10 @@ class LLMEngine:
             from vframe.models.loader import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.model_runner.resolved, config.model.tokenizer)
+        self.generation_defaults = load_generation_defaults(
+            config.model.generation_config, self.model_runner.resolved.model_dir
+        )
+        self.get_default_sampling_params()  # a bad generation_config.json fails now, not per request
         self.max_model_len = self._resolve_max_model_len()
         self.vocab_size = self.model_runner.vocab_size
         self.eos_token_ids = self._eos_token_ids()
@@ -153,6 +158,19 @@ class LLMEngine:
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
         return cls(EngineConfig.from_sources(**kwargs))
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """vLLM's constructor: ``LLMEngine.from_engine_args(EngineArgs(model=...))``."""
+        return cls(engine_args.create_engine_config())
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's ``generation_config`` defaults (see
+        ``vframe/core/generation_defaults.py``); plain defaults when there are none."""
+        try:
+            return SamplingParams(**self.generation_defaults)
+        except InvalidRequestError as e:
+            raise ConfigError(f"generation_config={self.config.model.generation_config!r}: {e}") from None
+
     def _resolve_max_model_len(self) -> int:
         model_max = self.model_runner.max_position_embeddings
         requested = self.config.model.max_model_len
@@ -181,6 +199,12 @@ class LLMEngine:
         """``(text, token ids)`` of a string, a token-id list or a dict with
         ``prompt`` or ``prompt_token_ids`` (its ``cache_salt`` is read by add_request)."""
         if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - PROMPT_KEYS)
+            if unknown:
+                raise InvalidRequestError(
+                    f"prompt keys {unknown} are not supported: vframe serves text-only models; a prompt "
+                    f"dict takes {sorted(PROMPT_KEYS)} (vframe.inputs.TextPrompt / TokensPrompt)"
+                )
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:

@@ -13,7 +13,7 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import Any, Union
 
 from vframe.errors import InvalidRequestError
@@ -29,6 +29,15 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 # (or ``(prompt_token_ids, output_token_ids, logits[V])``), the name of a registered
 # ``logits_processor`` plugin, or ``(name, constructor kwargs)``.
 LogitsProcessorSpec = Union[Callable[..., Any], str, tuple[str, dict[str, Any]]]
+
+
+class RequestOutputKind(str, Enum):
+    """vLLM's names for ``SamplingParams.output_kind``; each member equals its string
+    (``RequestOutputKind.DELTA == "delta"``), so either form may be passed or compared."""
+
+    CUMULATIVE = "cumulative"  # every output holds everything generated so far
+    DELTA = "delta"  # every output holds only what is new since the last one
+    FINAL_ONLY = "final"  # one output, when the request finishes
 
 
 class SamplingType(IntEnum):
@@ -143,7 +152,7 @@ class SamplingParams:
     logits_processors: list[LogitsProcessorSpec] | None = None
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
-    output_kind: str = "final"
+    output_kind: str | RequestOutputKind = "final"
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: GuidedDecodingParams | None = None
     logit_bias: dict[int, float] | None = None
@@ -152,6 +161,9 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # vLLM's free-form arguments for plugins (a logits processor may read them);
+    # nothing built in reads them.
+    extra_args: dict[str, Any] | None = None
 
     # Filled in by the engine when the request is added (see core/sample/request_setup.py).
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
@@ -168,6 +180,8 @@ class SamplingParams:
             self.bad_words = [self.bad_words]
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.output_kind, RequestOutputKind):
+            self.output_kind = self.output_kind.value
         if self.guided_decoding is not None:
             if self.structured_outputs is not None:
                 raise InvalidRequestError(
@@ -276,6 +290,8 @@ class SamplingParams:
             raise bad("early_stopping", self.early_stopping, "must be True, False or 'never'")
         if not _is_number(self.length_penalty):
             raise bad("length_penalty", self.length_penalty, "must be a finite number")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", self.extra_args, "must be a dict or None")
         if self.use_beam_search:
             self._verify_beam_search(bad)
         else:

@@ -48,6 +48,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no ``sampling_params``: the
+        model's ``generation_config.json`` defaults (setting ``generation_config``)."""
+        return self.llm_engine.get_default_sampling_params()
+
     # ------------------------------------------------------------------ #
 
     def generate(
@@ -66,6 +71,8 @@ class LLM:
         ):
             prompts = [prompts]
         prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = self._per_prompt(sampling_params, len(prompts), "sampling_params")
         priorities = self._per_prompt(priority, len(prompts), "priority", default=0)
         loras = _per_prompt_lora(lora_request, len(prompts))

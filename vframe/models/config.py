@@ -242,17 +242,31 @@ class ModelConfig:
                 self.head_dim = hidden // heads
 
     @classmethod
-    def from_file(cls, path: Path) -> ModelConfig:
+    def from_file(cls, path: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """``overrides`` (vLLM's ``hf_overrides``) replace fields of the file before
+        it is checked; a dict merges into an object field (``rope_scaling``)."""
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{path}: unreadable config ({e})") from e
         if not isinstance(data, dict):
             raise ModelLoadError(f"{path}: expected a JSON object")
-        return cls(data, path)
+        if not overrides:
+            return cls(data, path)
+        return cls(_merged(data, overrides), f"{path} with hf_overrides")
 
     def __repr__(self) -> str:
         return f"ModelConfig({self.__dict__!r})"
+
+
+def _merged(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = dict(data)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def _invalid(source: str | Path, name: str, value: Any, expected: str) -> ModelLoadError:

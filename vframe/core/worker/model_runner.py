@@ -63,13 +63,31 @@ def resolve_dtype(name: str, model_dtype: torch.dtype | None, device: torch.devi
     return dtype
 
 
+def seed_everything(seed: int) -> None:
+    """Seed torch (unseeded sampling draws from it), Python's ``random`` and numpy, as vLLM does."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def check_load_format(load_format: str, source: object, is_gguf: bool) -> None:
+    """vLLM's ``load_format``: ``safetensors`` or ``gguf`` must match what the model path holds."""
+    found = "gguf" if is_gguf else "safetensors"
+    if load_format not in ("auto", found):
+        raise ConfigError(f"load_format={load_format!r} but {source} holds {found} weights; use load_format='auto'")
+
+
 class TorchModelRunner(ModelRunner):
     def __init__(self, config: EngineConfig, sampler: Sampler | None = None) -> None:
         super().__init__(config)
         self.device = resolve_device(config.device.device)
         if config.device.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.device.num_threads)
-        torch.manual_seed(config.model.seed)  # unseeded sampling draws from this
+        seed_everything(config.model.seed)
         self.block_size = config.cache.block_size
         # Built by set_plugin_context (it may need the tokenizer) unless given; the
         # class is looked up now so that an unknown name fails before the model loads.
@@ -99,8 +117,10 @@ class TorchModelRunner(ModelRunner):
         if quantization is not None:
             get_registry("quantizer").get(quantization)  # an unknown name fails before the checkpoint is read
         self.resolved = resolve_model(self.config.model.model)
-        self.hf_config = load_hf_config(self.resolved)
-        arch = architecture(self.resolved)
+        check_load_format(self.config.model.load_format, self.resolved.source, self.resolved.gguf_file is not None)
+        hf_overrides = self.config.model.hf_overrides
+        self.hf_config = load_hf_config(self.resolved, hf_overrides)
+        arch = architecture(self.resolved, hf_overrides)
         model_cls = get_registry("model").load(arch)
         # A converted GGUF's config names float32, the dtype of its dequantized copy.
         checkpoint_dtype = None if self.resolved.gguf_file else _checkpoint_dtype(self.hf_config)
@@ -108,7 +128,8 @@ class TorchModelRunner(ModelRunner):
         self.attn_backend = self._select_attention_backend()
         self.quant_config = build_quant_config(quantization, self.hf_config, dtype=self.dtype, device=self.device)
         self.model = load_model(
-            self.resolved, model_cls, self.attn_backend, self.dtype, quant_config=self.quant_config
+            self.resolved, model_cls, self.attn_backend, self.dtype, quant_config=self.quant_config,
+            hf_overrides=hf_overrides,
         ).to(self.device)
         self.model.eval()
         if self.config.lora.enable_lora:

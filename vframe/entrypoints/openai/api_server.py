@@ -89,7 +89,9 @@ def build_app(
         engine, served_model_name, str(engine.config.model.model or EMBEDDED_MODEL_NAME), engine.max_model_len,
         lora_requests,
     )
-    ctx = ServingContext(engine, models, metrics, policy.trust_request_chat_template)
+    ctx = ServingContext(
+        engine, models, metrics, policy.trust_request_chat_template, policy.enable_prompt_tokens_details
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -16,7 +16,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 2 * 2**20
 
 @dataclass(frozen=True)
 class ServerPolicy:
-    """What the server accepts from clients, set by the operator's flags."""
+    """What the server accepts from clients and tells them, set by the operator's flags."""
 
     api_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -25,6 +25,7 @@ class ServerPolicy:
     allowed_hosts: list[str] | None = None
     check_host: bool = False
     trust_request_chat_template: bool = False
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, loopback: bool) -> ServerPolicy:
@@ -36,6 +37,7 @@ class ServerPolicy:
             allowed_hosts=hosts,
             check_host=hosts is not None or (loopback and api_key is None),
             trust_request_chat_template=args.trust_request_chat_template,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         )
 
 
@@ -124,6 +126,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--lora-modules", nargs="+", default=None, type=_lora_module, metavar="NAME=PATH",
         help="LoRA adapters to serve under their names (needs --enable-lora): name=path, or vLLM's JSON "
         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; loaded and checked at start-up",
+    )
+    server.add_argument(
+        "--enable-prompt-tokens-details", action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache",
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     server.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")

@@ -3,7 +3,8 @@
 A stream starts with one ``{"role": "assistant", "content": ""}`` delta per
 choice, then content deltas; the last delta of a choice carries its
 ``finish_reason``; with ``stream_options.include_usage`` a final chunk with no
-choices carries the usage.
+choices carries the usage (and, with ``continuous_usage_stats``, every chunk the
+usage so far).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ async def create_chat_completion(
     arrival = time.perf_counter()
     model, lora_request = ctx.check_model(request.model)
     try:
-        params = request.to_sampling_params()
+        params = request.to_sampling_params(ctx.generation_defaults)
     except REQUEST_ERRORS as e:
         raise APIError.from_request_error(e, "messages") from e
     prompt = await ctx.prompts.chat(
@@ -114,7 +115,8 @@ class _Run:
         try:
             yield sse(
                 self._chunk(
-                    [ChatChunkChoice(index=j, delta=ChatDelta(role="assistant", content="")) for j in range(self.request.n)]
+                    [ChatChunkChoice(index=j, delta=ChatDelta(role="assistant", content="")) for j in range(self.request.n)],
+                    num_tokens,
                 )
             )
             async with contextlib.aclosing(self.generation.outputs()) as outputs:
@@ -137,7 +139,7 @@ class _Run:
                             )
                         )
                     if chunk_choices:
-                        yield sse(self._chunk(chunk_choices))
+                        yield sse(self._chunk(chunk_choices, num_tokens))
             if self.generation.aborted and unfinished:
                 yield sse(
                     self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason="abort") for i in sorted(unfinished)])
@@ -151,8 +153,14 @@ class _Run:
                 yield sse(chunk)
         yield SSE_DONE
 
-    def _chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices)
+    def _chunk(self, choices: list[ChatChunkChoice], num_tokens: int | None = None) -> ChatCompletionChunk:
+        """``num_tokens`` generated so far: the chunk's usage with ``continuous_usage_stats``."""
+        usage = None
+        if num_tokens is not None and self.request.include_continuous_usage:
+            usage = self.generation.usage(num_tokens)
+        return ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
 
     def _logprobs(self, pairs: Iterable[tuple[int, dict[int, Logprob]]]) -> ChatLogprobs | None:
         if self.top_k is None:

@@ -40,7 +40,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     arrival = time.perf_counter()
     model, lora_request = ctx.check_model(request.model)
     try:
-        params = request.to_sampling_params()
+        params = request.to_sampling_params(ctx.generation_defaults)
     except REQUEST_ERRORS as e:
         raise APIError.from_request_error(e, "prompt") from e
     prompts = await _prompts(ctx, request.prompt)
@@ -137,7 +137,8 @@ class _Run:
                             )
                         )
                     if chunk_choices:
-                        yield sse(self._chunk(chunk_choices))
+                        usage = self._usage(num_tokens) if self.request.include_continuous_usage else None
+                        yield sse(self._chunk(chunk_choices, usage=usage))
             if self.generation.aborted and unfinished:
                 yield sse(self._chunk([CompletionChoice(index=i, text="", finish_reason="abort") for i in sorted(unfinished)]))
         except Exception as e:  # the engine died mid-stream: tell the client in-band

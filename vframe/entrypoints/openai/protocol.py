@@ -114,6 +114,9 @@ class ErrorResponse(_Response):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM extension: with include_usage, every chunk also carries the usage so far"
+    )
 
 
 class JsonSchemaFormat(_Request):
@@ -194,6 +197,9 @@ class _GenerationRequest(_Body):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = Field(
+        None, description="accepted, no effect: prefix caching is automatic and shared by all requests"
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -225,14 +231,21 @@ class _GenerationRequest(_Body):
             specs.append(name if isinstance(ref, str) else (name, dict(ref.kwargs)))
         return specs
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None
+    ) -> SamplingParams:
+        """``defaults`` (the model's generation_config, vLLM's rule) fill the sampling
+        knobs the request leaves unset, and ``max_tokens`` when it is null."""
         self._check_unsupported()
+        knobs = {name: getattr(self, name) for name in _DEFAULTED_KNOBS}
+        for name, value in (defaults or {}).items():
+            if name in knobs and name not in self.model_fields_set:
+                knobs[name] = value
+        if max_tokens is None and defaults:
+            max_tokens = defaults.get("max_tokens")
         return SamplingParams(
             n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            **knobs,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -245,7 +258,6 @@ class _GenerationRequest(_Body):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias,
             structured_outputs=self.response_format.to_structured() if self.response_format else None,
             logits_processors=self._logits_processors(),
@@ -256,11 +268,26 @@ class _GenerationRequest(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def include_continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+# Sampling fields a model's generation_config.json may default (vLLM's list).
+_DEFAULTED_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class PromptTokenUsageInfo(_Response):
+    cached_tokens: int | None = Field(None, description="prompt tokens served from the prefix cache")
+
 
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = Field(
+        None, description="only when the server runs with --enable-prompt-tokens-details"
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -297,14 +324,14 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError(f"{info.field_name}={_short_repr(value)} is not supported by vframe yet")
         return value
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise APIError.bad_request(
                 f"best_of={self.best_of} is not supported: vframe returns every sequence it generates; "
                 "use n instead",
                 param="best_of",
             )
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
 class CompletionLogprobs(_Response):
@@ -385,6 +412,9 @@ class ChatCompletionRequest(_GenerationRequest):
     continue_final_message: bool = Field(False, description="vLLM extension")
     chat_template: str | None = Field(None, description=_CHAT_TEMPLATE_HELP)
     chat_template_kwargs: dict[str, Any] | None = Field(None, description=_TEMPLATE_KWARGS_HELP)
+    reasoning_effort: str | None = Field(
+        None, description="accepted, no effect: vframe's models do not reason before answering"
+    )
 
     @field_validator("tools", "tool_choice", mode="before")
     @classmethod
@@ -399,11 +429,11 @@ class ChatCompletionRequest(_GenerationRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(self.requested_max_tokens, logprobs)
+        return self._sampling_params(self.requested_max_tokens, logprobs, defaults)
 
 
 def _short_repr(value: Any) -> str:

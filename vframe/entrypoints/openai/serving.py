@@ -29,7 +29,7 @@ from vframe.entrypoints.openai.errors import REQUEST_ERRORS, APIError, error_bod
 from vframe.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from vframe.entrypoints.openai.models import ServingModels
 from vframe.entrypoints.openai.prompts import Prompt, PromptBuilder
-from vframe.entrypoints.openai.protocol import UsageInfo
+from vframe.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
 from vframe.errors import ConfigError, PluginError
 from vframe.lora.request import LoRARequest
 
@@ -45,6 +45,7 @@ class ServingContext:
         models: ServingModels,
         metrics: ServerMetrics,
         trust_request_chat_template: bool = False,
+        enable_prompt_tokens_details: bool = False,
     ) -> None:
         if engine.tokenizer is None:
             raise ConfigError("the OpenAI server needs a tokenizer; do not set skip_tokenizer_init")
@@ -53,6 +54,9 @@ class ServingContext:
         self.served_model_name = models.base_model_name
         self.metrics = metrics
         self.max_model_len = engine.max_model_len
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        # Sampling defaults from the model's generation_config (setting generation_config).
+        self.generation_defaults = engine.generation_defaults
         self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len, trust_request_chat_template)
 
     # ------------------------------------------------------------------ #
@@ -132,7 +136,7 @@ class ServingContext:
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e)) from e
             raise
-        return Generation(self.metrics, streams, prompts, params.n, arrival)
+        return Generation(self.metrics, streams, prompts, params.n, arrival, self.enable_prompt_tokens_details)
 
 
 class Generation:
@@ -143,12 +147,20 @@ class Generation:
     runs, which frees its KV blocks, and records the outcome."""
 
     def __init__(
-        self, metrics: ServerMetrics, streams: list[RequestStream], prompts: list[Prompt], n: int, arrival: float
+        self,
+        metrics: ServerMetrics,
+        streams: list[RequestStream],
+        prompts: list[Prompt],
+        n: int,
+        arrival: float,
+        prompt_tokens_details: bool = False,
     ) -> None:
         self.streams = streams
         self.n = n
         self.timers = [RequestTimer(metrics, arrival, len(p.token_ids)) for p in prompts]
         self.num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        self.prompt_tokens_details = prompt_tokens_details
+        self.num_cached_tokens = [0] * len(prompts)  # per prompt, from its outputs
         self.aborted = False  # by the server (shutdown): the answer so far is sent, ending in "abort"
         self._closed = False
 
@@ -159,16 +171,21 @@ class Generation:
             async with contextlib.aclosing(_merge(self.streams)) as merged:
                 async for i, output in merged:
                     self.timers[i].observe(output)
+                    self.num_cached_tokens[i] = max(self.num_cached_tokens[i], output.num_cached_tokens)
                     _raise_if_failed(output)
                     yield i, output
         except RequestAbortedError:
             self.aborted = True
 
     def usage(self, num_generated: int) -> UsageInfo:
+        details = None
+        if self.prompt_tokens_details:
+            details = PromptTokenUsageInfo(cached_tokens=sum(self.num_cached_tokens))
         return UsageInfo(
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=num_generated,
             total_tokens=self.num_prompt_tokens + num_generated,
+            prompt_tokens_details=details,
         )
 
     def close(self) -> None:

@@ -18,9 +18,9 @@ from vframe.models.loader.weights import process_weights_after_loading
 from vframe.quant.base import QuantizationConfig
 
 
-def architecture(resolved: ResolvedModel) -> str:
+def architecture(resolved: ResolvedModel, hf_overrides: dict[str, Any] | None = None) -> str:
     """The model class name the checkpoint declares (``config.architectures[0]``)."""
-    architectures = getattr(load_hf_config(resolved), "architectures", None)
+    architectures = getattr(load_hf_config(resolved, hf_overrides), "architectures", None)
     if not architectures:
         raise ModelLoadError(
             f"{resolved.model_dir / 'config.json'} has no 'architectures' list; "
@@ -29,9 +29,10 @@ def architecture(resolved: ResolvedModel) -> str:
     return architectures[0]
 
 
-def load_hf_config(resolved: ResolvedModel) -> ModelConfig:
-    """The checkpoint's ``config.json`` with transformers' defaults for its model type."""
-    return ModelConfig.from_file(resolved.model_dir / "config.json")
+def load_hf_config(resolved: ResolvedModel, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """The checkpoint's ``config.json`` with transformers' defaults for its model type,
+    and the fields of ``hf_overrides`` (the engine setting) in place of the file's."""
+    return ModelConfig.from_file(resolved.model_dir / "config.json", hf_overrides)
 
 
 def iterate_weights(resolved: ResolvedModel) -> Iterator[tuple[str, torch.Tensor]]:
@@ -83,12 +84,14 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     quant_config: QuantizationConfig | None = None,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Build ``model_cls(hf_config, attn_backend, dtype[, quant_config=...])`` on
     ``device``, load every parameter, then let each layer's quantization method
     finish its weights. ``quant_config=None`` runs unquantized, and a model class
-    that does not take ``quant_config`` (plugin API < 1.2) can only run so."""
-    hf_config = load_hf_config(resolved)
+    that does not take ``quant_config`` (plugin API < 1.2) can only run so.
+    ``hf_overrides`` replace fields of ``config.json`` (see ``load_hf_config``)."""
+    hf_config = load_hf_config(resolved, hf_overrides)
     kwargs: dict[str, Any] = {}
     if quant_config is not None:
         if "quant_config" not in inspect.signature(model_cls).parameters:

@@ -1,0 +1,74 @@
+"""vLLM's server flags and request fields: --enable-prompt-tokens-details,
+stream_options.continuous_usage_stats, --generation-config defaults, and the
+accepted no-op fields prompt_cache_key and reasoning_effort (one server)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai_server import Server, start_server, stop_server
+
+MODEL = "SmolLM2-135M-Instruct"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def compat_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    generation_dir = tmp_path_factory.mktemp("generation-config")
+    (generation_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
+    srv = start_server(
+        Path(tmp_path_factory.mktemp("vframe-serve-compat")),
+        "--enable-prompt-tokens-details",
+        "--enforce-eager",
+        "--disable-log-stats",
+        "--kv-cache-dtype", "auto",
+        "--compilation-config", "0",
+        "--generation-config", str(generation_dir),
+    )
+    yield srv
+    stop_server(srv.process)
+
+
+def _events(response) -> list[dict]:
+    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_prompt_tokens_details_counts_prefix_cache_hits(compat_server: Server):
+    body = {"prompt": list(range(1000, 1040)), "max_tokens": 1, "temperature": 0}
+    usages = [compat_server.post("/v1/completions", json=body).json()["usage"] for _ in range(2)]
+    # 40 prompt tokens, blocks of 16: the second request finds 2 full blocks cached.
+    assert [u["prompt_tokens_details"] for u in usages] == [{"cached_tokens": 0}, {"cached_tokens": 32}]
+    assert usages[1]["prompt_tokens"] == 40
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(compat_server: Server, path: str):
+    body = {
+        "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    body |= {"prompt": "Once upon a time"} if path == "/v1/completions" else {"messages": MESSAGES}
+    events = _events(compat_server.post(path, json=body))
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + c for e, c in zip(events, counts))
+    assert counts == sorted(counts) and counts[-1] == 4 and counts[-2] == 4  # the last chunk: usage only
+    assert events[-1]["choices"] == []
+
+
+def test_generation_config_defaults_fill_unset_fields_and_no_op_fields_are_accepted(compat_server: Server):
+    body = {"messages": MESSAGES, "ignore_eos": True, "prompt_cache_key": "user-42", "reasoning_effort": "low"}
+    response = compat_server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    out = response.json()
+    assert out["usage"]["completion_tokens"] == 3  # max_new_tokens of generation_config.json
+    assert out["choices"][0]["finish_reason"] == "length"
+    again = compat_server.post("/v1/chat/completions", json={"messages": MESSAGES, "ignore_eos": True}).json()
+    assert again["choices"][0]["message"]["content"] == out["choices"][0]["message"]["content"]  # temperature 0
+    body = {"messages": MESSAGES, "max_tokens": 5, "ignore_eos": True}
+    explicit = compat_server.post("/v1/chat/completions", json=body).json()
+    assert explicit["usage"]["completion_tokens"] == 5

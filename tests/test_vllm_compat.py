@@ -1,0 +1,389 @@
+"""Code written for vLLM's offline API runs on vframe with an import change:
+vLLM's module paths, ``EngineArgs``, and ``LLM(...)``'s keywords with vLLM's
+meaning, a documented no-op, or an exact refusal (docs/compatibility.md)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from vframe import LLM, SamplingParams
+from vframe.core.config import FLAT_FIELDS, EngineConfig
+from vframe.errors import ConfigError, InvalidRequestError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+PROMPT = "The capital of France is"
+
+
+# --------------------------------------------------------------------------- #
+# module paths
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("vllm_path", "name", "home"),
+    [
+        ("vframe.sampling_params", "SamplingParams", "vframe.core.sampling_params"),
+        ("vframe.sampling_params", "StructuredOutputsParams", "vframe.core.sampling_params"),
+        ("vframe.sampling_params", "GuidedDecodingParams", "vframe.core.sampling_params"),
+        ("vframe.sampling_params", "BeamSearchParams", "vframe.core.sampling_params"),
+        ("vframe.sampling_params", "RequestOutputKind", "vframe.core.sampling_params"),
+        ("vframe.outputs", "RequestOutput", "vframe.core.outputs"),
+        ("vframe.outputs", "CompletionOutput", "vframe.core.outputs"),
+        ("vframe.logprobs", "Logprob", "vframe.core.outputs"),
+        ("vframe.inputs", "TokensPrompt", "vframe.core.inputs"),
+        ("vframe.inputs", "TextPrompt", "vframe.core.inputs"),
+        ("vframe.lora.request", "LoRARequest", "vframe.lora.request"),
+        ("vframe.engine.arg_utils", "EngineArgs", "vframe.engine.arg_utils"),
+        ("vframe.engine.llm_engine", "LLMEngine", "vframe.core.engine"),
+        ("vframe", "EngineArgs", "vframe.engine.arg_utils"),
+        ("vframe", "TokensPrompt", "vframe.core.inputs"),
+    ],
+)
+def test_vllm_module_paths_name_the_same_objects(vllm_path, name, home):
+    assert getattr(importlib.import_module(vllm_path), name) is getattr(importlib.import_module(home), name)
+
+
+def test_importing_vframe_and_engine_args_loads_no_torch():
+    code = "import sys, vframe; from vframe import EngineArgs, TextPrompt; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_request_output_kind_is_vllms_enum_and_equals_vframes_strings():
+    from vframe.sampling_params import RequestOutputKind
+
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA)
+    assert params.output_kind == "delta" and type(params.output_kind) is str
+    assert SamplingParams(output_kind="final").output_kind == RequestOutputKind.FINAL_ONLY
+    assert [k.value for k in RequestOutputKind] == ["cumulative", "delta", "final"]
+
+
+# --------------------------------------------------------------------------- #
+# EngineArgs
+# --------------------------------------------------------------------------- #
+
+
+def test_engine_args_has_one_field_per_setting_with_the_same_default():
+    from vframe.engine.arg_utils import EngineArgs
+
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    assert set(fields) == set(FLAT_FIELDS) | {"config_file"}
+    defaults = EngineConfig().flat()
+    assert {name: getattr(EngineArgs(), name) for name in FLAT_FIELDS} == defaults
+    assert EngineArgs("m.gguf").model == "m.gguf"  # model is first, as in vLLM
+
+
+def test_engine_args_fields_left_at_default_leave_the_setting_to_the_environment(monkeypatch):
+    from vframe.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VFRAME_BLOCK_SIZE", "32")
+    monkeypatch.setenv("VFRAME_MAX_NUM_SEQS", "4")
+    config = EngineArgs(max_num_seqs=8, dtype="half").create_engine_config()
+    assert (config.cache.block_size, config.scheduler.max_num_seqs, config.model.dtype) == (32, 8, "float16")
+
+
+def test_engine_args_from_cli_args_reads_the_serve_flags():
+    from vframe.engine.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--max-num-seqs", "3", "--enforce-eager", "--kv-cache-dtype", "auto"])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert (config.scheduler.max_num_seqs, config.device.enforce_eager) == (3, True)
+
+
+def test_llm_engine_from_engine_args_generates_what_llm_does(llm_fp32):
+    from vframe.engine.arg_utils import EngineArgs
+    from vframe.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(dtype="float32", max_model_len=1024, num_threads=2))
+    try:
+        assert engine.config == llm_fp32.config
+        engine.add_request("r", PROMPT, GREEDY)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += [out for out in engine.step() if out.finished]
+        [expected] = llm_fp32.generate(PROMPT, GREEDY, use_tqdm=False)
+        assert [out.outputs[0].token_ids for out in outputs] == [expected.outputs[0].token_ids]
+        assert len(expected.outputs[0].token_ids) == 5
+    finally:
+        engine.shutdown()
+
+
+# --------------------------------------------------------------------------- #
+# LLM(...) keywords
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "section", "field", "stored"),
+    [
+        ({"dtype": "half"}, "model", "dtype", "float16"),
+        ({"dtype": "float"}, "model", "dtype", "float32"),
+        ({"dtype": torch.float16}, "model", "dtype", "float16"),
+        ({"dtype": torch.bfloat16}, "model", "dtype", "bfloat16"),
+        ({"enforce_eager": True}, "device", "enforce_eager", True),
+        ({"compilation_config": 0}, "device", "compilation_config", 0),
+        ({"compilation_config": {}}, "device", "compilation_config", {}),
+        ({"compilation_config": {"level": 0}}, "device", "compilation_config", {"level": 0}),
+        ({"disable_log_stats": True}, "observability", "disable_log_stats", True),
+        ({"disable_custom_all_reduce": True}, "parallel", "disable_custom_all_reduce", True),
+        ({"tokenizer_mode": "slow"}, "model", "tokenizer_mode", "slow"),
+        ({"tokenizer_mode": "hf"}, "model", "tokenizer_mode", "hf"),
+        ({"config_format": "hf"}, "model", "config_format", "hf"),
+        ({"load_format": "gguf"}, "model", "load_format", "gguf"),
+        ({"revision": None, "code_revision": None, "tokenizer_revision": None}, "model", "revision", None),
+        ({"hf_overrides": {"rope_theta": 1e6}}, "model", "hf_overrides", {"rope_theta": 1e6}),
+        ({"mm_processor_kwargs": None}, "model", "mm_processor_kwargs", None),
+        ({"allowed_local_media_path": "/srv/media"}, "model", "allowed_local_media_path", "/srv/media"),
+        ({"generation_config": "vllm"}, "model", "generation_config", "vllm"),
+        ({"enable_prompt_embeds": False}, "model", "enable_prompt_embeds", False),
+        ({"kv_cache_dtype": "auto"}, "cache", "kv_cache_dtype", "auto"),
+        ({"cpu_offload_gb": 0}, "cache", "cpu_offload_gb", 0.0),
+        ({"swap_space": 2}, "cache", "swap_space", 2.0),
+        ({"max_logprobs": 5}, "model", "max_logprobs", 5),
+        ({"seed": None}, "model", "seed", 0),
+    ],
+)
+def test_vllm_keywords_are_accepted(kwargs, section, field, stored):
+    config = EngineConfig.from_sources(env={}, **kwargs)
+    assert getattr(getattr(config, section), field) == stored
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"kv_cache_dtype": "fp8"},
+            "kv_cache_dtype='fp8' is not supported: the KV cache holds the model's dtype "
+            "(no FP8 KV cache yet); use 'auto'",
+        ),
+        (
+            {"revision": "main"},
+            "revision='main' is not supported: vframe reads local files only and never downloads from the "
+            "Hugging Face Hub; check out that revision locally and pass its directory",
+        ),
+        (
+            {"tokenizer_revision": "v1"},
+            "tokenizer_revision='v1' is not supported: vframe reads local files only and never downloads "
+            "from the Hugging Face Hub; check out that revision locally and pass its directory",
+        ),
+        (
+            {"code_revision": "abc"},
+            "code_revision='abc' is not supported: vframe reads local files only and never downloads "
+            "from the Hugging Face Hub; check out that revision locally and pass its directory",
+        ),
+        (
+            {"tokenizer_mode": "mistral"},
+            "tokenizer_mode='mistral' is not supported: vframe loads Hugging Face tokenizers only; "
+            "use 'auto', 'slow' or 'hf'",
+        ),
+        (
+            {"config_format": "mistral"},
+            "config_format='mistral' is not supported: vframe reads config.json; use 'auto' or 'hf'",
+        ),
+        (
+            {"load_format": "pt"},
+            "load_format='pt' is not supported: vframe reads safetensors and GGUF files; "
+            "use 'auto', 'safetensors' or 'gguf'",
+        ),
+        (
+            {"compilation_config": 3},
+            "compilation_config=3 is not supported: vframe runs the model eagerly and compiles nothing; "
+            "use None, {}, 0 or {'level': 0}",
+        ),
+        (
+            {"compilation_config": {"level": 3}},
+            "compilation_config={'level': 3} is not supported: vframe runs the model eagerly and compiles "
+            "nothing; use None, {}, 0 or {'level': 0}",
+        ),
+        (
+            {"mm_processor_kwargs": {"num_crops": 4}},
+            "mm_processor_kwargs={'num_crops': 4} is not supported: vframe serves text-only models, which "
+            "have no multimodal processor",
+        ),
+        (
+            {"enable_prompt_embeds": True},
+            "enable_prompt_embeds=True is not supported: prompts are text or token ids",
+        ),
+        ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported: weights stay on the device; use 0"),
+        (
+            {"dtype": "bf16"},
+            "invalid value for 'dtype': 'bf16' (expected 'auto', 'float32', 'bfloat16' or 'float16')",
+        ),
+        ({"hf_token": "x"}, None),  # not one of vframe's settings: the unknown-setting error
+    ],
+)
+def test_vllm_keywords_that_would_change_results_are_refused_exactly(kwargs, message):
+    with pytest.raises(ConfigError) as error:
+        EngineConfig.from_sources(env={}, **kwargs)
+    if message is None:
+        assert str(error.value).startswith("unknown setting 'hf_token' (from arguments); known settings: ")
+    else:
+        assert str(error.value) == message
+
+
+def test_dtype_half_is_refused_on_cpu_with_the_float16_message():
+    messages = []
+    for dtype in ("half", "float16"):
+        with pytest.raises(ConfigError) as error:
+            LLM(dtype=dtype, device="cpu")
+        messages.append(str(error.value))
+    assert messages == ["dtype='float16' is not supported on CPU; use 'bfloat16' or 'float32'"] * 2
+
+
+def test_load_format_must_match_the_model_files():
+    from vframe.models.loader import resolve_model
+
+    source = resolve_model(None).source
+    with pytest.raises(ConfigError) as error:
+        LLM(load_format="safetensors", dtype="float32")
+    assert str(error.value) == f"load_format='safetensors' but {source} holds gguf weights; use load_format='auto'"
+
+
+def test_hf_overrides_replace_fields_of_the_model_config(llm_fp32):
+    llm = LLM(dtype="float32", num_threads=2, hf_overrides={"max_position_embeddings": 256, "rms_norm_eps": 0.5})
+    try:
+        assert llm.llm_engine.max_model_len == 256
+        [out] = llm.generate(PROMPT, GREEDY, use_tqdm=False)
+        [base] = llm_fp32.generate(PROMPT, GREEDY, use_tqdm=False)
+        assert out.outputs[0].token_ids != base.outputs[0].token_ids  # the model itself got the new eps
+    finally:
+        llm.shutdown()
+
+
+def test_hf_overrides_merge_into_object_fields_and_are_checked(tmp_path):
+    from vframe.errors import ModelLoadError
+    from vframe.models.config import ModelConfig
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"rope_scaling": {"type": "linear", "factor": 2.0}, "num_attention_heads": 4}))
+    config = ModelConfig.from_file(path, {"rope_scaling": {"factor": 4.0}})
+    assert config.rope_scaling == {"type": "linear", "factor": 4.0}
+    with pytest.raises(ModelLoadError) as error:
+        ModelConfig.from_file(path, {"num_key_value_heads": 3})
+    assert str(error.value) == (
+        f"{path} with hf_overrides: invalid value for 'num_key_value_heads': 3 "
+        "(expected a divisor of num_attention_heads=4)"
+    )
+
+
+def test_seed_also_seeds_python_random_and_numpy():
+    from vframe.core.worker.model_runner import TorchModelRunner
+
+    random.seed(1)
+    np.random.seed(1)
+    TorchModelRunner(EngineConfig.from_sources(env={}, seed=1234, device="cpu"))
+    assert random.random() == random.Random(1234).random()
+    assert np.random.rand() == np.random.RandomState(1234).rand()
+    assert torch.rand(1).item() == torch.rand(1, generator=torch.Generator().manual_seed(1234)).item()
+
+
+# --------------------------------------------------------------------------- #
+# generation_config and prompts
+# --------------------------------------------------------------------------- #
+
+
+def test_generation_config_directory_gives_the_default_sampling_params(tmp_path, llm_fp32):
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "top_k": 7, "max_new_tokens": 3, "do_sample": True, "eos_token_id": 2})
+    )
+    llm = LLM(dtype="float32", max_model_len=1024, num_threads=2, generation_config=str(tmp_path))
+    try:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.max_tokens, defaults.top_p) == (0.0, 3, 1.0)
+        [out] = llm.generate(PROMPT, use_tqdm=False)  # no sampling_params: the defaults
+        [expected] = llm_fp32.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert len(out.outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
+
+
+def test_the_embedded_model_has_no_generation_config_so_auto_gives_vllms_defaults(llm_fp32):
+    assert llm_fp32.config.model.generation_config == "auto"
+    assert llm_fp32.get_default_sampling_params() == SamplingParams()
+
+
+def test_generation_config_directory_without_the_file_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        LLM(dtype="float32", generation_config=str(tmp_path))
+    assert str(error.value) == (
+        f"generation_config={str(tmp_path)!r}: {tmp_path / 'generation_config.json'} does not exist; give a "
+        "directory holding generation_config.json, 'auto' (the model's) or 'vllm' (SamplingParams defaults)"
+    )
+
+
+def test_tokens_and_text_prompts_generate_alike(llm_fp32, tokenizer):
+    from vframe.inputs import TextPrompt, TokensPrompt
+
+    ids = tokenizer(PROMPT).input_ids
+    a, b = llm_fp32.generate([TextPrompt(prompt=PROMPT), TokensPrompt(prompt_token_ids=ids)], GREEDY, use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.prompt_token_ids == ids
+
+
+def test_multimodal_prompt_keys_are_refused_not_ignored(llm_fp32):
+    with pytest.raises(InvalidRequestError) as error:
+        llm_fp32.generate({"prompt": PROMPT, "multi_modal_data": {"image": None}}, GREEDY, use_tqdm=False)
+    assert str(error.value) == (
+        "prompt keys ['multi_modal_data'] are not supported: vframe serves text-only models; a prompt dict "
+        "takes ['cache_salt', 'prompt', 'prompt_token_ids'] (vframe.inputs.TextPrompt / TokensPrompt)"
+    )
+
+
+# --------------------------------------------------------------------------- #
+# the server's request models and flags (no server started)
+# --------------------------------------------------------------------------- #
+
+
+def test_serve_accepts_vllms_flags():
+    from vframe.entrypoints.cli import _build_parser, engine_kwargs
+
+    args = _build_parser().parse_args(
+        ["serve", "--enforce-eager", "--disable-log-stats", "--kv-cache-dtype", "auto", "--max-logprobs", "5",
+         "--enable-prompt-tokens-details", "--generation-config", "vllm", "--tokenizer-mode", "slow"]
+    )
+    config = EngineConfig.from_sources(env={}, **engine_kwargs(args))
+    assert args.enable_prompt_tokens_details is True
+    assert (config.device.enforce_eager, config.observability.disable_log_stats, config.model.max_logprobs) == (
+        True, True, 5,
+    )
+    assert (config.model.generation_config, config.model.tokenizer_mode) == ("vllm", "slow")
+
+
+def test_requests_take_the_unset_sampling_fields_from_generation_config():
+    from vframe.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    defaults = {"temperature": 0.2, "top_k": 7, "max_tokens": 3}
+    messages = [{"role": "user", "content": "hi"}]
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": messages, "temperature": 0.9, "prompt_cache_key": "k", "reasoning_effort": "low"}
+    )
+    params = chat.to_sampling_params(defaults)
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.9, 7, 1.0, 3)
+    # An explicit max_tokens wins; completions default max_tokens to 16 as OpenAI does.
+    assert ChatCompletionRequest.model_validate({"messages": messages, "max_tokens": 5}).to_sampling_params(
+        defaults
+    ).max_tokens == 5
+    completion = CompletionRequest.model_validate({"prompt": "hi"}).to_sampling_params(defaults)
+    assert (completion.temperature, completion.max_tokens) == (0.2, 16)
+    assert CompletionRequest.model_validate({"prompt": "hi"}).to_sampling_params().temperature == 1.0
+
+
+def test_extra_args_are_kept_for_plugins_and_unknown_fields_are_type_errors():
+    params = SamplingParams(extra_args={"my_plugin": 3})
+    assert params.clone().extra_args == {"my_plugin": 3}
+    with pytest.raises(InvalidRequestError) as error:
+        SamplingParams(extra_args=[1])
+    assert str(error.value) == "SamplingParams.extra_args=[1] is invalid: must be a dict or None"
+    with pytest.raises(TypeError, match="unexpected keyword argument 'flat_logprobs'"):
+        SamplingParams(flat_logprobs=True)

@@ -1,0 +1,78 @@
+"""``EngineArgs``, vLLM's dataclass of engine keywords (``vllm.engine.arg_utils``).
+
+It has one field per engine setting, named and defaulted as ``LLM(...)``'s
+keywords (``docs/configuration.md``), generated from ``EngineConfig`` so that
+the two cannot drift, plus ``config_file``::
+
+    from vframe.engine.arg_utils import EngineArgs
+    from vframe.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(max_num_seqs=8))
+
+As with ``LLM(...)``, a field left at its default is not passed on, so
+``VFRAME_*`` environment variables and ``config_file`` still set it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from vframe.core.config import _SECTIONS, FLAT_FIELDS, EngineConfig
+
+
+def _field_specs() -> list[tuple[str, Any, dataclasses.Field]]:
+    specs = []
+    for name, section in FLAT_FIELDS.items():
+        info = _SECTIONS[section].model_fields[name]
+        if info.default_factory is not None:
+            default = dataclasses.field(default_factory=info.default_factory)
+        else:
+            default = dataclasses.field(default=info.default)
+        specs.append((name, info.annotation, default))
+    specs.append(("config_file", str | None, dataclasses.field(default=None)))
+    return specs
+
+
+def _create_engine_config(self: EngineArgs) -> EngineConfig:
+    """The validated ``EngineConfig`` (``ConfigError`` names a bad field and value)."""
+    kwargs = {
+        f.name: getattr(self, f.name)
+        for f in dataclasses.fields(self)
+        if f.name != "config_file" and getattr(self, f.name) != _default(f)
+    }
+    return EngineConfig.from_sources(config_file=self.config_file, **kwargs)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one ``--flag`` per field, as ``vframe serve`` has them."""
+    from vframe.entrypoints.cli import add_engine_args
+
+    add_engine_args(parser)
+    return parser
+
+
+def _from_cli_args(cls: type[EngineArgs], args: argparse.Namespace) -> EngineArgs:
+    from vframe.entrypoints.cli import engine_kwargs
+
+    return cls(config_file=getattr(args, "config_file", None), **engine_kwargs(args))
+
+
+EngineArgs = dataclasses.make_dataclass(
+    "EngineArgs",
+    _field_specs(),
+    namespace={
+        "__doc__": "Engine keywords of ``LLM(...)`` as a dataclass (see the module docstring).",
+        "__module__": __name__,
+        "create_engine_config": _create_engine_config,
+        "add_cli_args": staticmethod(_add_cli_args),
+        "from_cli_args": classmethod(_from_cli_args),
+    },
+)
+
+__all__ = ["EngineArgs"]
