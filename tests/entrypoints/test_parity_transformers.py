@@ -5,7 +5,7 @@ prompt, and each of the top-5 logprobs is within ``LOGPROB_ATOL`` of transformer
 (measured: at most 3e-5). There is no near-tie excuse in float32: a differing
 token is a bug.
 
-bfloat16 (the default dtype): rounding differs between the two implementations,
+bfloat16 (the default on GPUs and CPUs with native bfloat16): rounding differs between the two implementations,
 so a near-tie may flip; where the first differing token appears each side's
 token must be in the other's top-5 and the comparison stops there (vLLM's rule,
 DESIGN section 6)."""

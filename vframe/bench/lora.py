@@ -1,7 +1,8 @@
 """``vframe bench lora``: the offline workload with LoRA adapters against the base model, same run.
 
 The workload is ``vframe bench throughput``'s (64 prompts of 32-512 tokens, 128
-greedy output tokens each, bfloat16, 2 threads), timed three times in one process:
+greedy output tokens each, bfloat16 where the CPU runs it natively, else float32,
+2 threads), timed three times in one process:
 
     base         an engine without enable_lora
     lora-base    an engine with enable_lora and max_loras adapters loaded, every request on the base model
@@ -68,9 +69,11 @@ def write_random_adapter(
 
 def _build(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> tuple[Any, float]:
     from vframe import LLM
+    from vframe.core.worker.model_runner import default_dtype_name
 
     t0 = time.perf_counter()
-    llm = LLM(**({"dtype": "bfloat16"} | engine_kwargs | {"model": args.model}))
+    dtype = default_dtype_name(engine_kwargs.get("device") or "auto")
+    llm = LLM(**({"dtype": dtype} | engine_kwargs | {"model": args.model}))
     return llm, time.perf_counter() - t0
 
 

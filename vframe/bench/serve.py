@@ -321,7 +321,9 @@ def run_bench_serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> 
             print(f"note: engine settings {sorted(engine_kwargs)} are ignored with --base-url", file=sys.stderr)
         results = asyncio.run(_bench(args, args.base_url.rstrip("/"), prompts))
     else:
-        engine_kwargs.setdefault("dtype", "bfloat16")
+        from vframe.core.worker.model_runner import default_dtype_name
+
+        engine_kwargs.setdefault("dtype", default_dtype_name(engine_kwargs.get("device") or "auto"))
         engine_kwargs.setdefault("num_threads", args.threads)
         engine_kwargs.setdefault("enable_prefix_caching", False)
         with started_server(args.model, engine_kwargs, getattr(args, "config_file", None)) as base_url:

@@ -36,9 +36,11 @@ def _run(args: argparse.Namespace, engine_kwargs: dict[str, Any], caching: bool)
     import torch
 
     from vframe import LLM, SamplingParams
+    from vframe.core.worker.model_runner import default_dtype_name
 
     torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, **{"dtype": "bfloat16", **engine_kwargs, "enable_prefix_caching": caching})
+    dtype = default_dtype_name(engine_kwargs.get("device") or "auto")
+    llm = LLM(model=args.model, **{"dtype": dtype, **engine_kwargs, "enable_prefix_caching": caching})
     engine = llm.llm_engine
     prompts = shared_prefix_prompts(
         engine.vocab_size, set(engine.tokenizer.all_special_ids), args.num_prompts, args.prefix_len

@@ -79,8 +79,10 @@ def run_vframe(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Resul
 
     from vframe import LLM
 
+    from vframe.core.worker.model_runner import default_dtype_name
+
     torch.set_num_threads(args.threads)
-    engine_kwargs.setdefault("dtype", "bfloat16")
+    engine_kwargs.setdefault("dtype", default_dtype_name(engine_kwargs.get("device") or "auto"))
     t0 = time.perf_counter()
     llm = LLM(**(engine_kwargs | {"model": args.model}))  # --model is also an engine setting
     startup = time.perf_counter() - t0
@@ -173,12 +175,14 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> i
         results.append(run_vframe(args, dict(engine_kwargs)))
         print_result(results[-1])
     if args.backend in ("hf", "both"):
-        dtype = engine_kwargs.get("dtype") or "bfloat16"
+        import torch
+
+        from vframe.core.worker.model_runner import default_dtype_name
+
         device = engine_kwargs.get("device") or "auto"
         if device == "auto":
-            import torch
-
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = engine_kwargs.get("dtype") or default_dtype_name(device)
         results.append(run_hf(args, dtype, device))
         print_result(results[-1])
     if len(results) == 2:

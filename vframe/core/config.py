@@ -44,8 +44,9 @@ class ModelSection(BaseModel):
     tokenizer: str | None = Field(None, description="tokenizer directory; defaults to the model's")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="weights and activations; auto = the model's (bfloat16 for GGUF); vLLM's aliases "
-        "half (float16) and float (float32) and torch dtypes are accepted",
+        description="weights and activations; auto = the model's (bfloat16 for GGUF), but float32 on a CPU "
+        "without native bfloat16 (no AVX-512 or AMX); vLLM's aliases half (float16) and float (float32) and "
+        "torch dtypes are accepted",
     )
     max_model_len: int | None = Field(None, ge=1, description="context length; defaults to the model's")
     seed: int = Field(
