@@ -62,6 +62,7 @@ def test_builtin_entries_are_registered_as_lazy_strings():
             "torch": ("vframe.backends.torch_attn:TorchAttentionBackend", "builtin"),
             "triton": ("vframe.backends.triton.backend:TritonAttentionBackend", "builtin"),
             "flash_attn": ("vframe.backends.flash_attn.backend:FlashAttentionBackend", "builtin"),
+            "flex": ("vframe.backends.flex.backend:FlexAttentionBackend", "builtin"),
         },
         "scheduler": {"default": ("vframe.core.sched.scheduler:DefaultScheduler", "builtin")},
         "kv_cache_manager": {
@@ -179,7 +180,7 @@ BROKEN = {
     ),
     "oldapi": (
         'VFRAME_PLUGIN_API = "0.3"\n',
-        "plugin 'oldapi' was written for vframe plugin API 0.x, but this vframe provides 1.4",
+        "plugin 'oldapi' was written for vframe plugin API 0.x, but this vframe provides 1.5",
     ),
     "wrapper": (
         """

@@ -23,9 +23,9 @@ def vframe_register_attention_backends(register):
 """
 
 
-def test_running_version_is_1_4():
-    assert vframe.PLUGIN_API_VERSION == "1.4"
-    assert parse_api_version(vframe.PLUGIN_API_VERSION) == (1, 4)
+def test_running_version_is_1_5():
+    assert vframe.PLUGIN_API_VERSION == "1.5"
+    assert parse_api_version(vframe.PLUGIN_API_VERSION) == (1, 5)
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ def test_parse_api_version(value, parsed):
     assert parse_api_version(value) == parsed
 
 
-@pytest.mark.parametrize("declared", ['"1.0"', '"1.1"', '"1.2"', '"1.3"', '"1.4"', '"1"'])
+@pytest.mark.parametrize("declared", ['"1.0"', '"1.1"', '"1.2"', '"1.3"', '"1.4"', '"1.5"', '"1"'])
 def test_same_major_and_lower_or_equal_minor_loads(installed, declared):
     installed("acme", ACME.format(declared=declared))
     assert get_registry("attention_backend").get("acme").source == "acme"
@@ -51,29 +51,29 @@ def test_same_major_and_lower_or_equal_minor_loads(installed, declared):
     [
         (
             '"1.9"',
-            "plugin 'acme' needs vframe plugin API 1.9, but this vframe provides 1.4; "
+            "plugin 'acme' needs vframe plugin API 1.9, but this vframe provides 1.5; "
             "upgrade vframe (or install an older release of the plugin)",
         ),
         (
             '"2.0"',
-            "plugin 'acme' needs vframe plugin API 2.0, but this vframe provides 1.4; "
+            "plugin 'acme' needs vframe plugin API 2.0, but this vframe provides 1.5; "
             "upgrade vframe (or install an older release of the plugin)",
         ),
         (
             '"0.9"',
-            "plugin 'acme' was written for vframe plugin API 0.x, but this vframe provides 1.4, "
+            "plugin 'acme' was written for vframe plugin API 0.x, but this vframe provides 1.5, "
             "which is not compatible with it; install a release of the plugin made for plugin "
             "API 1.x (docs/plugins.md lists what changed)",
         ),
         (
             '"latest"',
             "plugin 'acme' declares VFRAME_PLUGIN_API='latest', which is not a 'MAJOR.MINOR' "
-            "version string such as '1.4'",
+            "version string such as '1.5'",
         ),
         (
             "1.2",  # a float, not a string: 1.10 and 1.1 would be the same number
             "plugin 'acme' declares VFRAME_PLUGIN_API=1.2, which is not a 'MAJOR.MINOR' "
-            "version string such as '1.4'",
+            "version string such as '1.5'",
         ),
     ],
 )
@@ -87,7 +87,7 @@ def test_incompatible_declaration_is_skipped_with_its_message(installed, declare
     with pytest.raises(PluginError) as e:
         get_registry("attention_backend").load("acme")
     assert str(e.value).startswith(
-        f"unknown attention backend 'acme'; known: flash_attn, torch, triton; plugin 'acme' provides it but was skipped: {message}"
+        f"unknown attention backend 'acme'; known: flash_attn, flex, torch, triton; plugin 'acme' provides it but was skipped: {message}"
     )
 
 
@@ -103,7 +103,7 @@ def test_unknown_name_lists_plugins_that_failed_to_import(installed):
         get_registry("attention_backend").load("acme")
     message = str(e.value)
     assert message.startswith(
-        "unknown attention backend 'acme'; known: flash_attn, torch, triton; skipped plugins (one may provide it): "
+        "unknown attention backend 'acme'; known: flash_attn, flex, torch, triton; skipped plugins (one may provide it): "
         "acme: cannot import 'vframe_test_plugin_acme_"
     )
     assert "ModuleNotFoundError: No module named 'acme_attention_cuda_extension_missing'" in message
@@ -113,7 +113,7 @@ def test_unknown_name_names_installed_plugins_left_out_by_the_allow_list(install
     installed("acme", ACME.format(declared='"1.2"'))
     monkeypatch.setenv("VFRAME_PLUGINS", "")
     with pytest.raises(PluginError, match=(
-        r"unknown attention backend 'acme'; known: flash_attn, torch, triton; installed but not in the plugin "
+        r"unknown attention backend 'acme'; known: flash_attn, flex, torch, triton; installed but not in the plugin "
         r"allow-list \(VFRAME_PLUGINS / plugins setting\): acme"
     )):
         get_registry("attention_backend").load("acme")
@@ -123,7 +123,7 @@ def test_unknown_name_without_skipped_plugins_has_no_hint():
     with pytest.raises(PluginError) as e:
         get_registry("attention_backend").load("acme")
     assert str(e.value) == (
-        "unknown attention backend 'acme'; known: flash_attn, torch, triton "
+        "unknown attention backend 'acme'; known: flash_attn, flex, torch, triton "
         "(`vframe plugins` lists installed plugins and why any were skipped)"
     )
 
@@ -153,7 +153,7 @@ def test_loaded_plugin_lists_its_hooks(installed):
     ("setting", "message"),
     [
         ({"scheduling_policy": "sjff"}, "unknown scheduling policy 'sjff'; known: fcfs, priority"),
-        ({"attention_backend": "acme"}, "unknown attention backend 'acme'; known: flash_attn, torch, triton"),
+        ({"attention_backend": "acme"}, "unknown attention backend 'acme'; known: flash_attn, flex, torch, triton"),
         ({"sampler": "nope"}, "unknown sampler 'nope'; known: default"),
     ],
 )

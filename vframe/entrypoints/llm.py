@@ -186,9 +186,15 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations,
-        formatted with the tokenizer's chat template."""
+        formatted with the tokenizer's chat template.
+
+        A message's ``content`` is a string or, as in the OpenAI API, a list of
+        ``{"type": "text", "text": ...}`` parts (joined by newlines, as the server
+        does). ``tools`` (OpenAI function tools) go to the template's ``tools``
+        variable; a template that does not use them renders as without them."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise InvalidRequestError("chat() needs a tokenizer; do not set skip_tokenizer_init")
@@ -196,8 +202,9 @@ class LLM:
         prompts: list[PromptType] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                conversation,
+                [_with_text_content(m) for m in conversation],
                 chat_template=chat_template,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
@@ -273,6 +280,22 @@ class LLM:
 
     def get_stats(self) -> dict[str, float]:
         return self.llm_engine.get_stats()
+
+
+def _with_text_content(message: Message) -> Message:
+    """``message`` with a list of text parts as ``content`` turned into one string."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(
+                f"chat(): message content part {part!r} is not supported; vframe serves text-only models, "
+                "so each part must be {'type': 'text', 'text': str}"
+            )
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _progress_bar(total: int):

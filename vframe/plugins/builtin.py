@@ -27,6 +27,7 @@ def vframe_register_attention_backends(register: RegisterFn) -> None:
     register("torch", "vframe.backends.torch_attn:TorchAttentionBackend")
     register("triton", "vframe.backends.triton.backend:TritonAttentionBackend")
     register("flash_attn", "vframe.backends.flash_attn.backend:FlashAttentionBackend")
+    register("flex", "vframe.backends.flex.backend:FlexAttentionBackend")
 
 
 @hookimpl
@@ -71,3 +72,9 @@ def vframe_register_quantizers(register: RegisterFn) -> None:
 @hookimpl
 def vframe_register_lora_kernels(register: RegisterFn) -> None:
     register("torch", "vframe.lora.ops:add_lora")
+
+
+@hookimpl
+def vframe_register_tool_parsers(register: RegisterFn) -> None:
+    register("hermes", "vframe.entrypoints.openai.tool_parsers:HermesToolParser")
+    register("llama3_json", "vframe.entrypoints.openai.tool_parsers:Llama3JsonToolParser")

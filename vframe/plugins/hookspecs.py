@@ -131,6 +131,13 @@ def vframe_register_lora_kernels(register: RegisterFn) -> None:
     ``vframe.testing.check_lora_kernel`` (built-in: ``torch``, ``vframe.lora.ops:add_lora``)."""
 
 
+@hookspec
+def vframe_register_tool_parsers(register: RegisterFn) -> None:
+    """Register ``vframe.entrypoints.openai.tool_parsers.ToolParser`` subclasses, which
+    read the tool calls a model wrote in its reply; selected by ``vframe serve
+    --tool-call-parser NAME`` (built-in: ``hermes``, ``llama3_json``). Since plugin API 1.5."""
+
+
 # --------------------------------------------------------------------------- #
 # Lifecycle hooks
 # --------------------------------------------------------------------------- #
@@ -191,6 +198,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "vframe_register_logits_processors": "logits_processor",
     "vframe_register_structured_output_backends": "structured_output",
     "vframe_register_lora_kernels": "lora_kernel",
+    "vframe_register_tool_parsers": "tool_parser",
 }
 
 LIFECYCLE_HOOKS: tuple[str, ...] = (

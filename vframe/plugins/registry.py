@@ -31,6 +31,7 @@ Kind = Literal[
     "logits_processor",
     "structured_output",
     "lora_kernel",
+    "tool_parser",
 ]
 
 BUILTIN = "builtin"
@@ -51,6 +52,7 @@ _KINDS: dict[str, tuple[str, str | None]] = {
         "vframe.core.sample.structured:StructuredOutputBackend",
     ),
     "lora_kernel": ("LoRA kernel", None),  # a function typed against vframe.lora.ops:LoRAKernel
+    "tool_parser": ("tool-call parser", "vframe.entrypoints.openai.tool_parsers:ToolParser"),
 }
 KINDS: tuple[str, ...] = tuple(_KINDS)
 

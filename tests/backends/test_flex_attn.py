@@ -1,0 +1,111 @@
+"""The FlexAttention backend (``flex``): the conformance kit, greedy tokens
+against the torch backend, its refusals, and that listing it imports no
+``flex_attention``. It runs ``flex_attention`` eagerly (see its module
+docstring), so it runs on the CPU too."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vframe.backends.flex.backend import FlexAttentionBackend
+from vframe.testing.attention import check_attention_backend
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conforms_quick(dtype: torch.dtype) -> None:
+    # NaN-filled unused slots, random block tables, GQA 4 and 3, MQA, cached prefixes, mixed steps
+    check_attention_backend("flex", dtype=dtype, quick=True)
+
+
+def test_conforms_full_float32() -> None:
+    # every case (MHA, sliding window, custom scale ...), head sizes 32-256 and 80, block sizes 16, 32: ~15 s
+    check_attention_backend("flex", dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@cuda
+def test_conforms_on_the_gpu() -> None:
+    check_attention_backend("flex", dtype=torch.bfloat16, device="cuda")
+
+
+def test_refusals_say_why() -> None:
+    reasons = FlexAttentionBackend.validate_configuration(
+        head_size=64, dtype=torch.float16, device="cpu", block_size=8, use_mla=True
+    )
+    assert len(reasons) == 3
+    assert "no multi-head latent attention" in reasons[0]
+    assert "float16 on the CPU" in reasons[1]
+    assert "block_size 8" in reasons[2] and "16, 32, 64, 128" in reasons[2]
+    assert FlexAttentionBackend.validate_configuration(
+        head_size=64, dtype=torch.bfloat16, device="cpu", block_size=16
+    ) == []
+    assert FlexAttentionBackend.check_available() == []
+
+
+def test_listing_the_backend_imports_no_flex_attention() -> None:
+    code = (
+        "import sys, torch, vframe\n"
+        "from vframe.plugins import get_registry\n"
+        "cls = get_registry('attention_backend').load('flex')\n"
+        "assert cls.check_available() == []\n"
+        "cls.validate_configuration(head_size=64, dtype=torch.float32, device='cpu', block_size=16)\n"
+        "assert 'torch.nn.attention.flex_attention' not in sys.modules, 'flex_attention imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _greedy_tokens(attention_backend: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from vframe import LLM, SamplingParams
+
+    llm = LLM(attention_backend=attention_backend, dtype="float32", num_threads=2, num_gpu_blocks_override=16)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_tokens_equal_the_torch_backend() -> None:
+    prompts = ["The capital of France is", "def add(a, b):"]
+    assert _greedy_tokens("flex", prompts, 4) == _greedy_tokens("torch", prompts, 4)
+
+
+def test_a_shared_prefix_block_matches_the_torch_backend() -> None:
+    # r0 and r1 both hold physical block 2 as their first (prefix-cached) block;
+    # r0 decodes position 19 (blocks [2, 4]), r1 prefills positions 16..18 (blocks [2, 5]).
+    from vframe.backends.flex.backend import FlexAttentionImpl, FlexAttentionMetadata
+    from vframe.backends.torch_attn import TorchAttentionImpl
+    from vframe.core.interfaces import CommonAttentionMetadata
+
+    torch.manual_seed(0)
+    bs, kvh, h, d, num_blocks = 16, 2, 4, 32, 6
+    cache = torch.full((2, num_blocks, bs, kvh, d), float("nan"))
+    cache[:, 2] = torch.randn(2, bs, kvh, d)  # the shared prefix
+    cache[:, 4, :3] = torch.randn(2, 3, kvh, d)  # r0's positions 16..18
+    slots = [4 * bs + 3, 5 * bs + 0, 5 * bs + 1, 5 * bs + 2]
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([20, 19], dtype=torch.int32),
+        context_lens=torch.tensor([19, 16], dtype=torch.int32),
+        block_table=torch.tensor([[2, 4], [2, 5]], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        num_reqs=2,
+        num_actual_tokens=4,
+        max_query_len=3,
+        max_seq_len=20,
+        block_size=bs,
+        query_start_loc_cpu=[0, 1, 4],
+        seq_lens_cpu=[20, 19],
+    )
+    q, k, v = torch.randn(4, h, d), torch.randn(4, kvh, d), torch.randn(4, kvh, d)
+    for window in (None, 5):
+        flex_cache, torch_cache = cache.clone(), cache.clone()
+        got = FlexAttentionImpl(h, d, d**-0.5, kvh, sliding_window=window).forward(
+            q, k, v, flex_cache, FlexAttentionMetadata.from_common(common)
+        )
+        want = TorchAttentionImpl(h, d, d**-0.5, kvh, sliding_window=window).forward(q, k, v, torch_cache, common)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(flex_cache, torch_cache, equal_nan=True)
