@@ -340,6 +340,37 @@ def test_multimodal_prompt_keys_are_refused_not_ignored(llm_fp32):
     )
 
 
+def test_legacy_prompt_token_ids_keyword_generates_as_token_prompts(llm_fp32, tokenizer):
+    ids = tokenizer(PROMPT).input_ids
+    expected = llm_fp32.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    (one,) = llm_fp32.generate(sampling_params=GREEDY, prompt_token_ids=ids, use_tqdm=False)
+    two = llm_fp32.generate(sampling_params=GREEDY, prompt_token_ids=[ids, ids[:3]], use_tqdm=False)
+    assert one.outputs[0].token_ids == expected and one.prompt_token_ids == ids
+    assert [o.prompt_token_ids for o in two] == [ids, ids[:3]] and two[0].outputs[0].token_ids == expected
+
+
+def test_generate_refuses_both_or_neither_prompt_forms(llm_fp32):
+    with pytest.raises(InvalidRequestError, match=r"^pass prompts or prompt_token_ids to generate\(\), not both$"):
+        llm_fp32.generate(PROMPT, GREEDY, prompt_token_ids=[1, 2])
+    neither = r"^generate\(\) needs prompts \(or vLLM's legacy prompt_token_ids=\)$"
+    with pytest.raises(InvalidRequestError, match=neither):
+        llm_fp32.generate(sampling_params=GREEDY)
+
+
+def test_beam_search_concurrency_limit_gives_the_same_beams(llm_fp32):
+    from vframe.sampling_params import BeamSearchParams
+
+    prompts = [PROMPT, "def add(a, b):", "1, 2, 3,"]
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    together = llm_fp32.beam_search(prompts, params)
+    one_at_a_time = llm_fp32.beam_search(prompts, params, concurrency_limit=1)
+    beams = [[b.tokens for b in o.sequences] for o in one_at_a_time]
+    assert beams == [[b.tokens for b in o.sequences] for o in together]
+    assert len(one_at_a_time) == 3 and all(len(o.sequences) == 2 for o in one_at_a_time)
+    with pytest.raises(InvalidRequestError, match=r"^concurrency_limit must be a positive integer or None, got 0$"):
+        llm_fp32.beam_search(prompts, params, concurrency_limit=0)
+
+
 # --------------------------------------------------------------------------- #
 # the server's request models and flags (no server started)
 # --------------------------------------------------------------------------- #

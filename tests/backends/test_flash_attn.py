@@ -107,7 +107,8 @@ def test_long_context_decodes_match_the_reference_on_gpu(dtype: torch.dtype) -> 
     for b, n in enumerate(blocks):
         table[b, :n] = perm[start : start + n]
         start += n
-    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"), dtype=dtype, device="cuda")
+    shape = (2, num_blocks, block_size, num_kv_heads, head_size)
+    kv_cache = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
     keys = [torch.randn(n, num_kv_heads, head_size, device="cuda", dtype=dtype, generator=gen) for n in seq_lens]
     values = [torch.randn(n, num_kv_heads, head_size, device="cuda", dtype=dtype, generator=gen) for n in seq_lens]
     for b, n in enumerate(seq_lens):  # the context: every position but the last

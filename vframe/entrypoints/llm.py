@@ -57,15 +57,27 @@ class LLM:
 
     def generate(
         self,
-        prompts: PromptType | Sequence[PromptType],
+        prompts: PromptType | Sequence[PromptType] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        *,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
         ``lora_request``: one adapter for every prompt, or one (or ``None``) per
-        prompt (needs ``enable_lora=True``)."""
+        prompt (needs ``enable_lora=True``). ``prompt_token_ids``: vLLM's legacy
+        keyword, one list of token ids or a list of them, instead of ``prompts``."""
+        if prompt_token_ids is not None:
+            if prompts is not None:
+                raise InvalidRequestError("pass prompts or prompt_token_ids to generate(), not both")
+            ids = prompt_token_ids
+            prompts = [{"prompt_token_ids": ids}] if ids and isinstance(ids[0], int) else [
+                {"prompt_token_ids": list(p)} for p in ids
+            ]
+        elif prompts is None:
+            raise InvalidRequestError("generate() needs prompts (or vLLM's legacy prompt_token_ids=)")
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -86,20 +98,32 @@ class LLM:
         params: BeamSearchParams,
         use_tqdm: bool = False,
         lora_request: LoRARequest | None = None,
+        concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search over each prompt (transformers' ``num_beams`` semantics, see
         ``vframe/core/sample/beam_search.py``); per prompt the ``beam_width`` best
-        sequences, best first, whose ``tokens`` and ``text`` include the prompt (as in vLLM)."""
+        sequences, best first, whose ``tokens`` and ``text`` include the prompt (as in vLLM).
+        ``concurrency_limit``: at most this many prompts searched at once (vLLM's meaning;
+        ``None``: all of them)."""
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise InvalidRequestError(
+                f"concurrency_limit must be a positive integer or None, got {concurrency_limit!r}"
+            )
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         engine = self.llm_engine
         token_prompts = [engine.tokenize_prompt(p)[1] for p in prompts]
-        results = self._beam_search(
-            token_prompts, params.beam_width, params.max_tokens, params.ignore_eos,
-            params.length_penalty, params.early_stopping, lora_request,
-        )
+        chunk = concurrency_limit or max(1, len(token_prompts))
+        results = [
+            beams
+            for start in range(0, len(token_prompts), chunk)
+            for beams in self._beam_search(
+                token_prompts[start : start + chunk], params.beam_width, params.max_tokens, params.ignore_eos,
+                params.length_penalty, params.early_stopping, lora_request,
+            )
+        ]
         tokenizer = self.get_tokenizer()
         for beams in results:
             for beam in beams:
