@@ -72,3 +72,12 @@ def test_generation_config_defaults_fill_unset_fields_and_no_op_fields_are_accep
     body = {"messages": MESSAGES, "max_tokens": 5, "ignore_eos": True}
     explicit = compat_server.post("/v1/chat/completions", json=body).json()
     assert explicit["usage"]["completion_tokens"] == 5
+
+
+def test_ping_answers_as_health_does_for_get_and_post(compat_server: Server):
+    import httpx
+
+    # like /health, open without the API key (a load balancer's probe)
+    for method in ("GET", "POST"):
+        response = httpx.request(method, compat_server.base_url + "/ping", timeout=10)
+        assert (response.status_code, response.json()) == (200, {})

@@ -182,6 +182,9 @@ def build_app(
             return error_response(503, f"the engine is not running: {reason}")
         return JSONResponse({})
 
+    # vLLM's /ping (SageMaker's health check), GET and POST: the same answer as /health.
+    app.add_api_route("/ping", health, methods=["GET", "POST"], responses={503: {"model": ErrorResponse}})
+
     @app.get("/metrics", response_class=Response)
     async def prometheus_metrics() -> Response:
         """Prometheus text exposition (see docs/serving.md for every series)."""

@@ -23,7 +23,9 @@ from fastapi import HTTPException
 from vframe.entrypoints.openai.errors import error_response
 
 # Reachable without the API key: probes, scrapes and the API's own description.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+OPEN_PATHS = frozenset(
+    {"/health", "/ping", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+)
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
