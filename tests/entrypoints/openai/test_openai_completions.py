@@ -119,6 +119,19 @@ def test_logprobs_are_the_top_k_and_the_greedy_token_is_first(client: openai.Ope
         assert logprob <= 0.0
 
 
+def test_logprobs_0_gives_the_sampled_token_and_k_adds_it_to_the_top_k(client: openai.OpenAI):
+    zero = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0)
+    lp = zero.choices[0].logprobs
+    assert [list(top) for top in lp.top_logprobs] == [[token] for token in lp.tokens]
+    assert [top[t] for top, t in zip(lp.top_logprobs, lp.tokens)] == lp.token_logprobs
+    # sampled at a high temperature, a token outside the top 1 still comes with its own entry
+    hot = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=2.0, seed=5, logprobs=1)
+    hot_lp = hot.choices[0].logprobs
+    for token, logprob, top in zip(hot_lp.tokens, hot_lp.token_logprobs, hot_lp.top_logprobs):
+        assert top[token] == logprob and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in hot_lp.top_logprobs)  # this seed samples outside the top 1
+
+
 def test_max_tokens_null_generates_until_end_of_sequence(client: openai.OpenAI):
     out = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Say hi."}], temperature=0

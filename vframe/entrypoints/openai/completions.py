@@ -166,9 +166,11 @@ class _Run:
             token = chosen.decoded_token or ""
             result.tokens.append(token)
             result.token_logprobs.append(finite(chosen.logprob))
-            result.top_logprobs.append(
-                {(lp.decoded_token or ""): finite(lp.logprob) for _, lp in top_logprobs(entry, k)}
-            )
+            # the sampled token first, then the k most likely (vLLM's and OpenAI's shape:
+            # logprobs=0 gives the sampled token alone)
+            top = {token: finite(chosen.logprob)}
+            top.update({(lp.decoded_token or ""): finite(lp.logprob) for _, lp in top_logprobs(entry, k)})
+            result.top_logprobs.append(top)
             result.text_offset.append(text_offset)
             text_offset += len(token)
         return result
