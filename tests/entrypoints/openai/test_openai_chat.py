@@ -74,6 +74,14 @@ def test_chat_n_2_and_max_completion_tokens(client: openai.OpenAI):
     assert texts == {0: "The capital of", 1: "The capital of"}
     assert reasons == {0: "length", 1: "length"}
     assert roles == ["assistant", "assistant"]
+    # one choice per chunk, as vLLM streams: a client reading choices[0] sees every delta
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, n=2, max_tokens=3,
+                                                 stream=True))
+    assert all(len(c.choices) == 1 for c in chunks)
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert "".join(ch.delta.content or "" for ch in mine) == "The capital of"
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
 
 
 def test_chat_stop_string(client: openai.OpenAI):

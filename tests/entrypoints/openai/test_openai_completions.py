@@ -69,6 +69,10 @@ def test_n_2_gives_two_choices_streamed_and_not(client: openai.OpenAI):
     texts, reasons, _ = stream_text(stream)
     assert texts == {0: " Paris.\n\nThe answer", 1: " Paris.\n\nThe answer"}
     assert reasons == {0: "length", 1: "length"}
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, n=2,
+                                            stream=True))
+    assert all(len(c.choices) == 1 for c in chunks)  # one choice per chunk, as vLLM streams
+    assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == 1) == " Paris.\n\nThe answer"
 
 
 def test_seeded_sampling_is_reproducible_and_n_sequences_differ(client: openai.OpenAI):

@@ -113,12 +113,10 @@ class _Run:
         num_tokens = 0
         unfinished = set(range(self.request.n))
         try:
-            yield sse(
-                self._chunk(
-                    [ChatChunkChoice(index=j, delta=ChatDelta(role="assistant", content="")) for j in range(self.request.n)],
-                    num_tokens,
-                )
-            )
+            # one choice per chunk, as vLLM streams (clients that read choices[0] see every delta)
+            for j in range(self.request.n):
+                role = ChatChunkChoice(index=j, delta=ChatDelta(role="assistant", content=""))
+                yield sse(self._chunk([role], num_tokens))
             async with contextlib.aclosing(self.generation.outputs()) as outputs:
                 async for _, output in outputs:
                     chunk_choices = []
@@ -138,12 +136,11 @@ class _Run:
                                 stop_reason=completion.stop_reason,
                             )
                         )
-                    if chunk_choices:
-                        yield sse(self._chunk(chunk_choices, num_tokens))
-            if self.generation.aborted and unfinished:
-                yield sse(
-                    self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason="abort") for i in sorted(unfinished)])
-                )
+                    for choice in chunk_choices:
+                        yield sse(self._chunk([choice], num_tokens))
+            if self.generation.aborted:
+                for i in sorted(unfinished):
+                    yield sse(self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason="abort")]))
         except Exception as e:  # the engine died mid-stream: tell the client in-band
             yield sse_error(e)
         else:

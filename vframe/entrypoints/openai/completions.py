@@ -136,11 +136,12 @@ class _Run:
                                 stop_reason=completion.stop_reason,
                             )
                         )
-                    if chunk_choices:
-                        usage = self._usage(num_tokens) if self.request.include_continuous_usage else None
-                        yield sse(self._chunk(chunk_choices, usage=usage))
-            if self.generation.aborted and unfinished:
-                yield sse(self._chunk([CompletionChoice(index=i, text="", finish_reason="abort") for i in sorted(unfinished)]))
+                    usage = self._usage(num_tokens) if self.request.include_continuous_usage else None
+                    for choice in chunk_choices:  # one choice per chunk, as vLLM streams
+                        yield sse(self._chunk([choice], usage=usage))
+            if self.generation.aborted:
+                for i in sorted(unfinished):
+                    yield sse(self._chunk([CompletionChoice(index=i, text="", finish_reason="abort")]))
         except Exception as e:  # the engine died mid-stream: tell the client in-band
             yield sse_error(e)
         else:
