@@ -418,3 +418,57 @@ def test_extra_args_are_kept_for_plugins_and_unknown_fields_are_type_errors():
     assert str(error.value) == "SamplingParams.extra_args=[1] is invalid: must be a dict or None"
     with pytest.raises(TypeError, match="unexpected keyword argument 'flat_logprobs'"):
         SamplingParams(flat_logprobs=True)
+
+
+# --------------------------------------------------------------------------- #
+# vLLM's helpers: get_tokenizer, cleanup_dist_env_and_memory
+# --------------------------------------------------------------------------- #
+
+
+def test_get_tokenizer_loads_what_the_engine_loads(llm_fp32, smollm):
+    from vframe.tokenizers import get_tokenizer
+
+    engine_ids = llm_fp32.get_tokenizer()(PROMPT).input_ids
+    assert get_tokenizer()(PROMPT).input_ids == engine_ids
+    assert get_tokenizer(smollm.gguf_file, tokenizer_mode="slow")(PROMPT).input_ids == engine_ids
+    assert get_tokenizer(str(smollm.model_dir), trust_remote_code=True)(PROMPT).input_ids == engine_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not supported; use 'auto', 'slow' or 'hf'"),
+        ({"revision": "main"}, "revision='main' is not supported: vframe reads local files only"),
+        ({"use_fast": False}, "get_tokenizer() does not take use_fast"),
+    ],
+)
+def test_get_tokenizer_refuses_what_it_cannot_honour(kwargs, message):
+    from vframe.tokenizers import get_tokenizer
+
+    with pytest.raises(ConfigError) as error:
+        get_tokenizer(None, **kwargs)
+    assert str(error.value) == message
+
+
+def test_cleanup_dist_env_and_memory_collects_what_is_left_of_deleted_objects():
+    import gc
+    import weakref
+
+    from vframe.distributed import cleanup_dist_env_and_memory
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle: only the garbage collector frees it
+    left = weakref.ref(a)
+    gc.disable()  # only the cleanup may collect
+    try:
+        del a, b
+        assert left() is not None
+        cleanup_dist_env_and_memory()
+    finally:
+        gc.enable()
+    assert left() is None
+    with pytest.raises(ValueError, match="^shutdown_ray=True: vframe does not use Ray$"):
+        cleanup_dist_env_and_memory(shutdown_ray=True)
