@@ -48,7 +48,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, code:
         ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
         ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs=true"),
         ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream=true"),
-        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools.0.function", "Field required"),
         ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "not supported"),
     ],
 )

@@ -70,7 +70,7 @@ def max_health_latency(server: Server, work) -> tuple[float, object]:
         ("/tokenize", {"chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
          "chat_template_kwargs.chat_template", "--trust-request-chat-template"),
         ("/v1/chat/completions", {"chat_template_kwargs": {"tools": [{"type": "function"}]}},
-         "chat_template_kwargs", "tool calling is not supported"),
+         "chat_template_kwargs", "send the tools in the request's tools field"),
         ("/v1/chat/completions", {"chat_template_kwargs": {"tokenize": True}},
          "chat_template_kwargs", "may not set ['tokenize']"),
     ],
@@ -266,8 +266,9 @@ def test_openapi_spec_states_the_constraints(server: Server):
 
     chat = spec["ChatCompletionRequest"]["properties"]
     assert chat["logprobs"]["type"] == "boolean"
-    assert chat["tools"]["anyOf"][0]["maxItems"] == 0
-    assert set(chat["tool_choice"]["anyOf"][0]["enum"]) == {"none", "auto"}
+    assert chat["tools"]["anyOf"][0]["items"] == {"$ref": "#/components/schemas/ChatTool"}
+    assert set(chat["tool_choice"]["anyOf"][0]["enum"]) == {"none", "auto", "required"}
+    assert chat["tool_choice"]["anyOf"][1] == {"$ref": "#/components/schemas/NamedToolChoice"}
     assert "needs logprobs=true" in chat["top_logprobs"]["description"]
     assert "--trust-request-chat-template" in chat["chat_template"]["description"]
     assert "only with stream=true" in chat["stream_options"]["description"]

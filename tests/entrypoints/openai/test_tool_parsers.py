@@ -11,7 +11,8 @@ from vframe.plugins import get_registry
 def calls_of(parser: ToolParser, text: str) -> tuple[str | None, list[tuple[str, dict]]]:
     content, calls = parser.extract_tool_calls(text)
     for call in calls:
-        assert call.id.startswith("call_") and len(call.id) == 29 and call.type == "function"
+        assert call.id.startswith("chatcmpl-tool-") and len(call.id) == len("chatcmpl-tool-") + 32
+        assert call.type == "function"
     return content, [(c.name, json.loads(c.arguments)) for c in calls]
 
 
@@ -61,3 +62,25 @@ def test_llama3_json_reads_calls_after_the_python_tag_joined_by_semicolons():
 )
 def test_llama3_json_leaves_other_text_as_content(text):
     assert calls_of(Llama3JsonToolParser(), text) == (text, [])
+
+
+@pytest.mark.parametrize(
+    ("text", "end"),
+    [
+        ("Let me check.", 13),
+        ("Let me check.\n", 13),  # trailing whitespace may come before a call
+        ("Let me check. <tool", 13),  # may grow into <tool_call>
+        ("Let me check. <b>", 17),
+        ('Let me check.\n<tool_call>{"na', 13),
+        ("<tool_call>", 0),
+    ],
+)
+def test_hermes_content_end_holds_back_what_may_become_a_call(text, end):
+    assert HermesToolParser().content_end(text) == end
+
+
+@pytest.mark.parametrize(
+    ("text", "end"), [("", 0), ("  ", 0), (" {", 0), ("<|python", 0), ("<|python_tag|>{", 0), (" Paris", 6)]
+)
+def test_llama3_json_content_end_streams_a_reply_that_cannot_be_a_call(text, end):
+    assert Llama3JsonToolParser().content_end(text) == end

@@ -53,6 +53,7 @@ from vframe.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from vframe.entrypoints.openai.serving import ServingContext
+from vframe.entrypoints.openai.tools import tool_dicts
 from vframe.errors import ConfigError
 from vframe.lora.request import LoRARequest
 from vframe.version import __version__
@@ -90,7 +91,8 @@ def build_app(
         lora_requests,
     )
     ctx = ServingContext(
-        engine, models, metrics, policy.trust_request_chat_template, policy.enable_prompt_tokens_details
+        engine, models, metrics, policy.trust_request_chat_template, policy.enable_prompt_tokens_details,
+        policy.tool_calling,
     )
 
     @asynccontextmanager
@@ -150,14 +152,17 @@ def build_app(
         if (request.prompt is None) == (request.messages is None):
             raise APIError.bad_request("give exactly one of prompt and messages", param="prompt")
         if request.prompt is not None:
+            if request.tools:
+                raise APIError.bad_request("tools go with messages (the chat template renders them)", param="tools")
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
             [prompt] = await ctx.prompts.texts([request.prompt], add_special_tokens=add_special)
             ids = prompt.token_ids
         else:
             assert request.messages is not None
+            tools = tool_dicts(request.tools) if request.tools else None
             prompt = await ctx.prompts.chat(
                 request.messages, request.add_generation_prompt, request.continue_final_message,
-                request.chat_template_kwargs, request.chat_template,
+                request.chat_template_kwargs, request.chat_template, tools,
             )
             ids = prompt.token_ids
             if request.add_special_tokens:

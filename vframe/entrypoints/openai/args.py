@@ -6,6 +6,10 @@ import argparse
 import json
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vframe.entrypoints.openai.tools import ToolCallingConfig
 
 DEFAULT_PORT = 8000
 # Big enough for a full 131,072-token context sent as token ids (about 7 bytes
@@ -26,9 +30,13 @@ class ServerPolicy:
     check_host: bool = False
     trust_request_chat_template: bool = False
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    tool_calling: ToolCallingConfig | None = None  # None: no --enable-auto-tool-choice, no parser
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, loopback: bool) -> ServerPolicy:
+        """Raises ``ConfigError`` for flags that do not go together."""
+        from vframe.entrypoints.openai.tools import ToolCallingConfig
+
         api_key = args.api_key or os.environ.get("VFRAME_API_KEY") or None
         hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()] if args.allowed_hosts else None
         return cls(
@@ -38,6 +46,9 @@ class ServerPolicy:
             check_host=hosts is not None or (loopback and api_key is None),
             trust_request_chat_template=args.trust_request_chat_template,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+            tool_calling=ToolCallingConfig.from_flags(
+                args.enable_auto_tool_choice, args.tool_call_parser, args.exclude_tools_when_tool_choice_none
+            ),
         )
 
 
@@ -133,3 +144,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     server.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    tools = parser.add_argument_group("tool calling (tools and tool_choice in chat requests)")
+    tools.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='serve tool_choice "auto" (the default with tools): the model decides, --tool-call-parser reads '
+        "its calls out of the text. Without it, such a request is a 400; required and named choices always work",
+    )
+    tools.add_argument(
+        "--tool-call-parser", default=None, metavar="NAME",
+        help="the tool_parser plugin that reads the model's calls (built in: hermes, llama3_json; "
+        "vframe plugins lists all)",
+    )
+    tools.add_argument(
+        "--exclude-tools-when-tool-choice-none", action="store_true",
+        help='with tool_choice "none", do not give the tools to the chat template (default: give them, as vLLM)',
+    )

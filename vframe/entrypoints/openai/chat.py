@@ -1,10 +1,10 @@
 """``POST /v1/chat/completions``: messages rendered with the model's chat template.
 
 A stream starts with one ``{"role": "assistant", "content": ""}`` delta per
-choice, then content deltas; the last delta of a choice carries its
-``finish_reason``; with ``stream_options.include_usage`` a final chunk with no
-choices carries the usage (and, with ``continuous_usage_stats``, every chunk the
-usage so far).
+choice, then content and tool-call deltas (``tools.py``); the last delta of a
+choice carries its ``finish_reason``; with ``stream_options.include_usage`` a
+final chunk with no choices carries the usage (and, with
+``continuous_usage_stats``, every chunk the usage so far).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from vframe.entrypoints.openai.serving import (
     top_logprobs,
     until_disconnected,
 )
+from vframe.entrypoints.openai.tools import ToolChoice
 
 
 async def create_chat_completion(
@@ -49,23 +50,34 @@ async def create_chat_completion(
 ) -> Response:
     arrival = time.perf_counter()
     model, lora_request = ctx.check_model(request.model)
+    tool_choice = ToolChoice.of(request, ctx.tool_calling)
     try:
         params = request.to_sampling_params(ctx.generation_defaults)
     except REQUEST_ERRORS as e:
         raise APIError.from_request_error(e, "messages") from e
+    calls_schema = tool_choice.structured_outputs()
+    if calls_schema is not None:
+        if params.structured_outputs is not None:
+            raise APIError.bad_request(
+                f"response_format cannot be combined with tool_choice {tool_choice.mode}: both constrain the reply; "
+                "drop one",
+                param="response_format",
+            )
+        params.structured_outputs = calls_schema
     prompt = await ctx.prompts.chat(
         request.messages,
         request.add_generation_prompt,
         request.continue_final_message,
         request.chat_template_kwargs,
         request.chat_template,
+        tool_choice.template_tools,
     )
     explicit = request.requested_max_tokens is not None
     ctx.check_length(prompt, params.max_tokens, explicit, "messages")
-    await ctx.prepare(params, "messages")
+    await ctx.prepare(params, "messages", "tools" if calls_schema is not None else "response_format")
     request_id = ctx.new_id("chatcmpl")
     generation = await ctx.start(request_id, [prompt], params, request.priority, "messages", arrival, lora_request)
-    run = _Run(request, model, request_id, generation)
+    run = _Run(request, model, request_id, generation, tool_choice)
     if request.stream:
         return ClosingStreamingResponse(run.stream(), on_close=generation.close)
     try:
@@ -77,8 +89,12 @@ async def create_chat_completion(
 class _Run:
     """One chat request in flight and how to answer it."""
 
-    def __init__(self, request: ChatCompletionRequest, model: str, request_id: str, generation: Generation) -> None:
+    def __init__(
+        self, request: ChatCompletionRequest, model: str, request_id: str, generation: Generation,
+        tool_choice: ToolChoice,
+    ) -> None:
         self.request = request
+        self.tool_choice = tool_choice
         self.model = model
         self.request_id = request_id
         self.generation = generation
@@ -91,20 +107,23 @@ class _Run:
             async for _, output in outputs:
                 for completion in output.outputs:
                     choices[completion.index].add(completion)
+        answers = []
+        for index, choice in sorted(choices.items()):
+            reply = self.tool_choice.reply(choice.text, choice.finish_reason)
+            answers.append(
+                ChatCompletionChoice(
+                    index=index,
+                    message=ChatResponseMessage(content=reply.content, tool_calls=reply.tool_calls),
+                    logprobs=self._logprobs(choice.logprobs),
+                    finish_reason=reply.finish_reason or "abort",  # none: the server aborted it
+                    stop_reason=choice.stop_reason,
+                )
+            )
         response = ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.model,
-            choices=[
-                ChatCompletionChoice(
-                    index=index,
-                    message=ChatResponseMessage(content=choice.text),
-                    logprobs=self._logprobs(choice.logprobs),
-                    finish_reason=choice.finish_reason or "abort",  # none: the server aborted it
-                    stop_reason=choice.stop_reason,
-                )
-                for index, choice in sorted(choices.items())
-            ],
+            choices=answers,
             usage=self.generation.usage(sum(c.num_tokens for c in choices.values())),
         )
         return JSONResponse(response.model_dump())
@@ -112,6 +131,7 @@ class _Run:
     async def stream(self) -> AsyncIterator[str]:
         num_tokens = 0
         unfinished = set(range(self.request.n))
+        replies = [self.tool_choice.stream() for _ in range(self.request.n)]
         try:
             # one choice per chunk, as vLLM streams (clients that read choices[0] see every delta)
             for j in range(self.request.n):
@@ -122,17 +142,25 @@ class _Run:
                     chunk_choices = []
                     for completion in output.outputs:
                         num_tokens += len(completion.token_ids)
-                        if not (completion.text or completion.finish_reason or completion.logprobs):
+                        reply = replies[completion.index]
+                        content, tool_calls = reply.add(completion.text)
+                        finish_reason = completion.finish_reason
+                        if finish_reason is not None:
+                            unfinished.discard(completion.index)
+                            rest, more_calls, finish_reason = reply.finish(finish_reason)
+                            content, tool_calls = content + rest, tool_calls + more_calls
+                        if not (content or tool_calls or finish_reason or completion.logprobs):
                             continue
                         pairs = zip(completion.token_ids, completion.logprobs or [])
-                        if completion.finish_reason is not None:
-                            unfinished.discard(completion.index)
                         chunk_choices.append(
                             ChatChunkChoice(
                                 index=completion.index,
-                                delta=ChatDelta(content=completion.text),
+                                delta=ChatDelta(
+                                    content=None if tool_calls and not content else content,
+                                    tool_calls=tool_calls or None,
+                                ),
                                 logprobs=self._logprobs(pairs),
-                                finish_reason=completion.finish_reason,
+                                finish_reason=finish_reason,
                                 stop_reason=completion.stop_reason,
                             )
                         )
@@ -140,7 +168,9 @@ class _Run:
                         yield sse(self._chunk([choice], num_tokens))
             if self.generation.aborted:
                 for i in sorted(unfinished):
-                    yield sse(self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason="abort")]))
+                    content, tool_calls, _ = replies[i].finish(None)  # what was held back for tool calls
+                    delta = ChatDelta(content=content or None, tool_calls=tool_calls or None)
+                    yield sse(self._chunk([ChatChunkChoice(index=i, delta=delta, finish_reason="abort")]))
         except Exception as e:  # the engine died mid-stream: tell the client in-band
             yield sse_error(e)
         else:

@@ -16,7 +16,7 @@ The model's template renders in a worker thread (see ``prompts.py``), never on
 the event loop. ``chat_template_kwargs`` become template variables;
 names that ``apply_chat_template`` itself takes (``tools``, ``tokenize``,
 ``return_dict`` ...) are refused, so that the request cannot change what the
-call returns or pass ``tools`` around the 400 for tool calling.
+call returns or pass ``tools`` around the request's ``tools`` and ``tool_choice``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def template_kwargs(
         param = "chat_template"
     if "tools" in variables:
         raise APIError.bad_request(
-            "chat_template_kwargs.tools: tool calling is not supported by vframe yet", param="chat_template_kwargs"
+            "chat_template_kwargs.tools: send the tools in the request's tools field (tool_choice says how "
+            "they are used)",
+            param="chat_template_kwargs",
         )
     reserved = sorted(set(variables) & _call_parameters(tokenizer))
     if reserved:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -91,15 +92,17 @@ class PromptBuilder:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Prompt:
         """The conversation rendered with the chat template, then tokenized (the
-        rendered text already holds the special tokens the template wants)."""
+        rendered text already holds the special tokens the template wants).
+        ``tools`` (OpenAI function tools) become the template's ``tools``."""
         if add_generation_prompt and continue_final_message:
             raise APIError.bad_request(
                 "add_generation_prompt and continue_final_message cannot both be true",
                 param="continue_final_message",
             )
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        conversation = [_template_message(i, m) for i, m in enumerate(messages)]
         self.check_chars(sum(len(m["content"]) for m in conversation), "messages")
         template, variables = template_kwargs(
             self._source, chat_template_kwargs, chat_template, self.trust_request_chat_template
@@ -108,6 +111,7 @@ class PromptBuilder:
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message,
             "chat_template": template,
+            **({"tools": tools} if tools else {}),
             **variables,
         }
         if template is None:
@@ -123,7 +127,7 @@ class PromptBuilder:
         [prompt] = await self.texts([text], add_special_tokens=False, field="messages")
         return prompt
 
-    def _render(self, conversation: list[dict[str, str]], options: dict[str, Any]) -> str:
+    def _render(self, conversation: list[dict[str, Any]], options: dict[str, Any]) -> str:
         try:
             return self._tokenizer().apply_chat_template(conversation, tokenize=False, **options)
         except Exception as e:  # jinja2 errors raised by the template itself ("roles must alternate")
@@ -134,6 +138,43 @@ class PromptBuilder:
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._in_worker(lambda: self._tokenizer().decode(token_ids))
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it. An assistant's call arguments, a JSON
+    string on the wire, become an object: tool-use templates expect one (vLLM does the same)."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            arguments = call.function.arguments
+            if isinstance(arguments, str):
+                arguments = _json_object(arguments)
+                if arguments is None:
+                    field = f"messages.{index}.tool_calls.{j}.function.arguments"
+                    raise APIError.bad_request(
+                        f"{field} must be a JSON object, as a string; got {call.function.arguments[:40]!r}",
+                        param=field,
+                    )
+            function = {"name": call.function.name, "arguments": arguments}
+            calls.append({"id": call.id, "type": call.type, "function": function})
+        rendered["tool_calls"] = calls
+    return rendered
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    """The object ``text`` holds ("" is ``{}``, as vLLM reads it), or None."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _rejected(error: Exception) -> APIError:

@@ -369,15 +369,36 @@ class TextContentPart(_Request):
     text: str
 
 
-class ChatMessage(BaseModel):
-    """One message. Only text content is supported; other fields a client may
-    echo back (``tool_calls``, ``refusal`` ...) are accepted and ignored."""
+class _Echoed(BaseModel):
+    """What a client sends back from an earlier response: other fields are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+
+
+class FunctionCallParam(_Echoed):
+    name: str
+    arguments: str | dict[str, Any] = Field(
+        "{}", description="a JSON object, as a string (OpenAI's shape) or an object; rendered as an object"
+    )
+
+
+class ToolCallParam(_Echoed):
+    """A call the assistant made, in an assistant message of the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class ChatMessage(_Echoed):
+    """One message. Only text content is supported; other fields a client may
+    echo back (``refusal``, ``audio`` ...) are accepted and ignored."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = Field(None, description="an assistant message's calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
 
     def text(self) -> str:
         if self.content is None:
@@ -392,8 +413,39 @@ _CHAT_TEMPLATE_HELP = (
     "--trust-request-chat-template"
 )
 _TEMPLATE_KWARGS_HELP = (
-    "vLLM extension: extra variables for the chat template; not 'tools' (unsupported), not the template "
-    "call's own arguments (tokenize, return_dict ...); 'chat_template' as for the top-level field"
+    "vLLM extension: extra variables for the chat template; not 'tools' (use the tools field), not the "
+    "template call's own arguments (tokenize, return_dict ...); 'chat_template' as for the top-level field"
+)
+
+
+class FunctionDefinition(_Request):
+    name: NonEmptyText
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = Field(None, description="accepted; forced calls always follow the schema")
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: NonEmptyText
+
+
+class NamedToolChoice(_Request):
+    """``{"type": "function", "function": {"name": ...}}``: call this function."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+_TOOL_CHOICE_HELP = (
+    "none: answer in text (the tools are still shown to the template, as vLLM); auto (the default with tools): "
+    "the model decides, read by the server's --tool-call-parser (needs --enable-auto-tool-choice); required: "
+    "one or more calls, decoded to follow the tools' schemas; a named function: one call of it, decoded to "
+    "follow its parameters schema"
 )
 
 
@@ -403,11 +455,11 @@ class ChatCompletionRequest(_GenerationRequest):
     max_tokens: int | None = Field(None, ge=1, description="deprecated name of max_completion_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs=true")
-    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = Field(
-        None, description="not supported (only empty)"
+    tools: list[ChatTool] | None = Field(None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description=_TOOL_CHOICE_HELP
     )
-    tool_choice: Literal["none", "auto"] | None = Field(None, description="only 'none' or 'auto' (no tools)")
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = Field(None, description="false: tool_choice required makes one call")
     add_generation_prompt: bool = Field(True, description="vLLM extension; not together with continue_final_message")
     continue_final_message: bool = Field(False, description="vLLM extension")
     chat_template: str | None = Field(None, description=_CHAT_TEMPLATE_HELP)
@@ -416,14 +468,13 @@ class ChatCompletionRequest(_GenerationRequest):
         None, description="accepted, no effect: vframe's models do not reason before answering"
     )
 
-    @field_validator("tools", "tool_choice", mode="before")
+    @field_validator("tool_choice", mode="before")
     @classmethod
-    def _no_tools(cls, value: Any, info: Any) -> Any:
-        if info.field_name == "tools" and value:
-            raise ValueError("tool calling is not supported by vframe yet")
-        if info.field_name == "tool_choice" and value not in (None, "none", "auto"):
-            raise ValueError(f"tool_choice={_short_repr(value)} needs tools, which are not supported")
-        return value
+    def _tool_choice_shape(cls, value: Any) -> Any:
+        ok = value in (None, "none", "auto", "required") or isinstance(value, dict)
+        return _check_union(
+            value, ok, '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        )
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -456,9 +507,21 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str = Field(description="a JSON object, as a string")
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="null when the reply is only tool calls")
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(_Response):
@@ -479,9 +542,24 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    """Part of the call ``index``: the first part has its ``id``, ``type`` and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):
@@ -535,6 +613,7 @@ class TokenizeRequest(_Body):
     continue_final_message: bool = False
     chat_template: str | None = Field(None, description=_CHAT_TEMPLATE_HELP)
     chat_template_kwargs: dict[str, Any] | None = Field(None, description=_TEMPLATE_KWARGS_HELP)
+    tools: list[ChatTool] | None = Field(None, description="with messages: tools for the chat template")
     return_token_strs: bool = False
 
 

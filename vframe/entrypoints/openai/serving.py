@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from vframe.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from vframe.entrypoints.openai.models import ServingModels
 from vframe.entrypoints.openai.prompts import Prompt, PromptBuilder
 from vframe.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
+from vframe.entrypoints.openai.tools import ToolCallingConfig
 from vframe.errors import ConfigError, PluginError
 from vframe.lora.request import LoRARequest
 
@@ -46,6 +48,7 @@ class ServingContext:
         metrics: ServerMetrics,
         trust_request_chat_template: bool = False,
         enable_prompt_tokens_details: bool = False,
+        tool_calling: ToolCallingConfig | None = None,
     ) -> None:
         if engine.tokenizer is None:
             raise ConfigError("the OpenAI server needs a tokenizer; do not set skip_tokenizer_init")
@@ -55,6 +58,7 @@ class ServingContext:
         self.metrics = metrics
         self.max_model_len = engine.max_model_len
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        self.tool_calling = tool_calling or ToolCallingConfig()
         # Sampling defaults from the model's generation_config (setting generation_config).
         self.generation_defaults = engine.generation_defaults
         self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len, trust_request_chat_template)
@@ -69,20 +73,29 @@ class ServingContext:
         lora = self.models.resolve(model)
         return (self.served_model_name if lora is None else lora.lora_name), lora
 
-    async def prepare(self, params: SamplingParams, prompt_field: str) -> None:
-        """Compile ``response_format`` into ``params`` in a worker thread, with a time bound."""
+    async def prepare(
+        self, params: SamplingParams, prompt_field: str, constraint_field: str = "response_format"
+    ) -> None:
+        """Compile the request's output constraint into ``params`` in a worker thread, with
+        a time bound. ``constraint_field``: the field it came from (``response_format``, or
+        ``tools`` for a tool_choice that forces calls), named in errors."""
         if params.structured_outputs is None:
             return
         try:
             await asyncio.wait_for(self.engine.compile_structured_output(params), GRAMMAR_TIMEOUT_S)
         except asyncio.TimeoutError as e:  # TimeoutError itself only from Python 3.11
             raise APIError.bad_request(
-                f"response_format: compiling its grammar took longer than {GRAMMAR_TIMEOUT_S:g} s; "
+                f"{constraint_field}: compiling its grammar took longer than {GRAMMAR_TIMEOUT_S:g} s; "
                 "simplify the schema",
-                param="response_format",
+                param=constraint_field,
             ) from e
         except REQUEST_ERRORS as e:
-            raise APIError.from_request_error(e, "response_format") from e
+            error = APIError.from_request_error(e, "response_format")
+            if constraint_field == "response_format" or error.param != "response_format":
+                raise error from e
+            name = f"{constraint_field} (the JSON schema of the calls)"
+            message = re.sub(r"^(response_format\.json_schema|structured_outputs)\b", name, error.message)
+            raise APIError.bad_request(message, param=constraint_field) from e
 
     def check_length(self, prompt: Prompt, max_tokens: int | None, explicit: bool, prompt_field: str) -> None:
         """OpenAI's rule: the prompt plus an explicitly requested ``max_tokens``

@@ -62,7 +62,7 @@ class TemplateSandbox:
         pool.submit(int)  # start the child now, not on the first request
         return pool
 
-    async def render(self, conversation: list[dict[str, str]], options: dict[str, Any]) -> str:
+    async def render(self, conversation: list[dict[str, Any]], options: dict[str, Any]) -> str:
         """The rendered text; raises ``TemplateTimeoutError`` past the time bound
         and ``TemplateRenderError`` for what the template itself raised."""
         future = asyncio.get_running_loop().run_in_executor(self._pool, _render, conversation, options)
@@ -123,7 +123,7 @@ def _init_child(tokenizer: Any) -> None:
     _child_tokenizer = tokenizer
 
 
-def _render(conversation: list[dict[str, str]], options: dict[str, Any]) -> tuple[str, str]:
+def _render(conversation: list[dict[str, Any]], options: dict[str, Any]) -> tuple[str, str]:
     """``("ok", text)``, ``("timeout", why)`` or ``("error", why)``: plain strings
     cross the process boundary whatever the template raised."""
     try:

@@ -13,20 +13,25 @@ OpenAI message fields: the text outside the calls (``content``) and the calls
 
 Text a parser cannot read as calls stays ``content``: a malformed call is never
 turned into a wrong one.
+
+Streaming: the server sends, as it comes, the part of the reply that
+``content_end`` says is surely content, and reads the calls out of the whole
+reply when it ends (``extract_tool_calls``); so a streamed reply adds up to the
+non-streamed one.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 
 def make_tool_call_id() -> str:
-    """An id in OpenAI's shape: ``call_`` and 24 random characters."""
-    return f"call_{secrets.token_hex(12)}"
+    """vLLM's shape: ``chatcmpl-tool-`` and 32 random hex digits."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 @dataclass
@@ -53,6 +58,13 @@ class ToolParser(ABC):
         """``(content, tool_calls)``: ``content`` is the text outside the calls
         (``None`` when there is none), ``tool_calls`` empty when the text holds no call."""
 
+    def content_end(self, text: str) -> int:
+        """How many leading characters of an unfinished reply are surely content,
+        whatever follows: what a stream may send before the reply ends. It must be
+        a prefix of the ``content`` that ``extract_tool_calls`` returns for any
+        continuation. The default, 0, holds the whole reply back until it ends."""
+        return 0
+
 
 def _call_from_json(obj: object, arguments_key: str) -> ToolCall | None:
     """A ToolCall from ``{"name": str, arguments_key: dict}``, or None if ``obj`` is not one."""
@@ -71,12 +83,20 @@ def _call_from_json(obj: object, arguments_key: str) -> ToolCall | None:
 
 class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (the closing tag
-    may be missing at the end of the reply, when generation stopped on it)."""
+    may be missing at the end of the reply, when generation stopped on it). The
+    content is the text before the first block, without trailing whitespace."""
 
+    START = "<tool_call>"
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 
+    def content_end(self, text: str) -> int:
+        start = text.find(self.START)
+        if start < 0:  # hold back an end that may grow into the start tag
+            start = len(text) - _partial_suffix(text, self.START)
+        return len(text[:start].rstrip())
+
     def extract_tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if "<tool_call>" not in text:
+        if self.START not in text:
             return text, []
         calls = []
         for body in self._BLOCK.findall(text):
@@ -87,7 +107,7 @@ class HermesToolParser(ToolParser):
             if call is None:
                 return text, []
             calls.append(call)
-        content = text[: text.index("<tool_call>")].strip()
+        content = text[: text.index(self.START)].rstrip()
         return content or None, calls
 
 
@@ -96,6 +116,12 @@ class Llama3JsonToolParser(ToolParser):
     by ``;``), optionally after ``<|python_tag|>``."""
 
     PYTHON_TAG = "<|python_tag|>"
+
+    def content_end(self, text: str) -> int:
+        body = text.lstrip()
+        if not body or body.startswith("{") or self.PYTHON_TAG.startswith(body[: len(self.PYTHON_TAG)]):
+            return 0  # may still become a call
+        return len(text)  # not a call: the whole reply is content
 
     def extract_tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = text.strip()
@@ -119,3 +145,11 @@ class Llama3JsonToolParser(ToolParser):
             while pos < len(body) and body[pos] in " \t\r\n;":
                 pos += 1
         return None, calls
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
