@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vframe.backends.cpu_paged import build
+from vframe.backends.cpu_paged.backend import CpuPagedAttentionBackend
 from vframe.backends.torch_attn import TorchAttentionBackend
 from vframe.core.config import EngineConfig
 from vframe.core.worker import model_runner
@@ -70,7 +72,14 @@ def test_auto_is_the_same_as_unset() -> None:
     assert EngineConfig.from_sources(env={"VFRAME_ATTENTION_BACKEND": "auto"}).attention.attention_backend is None
 
 
-def test_auto_on_cpu_is_torch() -> None:
+def test_auto_on_cpu_is_cpu_paged() -> None:
+    assert model_runner.AUTO_ATTENTION_BACKENDS["cpu"] == ["cpu_paged", "torch"]
+    assert _runner()._select_attention_backend() is CpuPagedAttentionBackend
+
+
+def test_auto_on_cpu_is_torch_where_cpu_paged_cannot_be_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    monkeypatch.setattr(build, "load_ops", build.load_ops.__wrapped__)  # no cached success
     assert _runner()._select_attention_backend() is TorchAttentionBackend
 
 

@@ -50,6 +50,7 @@ def test_builtin_entries_are_registered_as_lazy_strings():
         for kind in ("model", "attention_backend", "scheduler", "kv_cache_manager", "sampler", "model_runner")
     } == {
         "model": {
+            "BertModel": ("vframe.models.bert:BertModel", "builtin"),
             "DeepseekV2ForCausalLM": ("vframe.models.deepseek:DeepseekV2ForCausalLM", "builtin"),
             "DeepseekV3ForCausalLM": ("vframe.models.deepseek:DeepseekV3ForCausalLM", "builtin"),
             "LlamaForCausalLM": ("vframe.models.llama:LlamaForCausalLM", "builtin"),
@@ -63,6 +64,7 @@ def test_builtin_entries_are_registered_as_lazy_strings():
             "triton": ("vframe.backends.triton.backend:TritonAttentionBackend", "builtin"),
             "flash_attn": ("vframe.backends.flash_attn.backend:FlashAttentionBackend", "builtin"),
             "flex": ("vframe.backends.flex.backend:FlexAttentionBackend", "builtin"),
+            "cpu_paged": ("vframe.backends.cpu_paged.backend:CpuPagedAttentionBackend", "builtin"),
         },
         "scheduler": {"default": ("vframe.core.sched.scheduler:DefaultScheduler", "builtin")},
         "kv_cache_manager": {

@@ -87,7 +87,7 @@ def test_incompatible_declaration_is_skipped_with_its_message(installed, declare
     with pytest.raises(PluginError) as e:
         get_registry("attention_backend").load("acme")
     assert str(e.value).startswith(
-        f"unknown attention backend 'acme'; known: flash_attn, flex, torch, triton; plugin 'acme' provides it but was skipped: {message}"
+        f"unknown attention backend 'acme'; known: cpu_paged, flash_attn, flex, torch, triton; plugin 'acme' provides it but was skipped: {message}"
     )
 
 
@@ -103,7 +103,7 @@ def test_unknown_name_lists_plugins_that_failed_to_import(installed):
         get_registry("attention_backend").load("acme")
     message = str(e.value)
     assert message.startswith(
-        "unknown attention backend 'acme'; known: flash_attn, flex, torch, triton; skipped plugins (one may provide it): "
+        "unknown attention backend 'acme'; known: cpu_paged, flash_attn, flex, torch, triton; skipped plugins (one may provide it): "
         "acme: cannot import 'vframe_test_plugin_acme_"
     )
     assert "ModuleNotFoundError: No module named 'acme_attention_cuda_extension_missing'" in message
@@ -113,7 +113,7 @@ def test_unknown_name_names_installed_plugins_left_out_by_the_allow_list(install
     installed("acme", ACME.format(declared='"1.2"'))
     monkeypatch.setenv("VFRAME_PLUGINS", "")
     with pytest.raises(PluginError, match=(
-        r"unknown attention backend 'acme'; known: flash_attn, flex, torch, triton; installed but not in the plugin "
+        r"unknown attention backend 'acme'; known: cpu_paged, flash_attn, flex, torch, triton; installed but not in the plugin "
         r"allow-list \(VFRAME_PLUGINS / plugins setting\): acme"
     )):
         get_registry("attention_backend").load("acme")
@@ -123,7 +123,7 @@ def test_unknown_name_without_skipped_plugins_has_no_hint():
     with pytest.raises(PluginError) as e:
         get_registry("attention_backend").load("acme")
     assert str(e.value) == (
-        "unknown attention backend 'acme'; known: flash_attn, flex, torch, triton "
+        "unknown attention backend 'acme'; known: cpu_paged, flash_attn, flex, torch, triton "
         "(`vframe plugins` lists installed plugins and why any were skipped)"
     )
 
@@ -153,7 +153,7 @@ def test_loaded_plugin_lists_its_hooks(installed):
     ("setting", "message"),
     [
         ({"scheduling_policy": "sjff"}, "unknown scheduling policy 'sjff'; known: fcfs, priority"),
-        ({"attention_backend": "acme"}, "unknown attention backend 'acme'; known: flash_attn, flex, torch, triton"),
+        ({"attention_backend": "acme"}, "unknown attention backend 'acme'; known: cpu_paged, flash_attn, flex, torch, triton"),
         ({"sampler": "nope"}, "unknown sampler 'nope'; known: default"),
     ],
 )

@@ -71,8 +71,10 @@ class TorchAttentionMetadata:
 
     @classmethod
     def from_common(
-        cls, common: CommonAttentionMetadata, sliding_window: int | None = None
+        cls, common: CommonAttentionMetadata, sliding_window: int | None = None, plan_decodes: bool = True
     ) -> TorchAttentionMetadata:
+        """The plan of ``common``'s step; ``plan_decodes=False`` leaves ``decode_groups``
+        empty, for a backend that attends the decodes its own way."""
         qsl = common.query_start_loc_cpu
         seq_lens = common.seq_lens_cpu
         device = common.slot_mapping.device
@@ -90,6 +92,8 @@ class TorchAttentionMetadata:
                     _plan_prefill(qsl[b], qsl[b + 1], seq_lens[b], block_table[b], block_size, sliding_window)
                 )
 
+        if not plan_decodes:
+            decode_reqs = []
         decode_reqs.sort(key=lambda b: seq_lens[b])
         num_groups = min(_NUM_DECODE_GROUPS, len(decode_reqs))
         bounds = [g * len(decode_reqs) // max(num_groups, 1) for g in range(num_groups + 1)]
@@ -194,29 +198,9 @@ class TorchAttentionImpl(AttentionImpl):
             # The shared plan has no window; a windowed layer plans its own masks.
             meta = TorchAttentionMetadata.from_common(meta.common, self.sliding_window)
 
-        n = meta.num_actual_tokens
-        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)  # [num_slots, KVH, D]
-        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
-        key_cache.index_copy_(0, meta.slot_mapping, key[:n])
-        value_cache.index_copy_(0, meta.slot_mapping, value[:n])
-
-        # SDPA gets 4-D [batch, heads, len, D] inputs: on CPU only those take the flash kernel.
         output = torch.zeros_like(query)  # padding rows past n stay zero
-        for span in meta.prefills:
-            q = query[span.query_start : span.query_end].transpose(0, 1)[None]  # [1, H, Q, D]
-            if span.slots is None:
-                k = key[span.query_start : span.query_end].transpose(0, 1)[None]  # [1, KVH, Q, D]
-                v = value[span.query_start : span.query_end].transpose(0, 1)[None]
-                out = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
-                )
-            else:
-                k = key_cache.index_select(0, span.slots).transpose(0, 1)[None]  # [1, KVH, S, D]
-                v = value_cache.index_select(0, span.slots).transpose(0, 1)[None]
-                out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=span.attn_mask, scale=self.scale, enable_gqa=True
-                )
-            output[span.query_start : span.query_end] = out[0].transpose(0, 1)  # [Q, H, D]
+        key_cache, value_cache = write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        attend_prefills(output, query, key, value, key_cache, value_cache, meta.prefills, self.scale)
 
         group = self.num_heads // self.num_kv_heads
         for dec in meta.decode_groups:
@@ -230,6 +214,46 @@ class TorchAttentionImpl(AttentionImpl):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=dec.mask, scale=self.scale)
             output.index_copy_(0, dec.token_idx, out.reshape(n, self.num_heads, self.head_size))
         return output
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [T, KVH, D]
+    value: torch.Tensor,  # [T, KVH, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
+    slot_mapping: torch.Tensor,  # [num_actual_tokens] int64
+) -> tuple[torch.Tensor, torch.Tensor]:  # key and value caches, each [num_slots, KVH, D]
+    """Store the step's new keys and values at their slots."""
+    n = slot_mapping.shape[0]
+    key_cache = kv_cache[0].view(-1, *key.shape[1:])
+    value_cache = kv_cache[1].view(-1, *value.shape[1:])
+    key_cache.index_copy_(0, slot_mapping, key[:n])
+    value_cache.index_copy_(0, slot_mapping, value[:n])
+    return key_cache, value_cache
+
+
+def attend_prefills(
+    output: torch.Tensor,  # [T, H, D], written at each span's rows
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, KVH, D]
+    value: torch.Tensor,  # [T, KVH, D]
+    key_cache: torch.Tensor,  # [num_slots, KVH, D]
+    value_cache: torch.Tensor,  # [num_slots, KVH, D]
+    prefills: list[PrefillSpan],
+    scale: float,
+) -> None:
+    """One SDPA call per request with more than one query token."""
+    # SDPA gets 4-D [batch, heads, len, D] inputs: on CPU only those take the flash kernel.
+    for span in prefills:
+        q = query[span.query_start : span.query_end].transpose(0, 1)[None]  # [1, H, Q, D]
+        if span.slots is None:
+            k = key[span.query_start : span.query_end].transpose(0, 1)[None]  # [1, KVH, Q, D]
+            v = value[span.query_start : span.query_end].transpose(0, 1)[None]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            k = key_cache.index_select(0, span.slots).transpose(0, 1)[None]  # [1, KVH, S, D]
+            v = value_cache.index_select(0, span.slots).transpose(0, 1)[None]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=span.attn_mask, scale=scale, enable_gqa=True)
+        output[span.query_start : span.query_end] = out[0].transpose(0, 1)  # [Q, H, D]
 
 
 def gather_blocks(

@@ -28,6 +28,7 @@ def vframe_register_attention_backends(register: RegisterFn) -> None:
     register("triton", "vframe.backends.triton.backend:TritonAttentionBackend")
     register("flash_attn", "vframe.backends.flash_attn.backend:FlashAttentionBackend")
     register("flex", "vframe.backends.flex.backend:FlexAttentionBackend")
+    register("cpu_paged", "vframe.backends.cpu_paged.backend:CpuPagedAttentionBackend")
 
 
 @hookimpl
@@ -67,6 +68,7 @@ def vframe_register_quantizers(register: RegisterFn) -> None:
     register("awq", "vframe.quant.awq:AWQConfig")
     register("fp8", "vframe.quant.fp8:Fp8Config")
     register("compressed-tensors", "vframe.quant.compressed_tensors:CompressedTensorsConfig")
+    register("gguf", "vframe.quant.gguf:GGUFConfig")
 
 
 @hookimpl

@@ -1,6 +1,7 @@
 """Quantization: the interface quantizer plugins implement (``base``), the
 choice of a run's config (``selection``) and the built-in formats (``gptq``,
-``awq``, ``fp8``, ``compressed_tensors``; ``packing`` unpacks their int32 words). Formats are registry
+``awq``, ``fp8``, ``compressed_tensors``, ``gguf`` with its block formats in
+``gguf_dequant``; ``packing`` unpacks their int32 words). Formats are registry
 entries of kind ``quantizer``; see docs/plugins.md, "Quantizer", and
 docs/quantization.md."""
 

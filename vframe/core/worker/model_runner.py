@@ -39,7 +39,9 @@ _DEFAULT_CPU_KV_BYTES = 2 << 30
 # accepts the configuration (names missing from the registry are passed over).
 AUTO_ATTENTION_BACKENDS: dict[str, list[str]] = {
     "cuda": ["flash_attn", "triton", "torch"],
-    "cpu": ["torch"],
+    # cpu_paged needs its C++ operators, built once per machine; without a compiler it
+    # refuses and torch serves.
+    "cpu": ["cpu_paged", "torch"],
 }
 
 

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -202,12 +203,118 @@ def gguf_to_hf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, torch.Te
         if t.name == _ROPE_FREQS:
             continue
         name = hf_tensor_name(t.name)
-        array = _dequantize(t)  # [out, in] for matrices: GGUF's reversed dims are already undone
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = unpermute_qk(array, config.num_attention_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = unpermute_qk(array, config.num_key_value_heads)
+        array = _unpermute_rows(name, _dequantize(t), config)  # [out, in]: GGUF's reversed dims are undone
         yield name, torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+
+
+def iterate_gguf_quantized(gguf_path: Path, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of ``gguf_path`` for ``quantization="gguf"`` (``vframe.quant.gguf``):
+    each linear layer's weight kept as the file stores it, as ``<module>.qweight_type``
+    (the ggml type number) then ``<module>.qweight`` (uint8 [out, row bytes], q / k
+    rows un-permuted); every other tensor (embeddings, LM head, norms, biases)
+    dequantized to float32 as the conversion does."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    for gguf_name, ggml_type, shape, rows in read_gguf_tensors(gguf_path):
+        if gguf_name == _ROPE_FREQS:
+            continue
+        name = hf_tensor_name(gguf_name)
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            module = name.removesuffix(".weight")
+            yield f"{module}.qweight_type", torch.tensor(ggml_type)
+            yield f"{module}.qweight", torch.from_numpy(np.array(_unpermute_rows(name, rows, config)))
+        else:
+            array = dequantize(rows, GGMLQuantizationType(ggml_type)).reshape(shape)
+            array = _unpermute_rows(name, array, config)
+            yield name, torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+
+
+# GGUF value types: struct formats of the scalars; 8 is a string, 9 an array
+_GGUF_SCALARS = {
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_tensors(path: Path) -> Iterator[tuple[str, int, tuple[int, ...], np.ndarray]]:
+    """``(name, ggml type, shape, uint8 [rows, row bytes])`` for each tensor of a GGUF
+    file (v2 / v3), memory-mapped; ``shape`` is in values, outermost first ([out, in]).
+    ``gguf.GGUFReader`` also builds every metadata value (a vocabulary is ~100k of
+    them: seconds); this reads only the tensor table."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    pos = 0
+
+    def read(fmt: str) -> Any:
+        nonlocal pos
+        (value,) = struct.unpack_from(fmt, data, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def read_string() -> str:
+        nonlocal pos
+        length = read("<Q")
+        pos += length
+        return bytes(data[pos - length : pos]).decode("utf-8")
+
+    def skip_value(value_type: int) -> None:
+        nonlocal pos
+        if value_type == _GGUF_STRING:
+            length = read("<Q")  # not `pos += read(...)`: that adds to pos as it was before the read
+            pos += length
+        elif value_type == _GGUF_ARRAY:
+            item_type, count = read("<I"), read("<Q")
+            if item_type in _GGUF_SCALARS:
+                pos += count * struct.calcsize(_GGUF_SCALARS[item_type])
+            else:
+                for _ in range(count):
+                    skip_value(item_type)
+        else:
+            pos += struct.calcsize(_GGUF_SCALARS[value_type])
+
+    try:
+        if bytes(data[:4]) != b"GGUF":
+            raise ValueError("no GGUF magic")
+        pos = 4
+        version = read("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version}; vframe reads versions 2 and 3")
+        num_tensors, num_fields = read("<Q"), read("<Q")
+        alignment = 32
+        for _ in range(num_fields):
+            key, value_type = read_string(), read("<I")
+            if key == "general.alignment":
+                alignment = read(_GGUF_SCALARS[value_type])
+            else:
+                skip_value(value_type)
+        infos = []
+        for _ in range(num_tensors):
+            name, num_dims = read_string(), read("<I")
+            dims = [read("<Q") for _ in range(num_dims)]  # innermost first: [in, out] for a matrix
+            infos.append((name, dims, read("<I"), read("<Q")))
+        start = -(-pos // alignment) * alignment
+        for name, dims, ggml_type, offset in infos:
+            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+            rows = math.prod(dims[1:])
+            row_bytes = dims[0] // block_size * type_size
+            begin = start + offset
+            if begin + rows * row_bytes > data.size:
+                raise ModelLoadError(f"{path}: truncated GGUF file (tensor {name!r} ends past the end of file)")
+            blocks = data[begin : begin + rows * row_bytes].reshape(rows, row_bytes)
+            yield name, ggml_type, tuple(reversed(dims)), blocks
+    except (ValueError, struct.error, KeyError) as e:
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from e
+
+
+def _unpermute_rows(name: str, rows: np.ndarray, config: Any) -> np.ndarray:
+    """Undo llama.cpp's q / k row order (see ``unpermute_qk``); rows of floats or of blocks alike."""
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return unpermute_qk(rows, config.num_attention_heads)
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return unpermute_qk(rows, config.num_key_value_heads)
+    return rows
 
 
 def hf_tensor_name(gguf_name: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ from vframe.errors import ConfigError, ModelLoadError
 from vframe.models.config import ModelConfig
 from vframe.models.loader.resolve import ResolvedModel
 from vframe.models.loader.weights import process_weights_after_loading
-from vframe.quant.base import QuantizationConfig
+from vframe.quant.base import QuantizationConfig, UnquantizedLinearMethod
+
+logger = logging.getLogger(__name__)
 
 
 def architecture(resolved: ResolvedModel, hf_overrides: dict[str, Any] | None = None) -> str:
@@ -102,10 +105,54 @@ def load_model(
         kwargs["quant_config"] = quant_config
     with torch.device(device):
         model = model_cls(hf_config, attn_backend, dtype, **kwargs)
-    loaded = model.load_weights(iterate_weights(resolved))
+    loaded = model.load_weights(_checkpoint_weights(resolved, quant_config, hf_config))
     missing = sorted({name for name, _ in model.named_parameters()} - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{resolved.source}: the checkpoint has no weights for {shown}")
     process_weights_after_loading(model)
+    if quant_config is None:
+        logger.info("loaded %s: %.1f MiB of weights", resolved.source, weight_bytes(model) / 2**20)
+    else:
+        quantized = sum(weight_bytes(m) for m in quantized_linear_layers(model))
+        logger.info(
+            "loaded %s: %.1f MiB of weights, %.1f MiB of them in %s-quantized linear layers",
+            resolved.source, weight_bytes(model) / 2**20, quantized / 2**20, quant_config.get_name(),
+        )
     return model.eval().requires_grad_(False)
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s weights as they sit in memory: its parameters (a tied
+    tensor once) and the buffers of its linear layers (where quantization methods
+    keep repacked kernel weights); not caches such as rotary tables."""
+    tensors = {p.data_ptr(): p for p in module.parameters()}
+    for m in module.modules():
+        if getattr(m, "quant_method", None) is not None:
+            tensors.update((b.data_ptr(), b) for b in m.buffers(recurse=False))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def quantized_linear_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers whose quantization method is not the unquantized default."""
+    return [
+        m for m in model.modules()
+        if getattr(m, "quant_method", None) is not None and not isinstance(m.quant_method, UnquantizedLinearMethod)
+    ]
+
+
+def _checkpoint_weights(
+    resolved: ResolvedModel, quant_config: QuantizationConfig | None, hf_config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors to load: the safetensors files, or for ``quantization="gguf"``
+    the GGUF file itself with its linear weights still quantized."""
+    if quant_config is None or quant_config.get_name() != "gguf":
+        return iterate_weights(resolved)
+    if resolved.gguf_file is None:
+        raise ConfigError(
+            f"quantization='gguf' reads a .gguf file; model={str(resolved.source)!r} is a Hugging Face "
+            "directory: pass the .gguf file, or drop the quantization setting"
+        )
+    from vframe.models.loader.gguf import iterate_gguf_quantized
+
+    return iterate_gguf_quantized(resolved.gguf_file, hf_config)

@@ -1,0 +1,140 @@
+"""The ``cpu_paged`` backend: its C++ decode operator against the float32
+definition (random block tables, NaN in every slot it must not read, GQA, MQA,
+head sizes with and without a compiled-in specialisation, sliding windows), the
+conformance kit in three dtypes, greedy tokens against the torch backend on
+SmolLM2, and how the build behaves (cached per machine, a missing compiler is a
+refusal that names the fix)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vframe.backends.cpu_paged import build
+from vframe.backends.cpu_paged.backend import CpuPagedAttentionBackend
+from vframe.testing.attention import ATTENTION_TOLERANCES, check_attention_backend, reference_attention
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops() -> None:
+    build.load_ops()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_conforms(dtype: torch.dtype) -> None:
+    # the whole kit: prefills, cached prefixes, mixed steps, MHA/GQA/MQA, windows, head sizes 32-256 and 80
+    check_attention_backend("cpu_paged", dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_size", "block_size", "window"),
+    [
+        (9, 3, 64, None, None),  # SmolLM2's shape
+        (8, 1, 128, 16, None),  # MQA, a specialised head size
+        (4, 4, 48, 8, None),  # MHA, a head size taken at run time
+        (6, 2, 64, 16, 7),  # sliding window
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_operator_against_the_definition(
+    num_heads: int, num_kv_heads: int, head_size: int, block_size: int | None, window: int | None, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(0)
+    block_size = block_size or 16
+    seq_lens = [1, 5, block_size, block_size + 1, 3 * block_size - 2, 70]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"), dtype=dtype)
+    # each request owns a random set of blocks; only its first seq_len slots are written
+    order = torch.randperm(num_blocks).tolist()
+    tables, keys, values = [], [], []
+    for n in seq_lens:
+        own = [order.pop() for _ in range(-(-n // block_size))]
+        tables.append(own)
+        k = torch.randn(n, num_kv_heads, head_size, dtype=dtype)
+        v = torch.randn(n, num_kv_heads, head_size, dtype=dtype)
+        for p in range(n):
+            cache[0, own[p // block_size], p % block_size] = k[p]
+            cache[1, own[p // block_size], p % block_size] = v[p]
+        keys.append(k)
+        values.append(v)
+    width = max(len(t) for t in tables)
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    # the decodes sit at rows 2, 0, 5, ... of a step whose other rows the operator must leave alone
+    rows = torch.tensor([2, 0, 5, 1, 7, 3])
+    query = torch.randn(8, num_heads, head_size, dtype=dtype)
+    out = torch.full_like(query, 7.0)
+    scale = head_size**-0.5
+    torch.ops.vframe_cpu.paged_decode_attention(
+        out, query, cache[0], cache[1], block_table, torch.tensor(seq_lens, dtype=torch.int32),
+        torch.arange(len(seq_lens)), rows, scale, window or 0,
+    )  # fmt: skip
+    atol, rtol = ATTENTION_TOLERANCES[dtype]
+    for b, row in enumerate(rows.tolist()):
+        want = reference_attention(query[row : row + 1], keys[b], values[b], scale, window)
+        torch.testing.assert_close(out[row : row + 1].float(), want, atol=atol, rtol=rtol)
+    untouched = [r for r in range(8) if r not in rows.tolist()]
+    assert (out[untouched] == 7.0).all()
+
+
+def test_bad_arguments_are_refused_by_name() -> None:
+    q = torch.randn(2, 4, 64)
+    cache = torch.zeros(3, 16, 2, 64)
+    args = (cache, cache, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
+            torch.arange(2), torch.arange(2), 0.125, 0)  # fmt: skip
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        torch.ops.vframe_cpu.paged_decode_attention(torch.empty_like(q), q.bfloat16(), *args)
+    with pytest.raises(RuntimeError, match="block_table and seq_lens must be int32"):
+        torch.ops.vframe_cpu.paged_decode_attention(
+            torch.empty_like(q), q, cache, cache, torch.zeros(2, 1, dtype=torch.int64), *args[3:]
+        )
+
+
+def test_greedy_tokens_equal_the_torch_backend() -> None:
+    from vframe import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time, in a land far away,"]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    tokens = {}
+    for backend in ("cpu_paged", "torch"):
+        llm = LLM(attention_backend=backend, dtype="float32", num_threads=2)
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert tokens["cpu_paged"] == tokens["torch"]
+
+
+def test_refusals_say_why() -> None:
+    reasons = CpuPagedAttentionBackend.validate_configuration(
+        head_size=64, dtype=torch.float32, device="cuda", block_size=16, use_mla=True
+    )
+    assert reasons == [
+        "the cpu_paged backend runs on the CPU only, not on cuda",
+        "the cpu_paged backend has no multi-head latent attention path (the torch backend has)",
+    ]
+    assert CpuPagedAttentionBackend.check_available() == []
+
+
+def test_a_missing_compiler_is_a_refusal_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with pytest.raises(build.BuildError, match=r"CXX='/nonexistent/g\+\+' is not an executable"):
+        build.build()
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(build.BuildError, match="no C\\+\\+ compiler found"):
+        build.library_path()
+
+
+def test_the_build_is_reused(tmp_path) -> None:
+    # a fresh cache builds once; a second process finds the library and does not rebuild
+    env = {**os.environ, "VFRAME_CACHE_DIR": str(tmp_path)}
+    code = "from vframe.backends.cpu_paged import build; print(build.build())"
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "built the cpu_paged attention operators in" in first.stderr
+    path = first.stdout.strip()
+    assert path.startswith(str(tmp_path / "cpu_paged"))
+    mtime = os.stat(path).st_mtime_ns
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert second.stdout.strip() == path and "built" not in second.stderr
+    assert os.stat(path).st_mtime_ns == mtime

@@ -1,0 +1,392 @@
+"""GGUF kept quantized (``quantization="gguf"``): torch dequantizers equal to the
+``gguf`` package's, kernels equal to dequantize-then-matmul, and the embedded
+SmolLM2 Q4_1 running from its blocks as the dense conversion does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from vframe import LLM, SamplingParams
+from vframe.errors import ConfigError, ModelLoadError
+from vframe.layers.linear import QKVParallelLinear, ReplicatedLinear
+from vframe.models.loader.gguf import iterate_gguf_quantized, read_gguf_tensors
+from vframe.models.loader.load import quantized_linear_layers, weight_bytes
+from vframe.models.loader.resolve import embedded_default_gguf
+from vframe.plugins import get_registry
+from vframe.quant import gguf_dequant
+from vframe.quant.gguf import GGUFConfig, GGUFLinearMethod
+from vframe.testing.quant import check_quant_method
+
+# Byte offsets of each format's float16 scales (d, m, dmin) inside a block.
+_F16_FIELDS = {
+    "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+}
+QUANTIZED = list(_F16_FIELDS)
+# The embedded SmolLM2's 30 blocks of Q4_1 matrices (20 bytes per 32 weights), hidden 576,
+# 3 kv heads of 64, MLP 1536: q, k, v, o, gate, up, down. llama.cpp's own tensor sizes
+# (gguf.GGUFReader n_bytes): 207,360 for q and o, 69,120 for k and v, 552,960 for gate, up and down.
+SMOLLM_PACKED_LINEAR_BYTES = 30 * 576 * (576 + 192 + 192 + 576 + 3 * 1536) * 20 // 32
+assert SMOLLM_PACKED_LINEAR_BYTES == 30 * (2 * 207_360 + 2 * 69_120 + 3 * 552_960)
+
+
+def random_rows(ggml_type: str, rows: int, in_features: int, seed: int) -> np.ndarray:
+    """uint8 [rows, row bytes]: random bits, with finite float16 scales of about 0.01."""
+    rng = np.random.default_rng(seed)
+    block_size, type_size, _ = gguf_dequant.FORMATS[ggml_type]
+    blocks = rng.integers(0, 256, (rows * in_features // block_size, type_size), dtype=np.uint8)
+    for offset in _F16_FIELDS[ggml_type]:
+        scales = rng.normal(0, 0.01, (blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def gguf_weight(rows: np.ndarray, ggml_type: str) -> torch.Tensor:  # [out, in] float32, by the gguf package
+    return torch.from_numpy(gguf_dequantize(rows, GGMLQuantizationType[ggml_type]).astype(np.float32))
+
+
+def load_layer(layer, shards: list[tuple[str | int | None, str, np.ndarray]]) -> None:
+    """Load ``(shard id, ggml type, rows)`` through the parameters' own loaders, as a checkpoint does."""
+    for shard_id, ggml_type, rows in shards:
+        for name, tensor in (
+            ("qweight_type", torch.tensor(int(GGMLQuantizationType[ggml_type]))),
+            ("qweight", torch.from_numpy(rows)),
+        ):
+            param = getattr(layer, name)
+            param.weight_loader(param, tensor, *([] if shard_id is None else [shard_id]))
+    layer.quant_method.process_weights_after_loading(layer)
+
+
+@pytest.mark.parametrize("ggml_type", QUANTIZED + ["F16", "BF16", "F32"])
+def test_torch_dequantizers_equal_the_gguf_package_bit_for_bit(ggml_type: str) -> None:
+    if ggml_type in ("F16", "F32"):
+        rng = np.random.default_rng(0)
+        values = rng.normal(size=(3, 64)).astype(np.float16 if ggml_type == "F16" else np.float32)
+        rows, expected = values.view(np.uint8), values.astype(np.float32)
+    elif ggml_type == "BF16":
+        values = np.random.default_rng(0).normal(size=(3, 64)).astype(np.float32)
+        rows = gguf_quantize(values, GGMLQuantizationType.BF16)
+        expected = gguf_dequantize(rows, GGMLQuantizationType.BF16)
+    else:
+        rows = random_rows(ggml_type, 3, 512, seed=len(ggml_type))
+        expected = gguf_dequantize(rows, GGMLQuantizationType[ggml_type])
+
+    ours = gguf_dequant.dequantize(torch.from_numpy(rows.copy()), ggml_type)
+
+    assert ours.dtype == torch.float32 and tuple(ours.shape) == expected.shape
+    assert np.array_equal(ours.numpy().view(np.uint32), expected.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("ggml_type", QUANTIZED)
+def test_reference_kernel_is_dequantize_then_matmul(ggml_type: str) -> None:
+    in_features, out_features = 512, 48
+    rows = random_rows(ggml_type, out_features, in_features, seed=1)
+    layer = ReplicatedLinear(in_features, out_features, bias=True, quant_config=GGUFConfig())
+    load_layer(layer, [(None, ggml_type, rows)])
+    bias = torch.randn(out_features)
+    layer.bias.weight_loader(layer.bias, bias)
+    x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(2))
+
+    out = layer(x)
+
+    # the layer keeps the file's bytes, nothing more
+    assert torch.equal(layer.qweight, torch.from_numpy(rows).reshape(-1))
+    assert weight_bytes(layer) - bias.nbytes - layer.qweight_type.nbytes == rows.nbytes
+    reference = F.linear(x.double(), gguf_weight(rows, ggml_type).double(), bias.double())
+    assert float((out.double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
+
+
+def test_fused_shards_of_different_types_land_in_their_rows() -> None:
+    # a Q4_K_M file: q and k Q4_K, v Q6_K; 4 heads and 2 kv heads of 64
+    layer = QKVParallelLinear(256, 64, 4, 2, bias=False, quant_config=GGUFConfig())
+    q, k, v = (random_rows(t, n, 256, seed=i) for i, (t, n) in enumerate([("Q4_K", 256), ("Q4_K", 128), ("Q6_K", 128)]))
+    load_layer(layer, [("v", "Q6_K", v), ("q", "Q4_K", q), ("k", "Q4_K", k)])  # any order
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+
+    out = layer(x)
+
+    method = layer.quant_method
+    assert [(s.ggml_type, s.start, s.stop, s.kernel) for s in method.segments] == [
+        ("Q4_K", 0, 384, "reference"), ("Q6_K", 384, 512, "reference")
+    ]
+    expected_weight = torch.cat([gguf_weight(q, "Q4_K"), gguf_weight(k, "Q4_K"), gguf_weight(v, "Q6_K")])
+    assert torch.equal(method.dequantize_weight(layer), expected_weight)
+    reference = x.double() @ expected_weight.double().T
+    assert float((out.double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
+    assert weight_bytes(layer) == q.nbytes + k.nbytes + v.nbytes + layer.qweight_type.nbytes
+
+
+def test_bfloat16_mixed_fused_layer_runs_each_segment_on_its_kernel() -> None:
+    layer = QKVParallelLinear(256, 64, 4, 2, bias=True, quant_config=GGUFConfig(), params_dtype=torch.bfloat16)
+    q, k, v = (random_rows(t, n, 256, seed=i) for i, (t, n) in enumerate([("Q4_K", 256), ("Q4_K", 128), ("Q6_K", 128)]))
+    load_layer(layer, [("q", "Q4_K", q), ("k", "Q4_K", k), ("v", "Q6_K", v)])
+    bias = torch.randn(512).bfloat16()
+    layer.bias.weight_loader(layer.bias, bias)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+
+    out = layer(x)
+
+    assert [s.kernel for s in layer.quant_method.segments] == ["int4", "reference"]
+    assert torch.equal(layer.qweight, torch.from_numpy(v).reshape(-1))  # only the Q6_K bytes stay
+    expected_weight = torch.cat([gguf_weight(q, "Q4_K"), gguf_weight(k, "Q4_K"), gguf_weight(v, "Q6_K")])
+    reference = x.double() @ expected_weight.double().T + bias.double()
+    assert out.dtype == torch.bfloat16
+    assert float((out.double() - reference).abs().max()) <= 2**-6 * float(reference.abs().max())
+    # the Q4_K rows in the kernel's 20 bytes per 32 weights, the Q6_K rows as the file stores them
+    assert weight_bytes(layer) - layer.qweight_type.nbytes - bias.nbytes == 384 * 256 * 20 // 32 + v.nbytes
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q4_K"])
+def test_bfloat16_q4_takes_torch_s_int4_kernel_in_q4_1_s_bytes(ggml_type: str) -> None:
+    in_features, out_features = 512, 96
+    rows = random_rows(ggml_type, out_features, in_features, seed=3)
+    layer = ReplicatedLinear(in_features, out_features, bias=False, quant_config=GGUFConfig(),
+                             params_dtype=torch.bfloat16)
+    load_layer(layer, [(None, ggml_type, rows)])
+    x = torch.randn(7, in_features, generator=torch.Generator().manual_seed(4)).bfloat16()
+
+    out = layer(x)
+
+    assert [s.kernel for s in layer.quant_method.segments] == ["int4"]
+    assert layer.qweight.numel() == 0  # the blocks are dropped once repacked
+    assert out.dtype == torch.bfloat16
+    reference = x.double() @ gguf_weight(rows, ggml_type).double().T
+    # bfloat16 scales and zeros (8 bits) and output: a few 2**-8
+    assert float((out.double() - reference).abs().max()) <= 2**-6 * float(reference.abs().max())
+    # weight uint8 [out, in / 2] and bfloat16 (scale, zero) per 32 inputs: Q4_1's 20 bytes per 32 weights
+    assert weight_bytes(layer) - layer.qweight_type.nbytes == out_features * in_features * 20 // 32
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "dtype"),
+    [("Q4_0", torch.float32), ("Q4_1", torch.float32), ("Q8_0", torch.float32), ("Q5_1", torch.float32),
+     ("Q4_0", torch.bfloat16), ("Q4_1", torch.bfloat16), ("Q8_0", torch.float16)],
+)
+def test_conforms_on_every_layer_kind(ggml_type: str, dtype: torch.dtype) -> None:
+    def tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows = gguf_quantize(weight.float().numpy(), GGMLQuantizationType[ggml_type])
+        return {"qweight_type": torch.tensor(int(GGMLQuantizationType[ggml_type])), "qweight": torch.from_numpy(rows)}
+
+    check_quant_method("gguf", dtype=dtype, quick=True, checkpoint_tensors=tensors)
+
+
+def test_an_unsupported_ggml_type_is_refused_by_name() -> None:
+    layer = ReplicatedLinear(256, 64, bias=False, quant_config=GGUFConfig(), prefix="model.layers.0.mlp.down_proj")
+    with pytest.raises(ModelLoadError, match=r"is of GGUF type IQ4_NL \(20\), which quantization='gguf' does not run"):
+        layer.qweight_type.weight_loader(layer.qweight_type, torch.tensor(20))
+
+
+def test_gguf_is_a_builtin_quantizer_that_refuses_what_it_cannot_run() -> None:
+    assert get_registry("quantizer").load("gguf") is GGUFConfig
+    assert isinstance(GGUFConfig().get_quant_method(ReplicatedLinear(64, 64), "x"), GGUFLinearMethod)
+    with pytest.raises(ConfigError, match=r"this checkpoint is already quantized as 'gptq'"):
+        GGUFConfig.from_config({"quant_method": "gptq"})
+    reasons = GGUFConfig.validate_configuration(dtype=torch.bfloat16, device=torch.device("cuda"))
+    assert "dtype='bfloat16' runs GGUF on the CPU only; on cuda use dtype='float16'" in reasons
+
+
+# --------------------------------------------------------------------------- #
+# The embedded SmolLM2-135M-Instruct Q4_1, kept quantized
+# --------------------------------------------------------------------------- #
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def gguf_fp32() -> LLM:
+    return LLM(dtype="float32", quantization="gguf", max_model_len=256, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def dense_greedy(llm_fp32: LLM) -> list[list[int]]:
+    """The dense float32 conversion's greedy tokens for ``PROMPTS``."""
+    return [list(o.outputs[0].token_ids) for o in llm_fp32.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_smollm2_float32_from_its_blocks_matches_the_dense_conversion(
+    gguf_fp32: LLM, llm_fp32: LLM, tokenizer, dense_greedy: list[list[int]]
+) -> None:
+    ids = tokenizer(PROMPTS[0]).input_ids
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    [dense] = llm_fp32.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    [ours] = gguf_fp32.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    # the dense path holds exactly the dequantized weights: float32 noise only
+    for pos in range(1, len(ids)):
+        assert ours.prompt_logprobs[pos][ids[pos]].logprob == pytest.approx(
+            dense.prompt_logprobs[pos][ids[pos]].logprob, abs=1e-4
+        )
+    assert greedy(gguf_fp32) == dense_greedy
+
+
+def test_smollm2_weights_take_the_file_s_packed_bytes(gguf_fp32: LLM) -> None:
+    model = gguf_fp32.llm_engine.model_runner.model
+    layers = quantized_linear_layers(model)
+    assert len(layers) == 30 * 4  # qkv, o, gate_up, down
+    type_bytes = sum(layer.qweight_type.nbytes for layer in layers)
+    assert sum(weight_bytes(layer) for layer in layers) - type_bytes == SMOLLM_PACKED_LINEAR_BYTES
+    # plus the float32 embedding (the tied LM head) and norms, dequantized on load
+    floats = 49152 * 576 + 30 * 2 * 576 + 576
+    assert weight_bytes(model) - type_bytes == SMOLLM_PACKED_LINEAR_BYTES + 4 * floats
+
+
+def test_smollm2_bfloat16_int4_kernel_keeps_the_dense_greedy_tokens(dense_greedy: list[list[int]]) -> None:
+    llm = LLM(dtype="bfloat16", quantization="gguf", max_model_len=256, num_threads=1)
+
+    layers = quantized_linear_layers(llm.llm_engine.model_runner.model)
+    assert {s.kernel for layer in layers for s in layer.quant_method.segments} == {"int4"}
+    assert sum(weight_bytes(layer) - layer.qweight_type.nbytes for layer in layers) == SMOLLM_PACKED_LINEAR_BYTES
+    # bfloat16 activations, scales and zeros move a logit a little: most prompts keep every token
+    ours = greedy(llm)
+    assert sum(a == b for a, b in zip(ours, dense_greedy)) >= 3, (ours, dense_greedy)
+
+
+def test_a_hugging_face_directory_is_refused(gguf_fp32: LLM) -> None:
+    converted = gguf_fp32.llm_engine.model_runner.resolved.model_dir  # the dense conversion of the GGUF
+    with pytest.raises(ConfigError, match=r"quantization='gguf' reads a .gguf file; model=.* is a Hugging Face"):
+        LLM(model=str(converted), quantization="gguf", dtype="float32", num_threads=1)
+
+
+def test_a_truncated_gguf_is_refused_naming_the_tensor(tmp_path) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(embedded_default_gguf().read_bytes()[: 40 << 20])  # the first 40 MiB
+    with pytest.raises(ModelLoadError, match=r"truncated GGUF file \(tensor 'blk\.\d+\..*' ends past the end"):
+        list(read_gguf_tensors(truncated))
+
+
+def test_the_tensor_table_reader_hands_over_blocks_rows_un_permuted(tmp_path) -> None:
+    """A GGUF written by the ``gguf`` package: Q4_K q / k (rows permuted for rotary as
+    llama.cpp's converter does), a Q6_K down projection, float tensors; an odd
+    alignment and array metadata in between."""
+    from gguf import GGUFWriter
+
+    heads, kv_heads, head_dim, hidden = 2, 1, 64, 256
+    q = random_rows("Q4_K", heads * head_dim, hidden, seed=5)
+    k = random_rows("Q4_K", kv_heads * head_dim, hidden, seed=6)
+    down = random_rows("Q6_K", hidden, 512, seed=7)
+    norm = np.random.default_rng(8).normal(size=hidden).astype(np.float32)
+    embed = np.random.default_rng(9).normal(size=(10, hidden)).astype(np.float16)
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "déf"])
+    permute = lambda rows, n: rows.reshape(n, 2, -1, rows.shape[1]).swapaxes(1, 2).reshape(rows.shape)  # noqa: E731
+    writer.add_tensor("blk.0.attn_q.weight", permute(q, heads), raw_dtype=GGMLQuantizationType.Q4_K)  # rows of bytes
+    writer.add_tensor("blk.0.attn_k.weight", permute(k, kv_heads), raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.0.ffn_down.weight", down, raw_dtype=GGMLQuantizationType.Q6_K)
+    writer.add_tensor("blk.0.attn_norm.weight", norm)
+    writer.add_tensor("token_embd.weight", embed)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    config = type("Config", (), {"num_attention_heads": heads, "num_key_value_heads": kv_heads})()
+    tensors = list(iterate_gguf_quantized(path, config))
+
+    names = [name for name, _ in tensors]
+    assert names == [
+        "model.layers.0.self_attn.q_proj.qweight_type", "model.layers.0.self_attn.q_proj.qweight",
+        "model.layers.0.self_attn.k_proj.qweight_type", "model.layers.0.self_attn.k_proj.qweight",
+        "model.layers.0.mlp.down_proj.qweight_type", "model.layers.0.mlp.down_proj.qweight",
+        "model.layers.0.input_layernorm.weight", "model.embed_tokens.weight",
+    ]
+    got = dict(tensors)
+    modules = ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")
+    assert [int(got[f"model.layers.0.{m}.qweight_type"]) for m in modules] == [12, 12, 14]  # Q4_K, Q4_K, Q6_K
+    assert np.array_equal(got["model.layers.0.self_attn.q_proj.qweight"].numpy(), q)
+    assert np.array_equal(got["model.layers.0.self_attn.k_proj.qweight"].numpy(), k)
+    assert np.array_equal(got["model.layers.0.mlp.down_proj.qweight"].numpy(), down)
+    assert torch.equal(got["model.layers.0.input_layernorm.weight"], torch.from_numpy(norm))
+    assert torch.equal(got["model.embed_tokens.weight"], torch.from_numpy(embed.astype(np.float32)))
+
+
+# --------------------------------------------------------------------------- #
+# A tiny random Llama GGUF with K-quants and mixed types in fused layers
+# --------------------------------------------------------------------------- #
+
+Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+          "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}  # as llama.cpp's Q4_K_M mixes them
+OTHERS = {"attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "Q3_K",
+          "ffn_gate": "Q2_K", "ffn_up": "Q2_K", "ffn_down": "Q5_0"}
+
+
+def write_tiny_llama(path, layer_types: list[dict[str, str]], vocab: int = 96) -> None:
+    """A 2-layer Llama GGUF of random blocks (hidden 256, 4 heads and 2 kv heads of 64,
+    MLP 512) with a byte-level toy vocabulary, written by the ``gguf`` package."""
+    from gguf import GGUFWriter
+
+    hidden, heads, kv_heads, head_dim, inter = 256, 4, 2, 64, 512
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(len(layer_types))
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([chr(ord("!") + i) for i in range(vocab - 1)] + ['!"'])
+    writer.add_token_types([1] * vocab)
+    writer.add_token_merges(['! "'])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    rng = np.random.default_rng(0)
+    writer.add_tensor("token_embd.weight", rng.normal(0, 1, (vocab, hidden)).astype(np.float16))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
+              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
+              "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
+    for i, types in enumerate(layer_types):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        for j, (name, (out, inp)) in enumerate(shapes.items()):
+            rows = random_rows(types[name], out, inp, seed=100 * i + j)
+            writer.add_tensor(f"blk.{i}.{name}.weight", rows, raw_dtype=GGMLQuantizationType[types[name]])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_k_quant_llama_runs_from_its_blocks_as_its_dense_conversion(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("VFRAME_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, [Q4_K_M, OTHERS])
+    prompts = [{"prompt_token_ids": ids} for ids in ([0, 5, 17, 33, 2], [0, 40, 41, 42, 43, 44, 45, 46])]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
+    kw = dict(model=str(path), max_model_len=128, num_threads=1, attention_backend="torch")
+
+    def run(**more) -> list:
+        return [o.outputs[0] for o in LLM(**kw, **more).generate(prompts, params, use_tqdm=False)]
+
+    dense = run(dtype="float32")
+    ours = run(dtype="float32", quantization="gguf")
+    for a, b in zip(ours, dense):
+        assert a.token_ids == b.token_ids
+        assert [lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)] == pytest.approx(
+            [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)], abs=1e-4
+        )
+    # bfloat16: Q4_K through the int4 kernel (q and k of the [Q4_K | Q4_K | Q6_K] qkv), the rest by reference
+    llm = LLM(**kw, dtype="bfloat16", quantization="gguf")
+    layers = llm.llm_engine.model_runner.model.model.layers
+    kernels = [[s.kernel for s in layer.quant_method.segments] for layer in quantized_linear_layers(layers)]
+    assert kernels == [
+        ["int4", "reference"], ["int4"], ["int4"], ["reference"],  # qkv (Q4_K | Q6_K), o, gate_up, down
+        ["reference", "reference"], ["reference"], ["reference"], ["reference"],  # Q5_K | Q8_0, Q3_K, Q2_K, Q5_0
+    ]
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert ours == [b.token_ids for b in dense]

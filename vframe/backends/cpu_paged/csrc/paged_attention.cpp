@@ -1,0 +1,370 @@
+// Paged attention for one query token per request (decode), reading keys and
+// values in place through the block table: no gather into padded tensors.
+//
+// One task per (request, kv head): the `group` query heads that share the KV head
+// are scored against each key as it is read, so every K/V row is loaded once.
+//
+//   pass 1: s[g][t] = scale * q[g] . k[t]          t in [start, seq_len)
+//   softmax over t, in float32
+//   pass 2: out[g]  = sum_t p[g][t] * v[t]
+//
+// Slots past a request's length are never read, so whatever they hold (NaN
+// included) cannot reach the output.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
+}
+
+// Slot of position t, through the block table.
+inline int64_t slot_of(const int32_t* blocks, int64_t block_size, int64_t t) {
+  return static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
+}
+
+// Asks for the cache lines of one slot ahead of use: blocks lie anywhere in the
+// cache, so the hardware prefetcher cannot follow a request from block to block.
+template <typename T>
+inline void prefetch_slot(const T* slot, int64_t slot_size) {
+  const char* p = reinterpret_cast<const char*>(slot);
+  for (int64_t off = 0; off < slot_size * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
+}
+
+constexpr int64_t kPrefetchDistance = 4;  // slots
+
+// One request: every query head against the request's keys and values. Each
+// token's slot holds all KV heads side by side ([KVH, D], contiguous), and a block
+// holds block_size such slots back to back, so the cache is read as one stream per
+// block. HD > 0 fixes the head size at compile time (loops unrolled and vectorized);
+// HD == 0 takes it at run time.
+template <typename T, int HD>
+void attend_request(
+    int64_t head_size_rt, int64_t num_kv_heads, int64_t group,
+    const float* q,  // [H, D] float32, pre-scaled
+    const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t block_size, int64_t start,
+    int64_t seq_len,
+    float* scores,  // [H, seq_len - start]
+    float* acc,     // [H, D]
+    float* row) {   // [KVH * D] scratch
+  const int64_t D = HD > 0 ? HD : head_size_rt;
+  const int64_t slot_size = num_kv_heads * D;
+  const int64_t len = seq_len - start;
+  // pass 1: scores
+  for (int64_t t = start; t < seq_len;) {
+    const int64_t block = blocks[t / block_size];
+    const int64_t end = std::min(seq_len, (t / block_size + 1) * block_size);
+    const T* k = k_cache + (block * block_size + t % block_size) * slot_size;
+    for (; t < end; ++t, k += slot_size) {
+      if (t + kPrefetchDistance < seq_len)
+        prefetch_slot(k_cache + slot_of(blocks, block_size, t + kPrefetchDistance) * slot_size, slot_size);
+      load_row(k, row, slot_size);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const float* kh = row + h * D;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qh = q + (h * group + g) * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+          scores[(h * group + g) * len + (t - start)] = s;
+        }
+      }
+    }
+  }
+  const int64_t num_heads = num_kv_heads * group;
+  for (int64_t hq = 0; hq < num_heads; ++hq) {
+    float* sh = scores + hq * len;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sh[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      sh[t] = std::exp(sh[t] - mx);
+      sum += sh[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
+  }
+  // pass 2: the probability-weighted sum of values
+  std::fill(acc, acc + num_heads * D, 0.f);
+  for (int64_t t = start; t < seq_len;) {
+    const int64_t block = blocks[t / block_size];
+    const int64_t end = std::min(seq_len, (t / block_size + 1) * block_size);
+    const T* v = v_cache + (block * block_size + t % block_size) * slot_size;
+    for (; t < end; ++t, v += slot_size) {
+      if (t + kPrefetchDistance < seq_len)
+        prefetch_slot(v_cache + slot_of(blocks, block_size, t + kPrefetchDistance) * slot_size, slot_size);
+      load_row(v, row, slot_size);
+      for (int64_t hq = 0; hq < num_heads; ++hq) {
+        const float p = scores[hq * len + (t - start)];
+        const float* vh = row + (hq / group) * D;
+        float* ah = acc + hq * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ah[d] += p * vh[d];
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// The AVX-512 path, for head sizes that are a multiple of 16 (NC = D / 16 vectors
+// of 16 floats). Per KV head it keeps the group's queries and accumulators in
+// vector registers; scores are computed 16 tokens at a time and their 16 partial
+// vectors reduced together (reduce16), which costs a few instructions per token
+// instead of a full horizontal sum each.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// r[i] = sum of the 16 lanes of v[i]
+inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)
+    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+constexpr int64_t kMaxGroup = 16;
+
+template <typename T, int NC>
+void attend_request_avx512(
+    int64_t num_kv_heads, int64_t group, const float* q, const T* k_cache, const T* v_cache,
+    const int32_t* blocks, int64_t block_size, int64_t start, int64_t seq_len, float* scores, float* acc) {
+  constexpr int64_t D = NC * 16;
+  const int64_t slot_size = num_kv_heads * D;
+  const int64_t len = seq_len - start;
+  const int64_t num_heads = num_kv_heads * group;
+  const T* slots[16];
+  __m512 partial[kMaxGroup][16];
+  // Chunks of 16 tokens; each chunk's slots (all KV heads) are read from memory once
+  // and then stay in L1 while every head is computed.
+  auto chunk_slots = [&](const T* cache, int64_t t0, int64_t nt) {
+    for (int64_t i = 0; i < nt; ++i) {
+      slots[i] = cache + slot_of(blocks, block_size, t0 + i) * slot_size;
+      // the next chunk's first line of each slot: the hardware prefetcher follows from there
+      if (t0 + i + 16 < seq_len) __builtin_prefetch(cache + slot_of(blocks, block_size, t0 + i + 16) * slot_size);
+    }
+  };
+  // pass 1: scores
+  for (int64_t t0 = start; t0 < seq_len; t0 += 16) {
+    const int64_t nt = std::min<int64_t>(16, seq_len - t0);
+    chunk_slots(k_cache, t0, nt);
+    const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1u);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t i = 0; i < 16; ++i) {
+        __m512 k[NC];
+        for (int c = 0; c < NC; ++c) k[c] = i < nt ? load16(slots[i] + h * D + c * 16) : _mm512_setzero_ps();
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q + (h * group + g) * D;
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+          for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c * 16), k[c], s);
+          partial[g][i] = s;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        _mm512_mask_storeu_ps(scores + (h * group + g) * len + (t0 - start), valid, reduce16(partial[g]));
+    }
+  }
+  for (int64_t hq = 0; hq < num_heads; ++hq) {
+    float* sh = scores + hq * len;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sh[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      sh[t] = std::exp(sh[t] - mx);
+      sum += sh[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
+  }
+  // pass 2: the probability-weighted sum of values; per chunk and head, up to four
+  // query heads accumulate in registers and are added to acc once
+  std::fill(acc, acc + num_heads * D, 0.f);
+  for (int64_t t0 = start; t0 < seq_len; t0 += 16) {
+    const int64_t nt = std::min<int64_t>(16, seq_len - t0);
+    chunk_slots(v_cache, t0, nt);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int64_t ng = std::min<int64_t>(4, group - g0);
+        __m512 a[4][NC];
+        for (int64_t g = 0; g < 4; ++g)
+          for (int c = 0; c < NC; ++c) a[g][c] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nt; ++i) {
+          __m512 v[NC];
+          for (int c = 0; c < NC; ++c) v[c] = load16(slots[i] + h * D + c * 16);
+          for (int64_t g = 0; g < ng; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[(h * group + g0 + g) * len + (t0 - start + i)]);
+            for (int c = 0; c < NC; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
+          }
+        }
+        for (int64_t g = 0; g < ng; ++g) {
+          float* ag = acc + (h * group + g0 + g) * D;
+          for (int c = 0; c < NC; ++c) _mm512_storeu_ps(ag + c * 16, _mm512_add_ps(_mm512_loadu_ps(ag + c * 16), a[g][c]));
+        }
+      }
+    }
+  }
+}
+#endif
+
+template <typename T, int HD>
+void decode_attention(
+    at::Tensor& out,             // [T, H, D]
+    const at::Tensor& query,     // [T, H, D]
+    const at::Tensor& key_cache,    // [num_blocks, block_size, KVH, D]
+    const at::Tensor& value_cache,  // [num_blocks, block_size, KVH, D]
+    const at::Tensor& block_table,  // [B, max_blocks] int32
+    const at::Tensor& seq_lens,     // [B] int32
+    const at::Tensor& req_ids,      // [n] int64: the decode requests
+    const at::Tensor& query_rows,   // [n] int64: their rows in query / out
+    double scale, int64_t sliding_window) {
+  const int64_t n = req_ids.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t D = HD > 0 ? HD : query.size(2);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_row_stride = query.stride(0), q_head_stride = query.stride(1);
+  const int64_t o_row_stride = out.stride(0), o_head_stride = out.stride(1);
+  const int64_t table_stride = block_table.stride(0);
+
+  const T* q_ptr = query.const_data_ptr<T>();
+  T* o_ptr = out.mutable_data_ptr<T>();
+  const T* k_ptr = key_cache.const_data_ptr<T>();
+  const T* v_ptr = value_cache.const_data_ptr<T>();
+  const int32_t* table = block_table.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const int64_t* reqs = req_ids.const_data_ptr<int64_t>();
+  const int64_t* rows = query_rows.const_data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(num_heads * D), acc(num_heads * D), row(num_kv_heads * D), scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = reqs[i], r = rows[i];
+      const int64_t seq_len = lens[b];
+      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+      for (int64_t hq = 0; hq < num_heads; ++hq) {
+        load_row(q_ptr + r * q_row_stride + hq * q_head_stride, q.data() + hq * D, D);
+        for (int64_t d = 0; d < D; ++d) q[hq * D + d] *= fscale;
+      }
+      scores.resize(num_heads * (seq_len - start));
+#if defined(__AVX512F__)
+      if constexpr (HD > 0 && HD % 16 == 0) {
+        if (group <= kMaxGroup) {
+          attend_request_avx512<T, HD / 16>(num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride,
+                                             block_size, start, seq_len, scores.data(), acc.data());
+        } else {
+          attend_request<T, HD>(D, num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride,
+                                block_size, start, seq_len, scores.data(), acc.data(), row.data());
+        }
+      } else
+#endif
+      {
+        attend_request<T, HD>(D, num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride, block_size,
+                              start, seq_len, scores.data(), acc.data(), row.data());
+      }
+      for (int64_t hq = 0; hq < num_heads; ++hq) {
+        T* oh = o_ptr + r * o_row_stride + hq * o_head_stride;
+        for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[hq * D + d]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_head_size(int64_t head_size, auto&&... args) {
+  switch (head_size) {
+    case 64: return decode_attention<T, 64>(args...);
+    case 128: return decode_attention<T, 128>(args...);
+    case 96: return decode_attention<T, 96>(args...);
+    case 80: return decode_attention<T, 80>(args...);
+    case 256: return decode_attention<T, 256>(args...);
+    default: return decode_attention<T, 0>(args...);
+  }
+}
+
+void paged_decode_attention(
+    at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& req_ids,
+    const at::Tensor& query_rows, double scale, int64_t sliding_window) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [T, H, D] alike");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous last dim");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "key_cache and value_cache must be contiguous [num_blocks, block_size, KVH, D]");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), "head sizes of query and cache differ");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query, cache and out must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_table and seq_lens must be int32");
+  TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous(), "block_table rows must be contiguous");
+  TORCH_CHECK(req_ids.scalar_type() == at::kLong && query_rows.scalar_type() == at::kLong &&
+                  req_ids.is_contiguous() && query_rows.is_contiguous() && req_ids.numel() == query_rows.numel(),
+              "req_ids and query_rows must be contiguous int64 of one length");
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      dispatch_head_size<float>(query.size(2), out, query, key_cache, value_cache, block_table, seq_lens, req_ids, query_rows,
+                              scale, sliding_window);
+      break;
+    case at::kBFloat16:
+      dispatch_head_size<c10::BFloat16>(query.size(2), out, query, key_cache, value_cache, block_table, seq_lens, req_ids,
+                                      query_rows, scale, sliding_window);
+      break;
+    case at::kHalf:
+      dispatch_head_size<c10::Half>(query.size(2), out, query, key_cache, value_cache, block_table, seq_lens, req_ids,
+                                  query_rows, scale, sliding_window);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16, not ",
+                  query.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vframe_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor query_rows, float scale, "
+      "int sliding_window) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(vframe_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

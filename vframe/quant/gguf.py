@@ -1,0 +1,262 @@
+"""GGUF files kept quantized (``quantization="gguf"``): each linear layer holds
+its tensors' llama.cpp blocks as the file stores them and dequantizes them in
+the matmul.
+
+The loader (``vframe.models.loader.gguf.iterate_gguf_quantized``) hands each
+linear weight over as two tensors::
+
+    <module>.qweight_type  int scalar                 the ggml type (Q4_1 = 3, Q6_K = 14, ...)
+    <module>.qweight       uint8 [out, row bytes]     the rows' blocks, q / k rows un-permuted
+
+A fused layer (``qkv_proj``, ``gate_up_proj``) receives one pair per shard;
+shards may differ in type (a Q4_K_M file keeps some ``attn_v`` as Q6_K). After
+loading, runs of shards of one type form segments, each computed on its own::
+
+    rows      [ q             | k             | v             ]
+    types       Q4_K            Q4_K            Q6_K
+    segments  [ 0: Q4_K, int4 kernel buffers  | 1: Q6_K, bytes in qweight ]
+
+Kernels, per segment:
+
+* Q4_0 / Q4_1 / Q4_K segments of a bfloat16 model on the CPU (rows a multiple of
+  16): ``torch._weight_int4pack_mm_for_cpu`` with groups of 32 (``int4_cpu``).
+  The blocks are repacked once (``gguf_dequant.int4_groups``: each format as the
+  kernel's ``(q - 8) scale + zero``, scales and zeros rounded to bfloat16) and
+  dropped. The kernel's weight and bfloat16 scales and zeros take 0.625 bytes per
+  weight: Q4_1's size; Q4_0 and Q4_K files take 0.5625.
+* the reference, every other format (``gguf_dequant.FORMATS``) and dtype: the
+  segment's bytes stay in ``qweight`` (uint8, the file's bytes, nothing else) and
+  are dequantized to float32 on every call, cast, ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vframe.errors import ConfigError, ModelLoadError
+from vframe.layers.linear import LinearBase
+from vframe.quant import int4_cpu
+from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight
+from vframe.quant.gguf_dequant import FORMATS, GGML_TYPE_NAMES, INT4_TYPES, dequantize, int4_groups, row_bytes
+
+NAME = "gguf"
+_INT4_GROUP = 32  # Q4_0 / Q4_1 blocks, Q4_K sub-blocks: one scale and offset per 32 inputs
+
+
+class GGUFConfig(QuantizationConfig):
+    # Q4_0 spans -8 d .. 7 d with d = (the block's largest |w|) / 8, so the other
+    # sign's extreme is clamped by 1/8 of it; Q4_1 (1/15), 5 and 8 bit stay below.
+    # The float16 scales add a little.
+    weight_tolerance = 1 / 8 + 2**-9
+
+    def __repr__(self) -> str:
+        return "GGUFConfig()"
+
+    @classmethod
+    def get_name(cls) -> str:
+        return NAME
+
+    @classmethod
+    def get_supported_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def validate_configuration(cls, *, dtype: torch.dtype, device: torch.device) -> list[str]:
+        reasons = super().validate_configuration(dtype=dtype, device=device)
+        if dtype == torch.bfloat16 and device.type != "cpu":
+            # The bfloat16 path repacks Q4 blocks for a CPU-only kernel and drops them.
+            reasons.append(f"dtype='bfloat16' runs GGUF on the CPU only; on {device.type} use dtype='float16'")
+        return reasons
+
+    @classmethod
+    def from_config(cls, hf_quant_config: dict[str, Any] | None) -> GGUFConfig:
+        if hf_quant_config is not None:
+            raise ConfigError(
+                "quantization='gguf' reads a .gguf file; this checkpoint is already quantized as "
+                f"{hf_quant_config.get('quant_method')!r}: drop the quantization setting"
+            )
+        return cls()
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
+        if not isinstance(layer, LinearBase):
+            return None
+        if layer.tp_size != 1:
+            raise ConfigError(
+                f"quantization='gguf' with tensor_parallel_size={layer.tp_size}: GGUF blocks are not split "
+                "across ranks yet; use tensor_parallel_size=1"
+            )
+        return GGUFLinearMethod()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive output rows ``start .. stop`` of the layer of one ggml type, kept
+    as bytes ``byte_start ..`` of its ``qweight`` or, with ``byte_start`` None,
+    repacked for the int4 kernel as its buffers ``int4_weight_<i>`` and
+    ``int4_scales_and_zeros_<i>`` (``i``: the segment's index)."""
+
+    ggml_type: str
+    start: int
+    stop: int
+    row_bytes: int
+    byte_start: int | None
+
+    @property
+    def kernel(self) -> str:
+        return "reference" if self.byte_start is not None else "int4"
+
+    def rows(self, qweight: torch.Tensor) -> torch.Tensor:  # uint8 [stop - start, row bytes]
+        assert self.byte_start is not None, "repacked for the int4 kernel"
+        size = (self.stop - self.start) * self.row_bytes
+        return qweight[self.byte_start : self.byte_start + size].view(self.stop - self.start, self.row_bytes)
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    def __init__(self) -> None:
+        self.segments: list[Segment] = []
+        self._blocks: dict[int, torch.Tensor] = {}  # shard index -> uint8 [rows, row bytes], until processed
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        self.where = layer.prefix or type(layer).__name__  # for messages
+        self.shard_ids = layer.shard_ids
+        self.output_partition_sizes = list(output_partition_sizes)
+        # Sized once every shard's type is known (process_weights_after_loading).
+        register_weight(
+            layer, "qweight", torch.empty(0, dtype=torch.uint8),
+            {"output_dim": None, "input_dim": None, "weight_loader": self._load_blocks},
+        )
+        register_weight(
+            layer, "qweight_type", torch.full((len(output_partition_sizes),), -1, dtype=torch.int32),  # [shards]
+            {"output_dim": None, "input_dim": None, "weight_loader": self._load_type},
+        )
+
+    def _shard_index(self, shard_id: Any) -> int:
+        if not self.shard_ids:
+            if shard_id is not None:
+                raise ValueError(f"{self.where} has no fused shards; got shard id {shard_id!r}")
+            return 0
+        if shard_id is None:
+            raise ModelLoadError(
+                f"is a fused GGUF tensor; {self.where} loads its shards {self.shard_ids} one tensor each"
+            )
+        return self.shard_ids.index(shard_id)
+
+    def _load_type(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        value = int(loaded_weight)
+        if value not in GGML_TYPE_NAMES:
+            raise ModelLoadError(
+                f"is of GGUF type {_ggml_type_name(value)}, which quantization='gguf' does not run "
+                f"(it runs {', '.join(FORMATS)}); drop quantization='gguf' to dequantize the whole file on load"
+            )
+        param.data[self._shard_index(shard_id)] = value
+
+    def _load_blocks(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        index = self._shard_index(shard_id)
+        rows = self.output_partition_sizes[index]
+        if loaded_weight.dtype != torch.uint8 or loaded_weight.dim() != 2 or loaded_weight.shape[0] != rows:
+            raise ModelLoadError(
+                f"has {loaded_weight.dtype} shape {tuple(loaded_weight.shape)}; {self.where} expects the "
+                f"GGUF blocks of {rows} rows as uint8 [{rows}, row bytes]"
+            )
+        self._blocks[index] = loaded_weight
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        in_features = layer.input_size_per_partition
+        types = [GGML_TYPE_NAMES[int(t)] for t in layer.qweight_type]
+        segments: list[Segment] = []
+        segment_blocks: list[list[torch.Tensor]] = []  # each segment's shards, uint8 [rows, row bytes]
+        start = 0
+        for index, (ggml_type, rows) in enumerate(zip(types, self.output_partition_sizes, strict=True)):
+            block_size = FORMATS[ggml_type][0]
+            if in_features % block_size:
+                raise ModelLoadError(
+                    f"{self.where}: {in_features} inputs are not whole {ggml_type} blocks of {block_size}"
+                )
+            size = row_bytes(ggml_type, in_features)
+            if self._blocks[index].shape[1] != size:
+                raise ModelLoadError(
+                    f"{self.where}: shard {index} has {self._blocks[index].shape[1]} bytes per row; "
+                    f"{ggml_type} rows of {in_features} inputs take {size}"
+                )
+            if segments and segments[-1].ggml_type == ggml_type:
+                segments[-1] = Segment(ggml_type, segments[-1].start, start + rows, size, None)
+                segment_blocks[-1].append(self._blocks[index])
+            else:
+                segments.append(Segment(ggml_type, start, start + rows, size, None))
+                segment_blocks.append([self._blocks[index]])
+            start += rows
+        self._blocks = {}
+
+        # Each segment is repacked for the int4 kernel, or its bytes are kept (in qweight, in order).
+        int4_layer = layer.qweight.device.type == "cpu" and int4_cpu.kernel_group_size(layer, _INT4_GROUP) is not None
+        kept: list[torch.Tensor] = []
+        byte_start = 0
+        for i, (segment, shards) in enumerate(zip(segments, segment_blocks, strict=True)):
+            rows = torch.cat(shards)  # [segment rows, row bytes]
+            if int4_layer and segment.ggml_type in INT4_TYPES and (segment.stop - segment.start) % 16 == 0:
+                weight, scales_and_zeros = _int4_pack(rows, segment.ggml_type)
+                layer.register_buffer(f"int4_weight_{i}", weight, persistent=False)
+                layer.register_buffer(f"int4_scales_and_zeros_{i}", scales_and_zeros, persistent=False)
+                self.segments.append(segment)
+            else:
+                kept.append(rows.reshape(-1))
+                self.segments.append(dataclasses.replace(segment, byte_start=byte_start))
+                byte_start += rows.numel()
+        layer.qweight.data = torch.cat(kept) if kept else torch.empty(0, dtype=torch.uint8)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # One segment at a time: a mixed-type layer never holds its whole float weight.
+        outs = []
+        for i, segment in enumerate(self.segments):
+            if segment.kernel == "int4" and int4_cpu.applies(x):
+                weight = getattr(layer, f"int4_weight_{i}")
+                scales_and_zeros = getattr(layer, f"int4_scales_and_zeros_{i}")
+                outs.append(int4_cpu.matmul(x, weight, scales_and_zeros, _INT4_GROUP, None))
+            else:
+                outs.append(F.linear(x, self._dequantize(layer, i).to(x.dtype)))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [T, out]
+        return out if bias is None else out + bias
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
+        return torch.cat([self._dequantize(layer, i) for i in range(len(self.segments))])
+
+    def _dequantize(self, layer: nn.Module, i: int) -> torch.Tensor:  # [segment rows, in] float32
+        segment = self.segments[i]
+        if segment.kernel == "reference":
+            return dequantize(segment.rows(layer.qweight), segment.ggml_type)
+        # The kernel's own weight: an identity input in float32 returns it exactly.
+        weight = getattr(layer, f"int4_weight_{i}")
+        eye = torch.eye(layer.input_size_per_partition, device=weight.device)
+        scales_and_zeros = getattr(layer, f"int4_scales_and_zeros_{i}").float()
+        return torch._weight_int4pack_mm_for_cpu(eye, weight, _INT4_GROUP, scales_and_zeros).T
+
+
+def _int4_pack(rows: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit rows as torch's int4 CPU kernel takes them: weight uint8 [out, in / 2],
+    scales and zeros bfloat16 [in / 32, out, 2]."""
+    q, scale, zero = int4_groups(rows, ggml_type)  # [out, in], [out, in / 32] x 2
+    weight = torch._convert_weight_to_int4pack_for_cpu(q.int().contiguous(), 1)
+    return weight, torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16)
+
+
+def _ggml_type_name(value: int) -> str:
+    try:
+        from gguf import GGMLQuantizationType
+
+        return f"{GGMLQuantizationType(value).name} ({value})"
+    except (ImportError, ValueError):
+        return f"number {value}"

@@ -1,0 +1,222 @@
+"""llama.cpp's GGUF block formats, dequantized in torch.
+
+A GGUF matrix of ``out`` rows and ``in`` inputs stores each row as
+``in / block_size`` blocks of ``type_size`` bytes: ``uint8 [out, in / block_size * type_size]``.
+Each dequantizer maps ``n`` blocks ``uint8 [n, type_size]`` to ``float32 [n, block_size]``
+with the same float32 operations, in the same order, as ``gguf.quants`` (numpy),
+so both give identical bits. Layouts (``d``, ``m``, ``dmin``: float16; ``q``: the
+integers, lowest bits first)::
+
+    Q4_0  d | 16 bytes: q[j] low nibble, q[j + 16] high          w = d * (q - 8)
+    Q4_1  d | m | 16 bytes as Q4_0                                w = d * q + m
+    Q5_0  d | 4 bytes: bit j is q[j]'s fifth | 16 bytes as Q4_0   w = d * (q - 16)
+    Q5_1  d | m | 4 bytes as Q5_0 | 16 bytes                      w = d * q + m
+    Q8_0  d | 32 int8                                             w = d * q
+    Q2_K  256 per block: 16 x (4-bit scale | 4-bit min) | 64 bytes of 2-bit q | d | dmin
+    Q3_K  256: 32 bytes high bits | 64 bytes 2-bit q | 12 bytes of 6-bit scales | d
+    Q4_K  256: d | dmin | 12 bytes of 6-bit scales and mins (8 sub-blocks of 32) | 128 bytes 4-bit q
+    Q5_K  256: as Q4_K plus 32 bytes of fifth bits
+    Q6_K  256: 128 bytes low 4 bits | 64 bytes high 2 bits | 16 int8 scales | d
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+QK_K = 256  # values per K-quant super-block
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:  # [n, 1] float32
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _shifts(*values: int, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.uint8).reshape(shape)
+
+
+def _bit_shifts(device: torch.device) -> torch.Tensor:  # [1, 1, 8, 1]: 0 .. 7
+    return torch.arange(8, dtype=torch.uint8, device=device).reshape(1, 1, 8, 1)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:  # [n, 16] -> [n, 32] uint8: the low nibbles, then the high
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+def _bits(qh: torch.Tensor) -> torch.Tensor:  # [n, 4] -> [n, 32] uint8: bit j of the little-endian uint32
+    n = qh.shape[0]
+    return ((qh.reshape(n, 4, 1) >> torch.arange(8, dtype=torch.uint8, device=qh.device)) & 1).reshape(n, 32)
+
+
+def q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    q = _nibbles(blocks[:, 2:]).to(torch.int8) - 8
+    return q.float().mul_(d)
+
+
+def q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    return _nibbles(blocks[:, 4:]).float().mul_(d).add_(m)
+
+
+def q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    q = (_nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4)).to(torch.int8) - 16
+    return q.float().mul_(d)
+
+
+def q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    q = _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
+    return q.float().mul_(d).add_(m)
+
+
+def q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(_f16(blocks, 0))
+
+
+def q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    scales, qs = blocks[:, :16], blocks[:, 16:80]
+    d, dmin = _f16(blocks, 80), _f16(blocks, 82)
+    dl = (d * (scales & 0x0F).float()).reshape(n, 16, 1)
+    ml = (dmin * (scales >> 4).float()).reshape(n, 16, 1)
+    q = (qs.reshape(n, 2, 1, 32) >> _shifts(0, 2, 4, 6, shape=(1, 1, 4, 1)).to(blocks.device)) & 3
+    return (dl * q.reshape(n, 16, 16).float() - ml).reshape(n, QK_K)
+
+
+def q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    n, device = blocks.shape[0], blocks.device
+    hmask, qs, packed_scales = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
+    d = _f16(blocks, 108)
+    # 16 six-bit scales: low 4 bits from bytes 0-7 (low nibbles, then high), top 2 bits from bytes 8-11
+    low = (packed_scales[:, :8].reshape(n, 1, 8) >> _shifts(0, 4, shape=(1, 2, 1)).to(device)).reshape(n, 16)
+    high = (packed_scales[:, 8:].reshape(n, 1, 4) >> _shifts(0, 2, 4, 6, shape=(1, 4, 1)).to(device)).reshape(n, 16)
+    scales = ((low & 0x0F) | ((high & 0x03) << 4)).to(torch.int8) - 32
+    dl = (d * scales.float()).reshape(n, 16, 1)
+    ql = (qs.reshape(n, 2, 1, 32) >> _shifts(0, 2, 4, 6, shape=(1, 1, 4, 1)).to(device)).reshape(n, 16, 16) & 3
+    qh = hmask.reshape(n, 1, 1, 32) >> _bit_shifts(device)
+    qh = (qh.reshape(n, 16, 16) & 1) ^ 1  # a clear high bit subtracts 4
+    q = ql.to(torch.int8) - (qh << 2).to(torch.int8)
+    return (dl * q.float()).reshape(n, QK_K)
+
+
+def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [n, 12] -> 2 x [n, 8] uint8
+    """Q4_K / Q5_K: eight 6-bit scales and mins in 12 bytes (ggml's ``get_scale_min_k4``)."""
+    n = packed.shape[0]
+    d, m, m_d = packed.reshape(n, 3, 4).unbind(1)
+    scales = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return scales, mins
+
+
+def q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    scales, mins = _k_scales_mins(blocks[:, 4:16])
+    d = (d * scales.float()).reshape(n, 8, 1)
+    dm = (dmin * mins.float()).reshape(n, 8, 1)
+    q = _k_nibbles(blocks[:, 16:144]).float()
+    return (d * q - dm).reshape(n, QK_K)
+
+
+def q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    scales, mins = _k_scales_mins(blocks[:, 4:16])
+    d = (d * scales.float()).reshape(n, 8, 1)
+    dm = (dmin * mins.float()).reshape(n, 8, 1)
+    qh = blocks[:, 16:48].reshape(n, 1, 1, 32) >> _bit_shifts(blocks.device)
+    q = _k_nibbles(blocks[:, 48:176]) | ((qh.reshape(n, 8, 32) & 1) << 4)
+    return (d * q.float() - dm).reshape(n, QK_K)
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:  # [n, 128] -> [n, 8, 32] uint8: per 32 bytes, low then high
+    n = qs.shape[0]
+    q = qs.reshape(n, 4, 1, 32) >> _shifts(0, 4, shape=(1, 1, 2, 1)).to(qs.device)
+    return (q & 0x0F).reshape(n, 8, 32)
+
+
+def q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    n, device = blocks.shape[0], blocks.device
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
+    d = (_f16(blocks, 208) * scales).reshape(n, 16, 1)
+    low = (ql.reshape(n, 2, 1, 64) >> _shifts(0, 4, shape=(1, 1, 2, 1)).to(device)) & 0x0F
+    high = (qh.reshape(n, 2, 1, 32) >> _shifts(0, 2, 4, 6, shape=(1, 1, 4, 1)).to(device)) & 0x03
+    q = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << 4)).to(torch.int8) - 32
+    return (d * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
+
+
+def f32(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.float32)
+
+
+def f16(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.float16).float()
+
+
+def bf16(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.bfloat16).float()
+
+
+# ggml type name -> (values per block, bytes per block, dequantizer)
+FORMATS: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
+    "F32": (1, 4, f32),
+    "F16": (1, 2, f16),
+    "BF16": (1, 2, bf16),
+    "Q4_0": (32, 18, q4_0),
+    "Q4_1": (32, 20, q4_1),
+    "Q5_0": (32, 22, q5_0),
+    "Q5_1": (32, 24, q5_1),
+    "Q8_0": (32, 34, q8_0),
+    "Q2_K": (QK_K, 84, q2_k),
+    "Q3_K": (QK_K, 110, q3_k),
+    "Q4_K": (QK_K, 144, q4_k),
+    "Q5_K": (QK_K, 176, q5_k),
+    "Q6_K": (QK_K, 210, q6_k),
+}
+
+
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit values with one scale and offset per 32 inputs
+
+
+def int4_groups(rows: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 4-bit format's rows (``INT4_TYPES``) as ``w = scale * (q - 8) + zero`` per
+    group of 32 inputs: ``q`` uint8 [out, in] in [0, 16), ``scale`` and ``zero``
+    float32 [out, in / 32]. Q4_0 ``d (q - 8)``: scale d, zero 0; Q4_1 ``d q + m``:
+    zero ``m + 8 d``; Q4_K ``(d sc) q - dmin m`` per sub-block: scale ``d sc``, zero
+    ``8 d sc - dmin m``."""
+    out, type_size = rows.shape[0], FORMATS[ggml_type][1]
+    blocks = rows.reshape(-1, type_size)
+    if ggml_type == "Q4_K":
+        sub_scales, sub_mins = _k_scales_mins(blocks[:, 4:16])
+        scale = _f16(blocks, 0) * sub_scales.float()  # [blocks, 8]
+        zero = 8 * scale - _f16(blocks, 2) * sub_mins.float()
+        q = _k_nibbles(blocks[:, 16:])  # [blocks, 8, 32]
+    else:
+        scale = _f16(blocks, 0)  # [blocks, 1]
+        zero = _f16(blocks, 2) + 8 * scale if ggml_type == "Q4_1" else torch.zeros_like(scale)
+        q = _nibbles(blocks[:, type_size - 16 :])  # [blocks, 32]
+    return q.reshape(out, -1), scale.reshape(out, -1), zero.reshape(out, -1)
+
+
+# ggml's type numbers (``gguf.GGMLQuantizationType``) of the formats above
+GGML_TYPE_NAMES: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16",
+}
+
+
+def row_bytes(ggml_type: str, in_features: int) -> int:
+    """Bytes of one row of ``in_features`` values; ``in_features`` must be whole blocks."""
+    block_size, type_size, _ = FORMATS[ggml_type]
+    return in_features // block_size * type_size
+
+
+def dequantize(rows: torch.Tensor, ggml_type: str) -> torch.Tensor:
+    """``uint8 [out, row bytes]`` GGUF rows of ``ggml_type`` -> ``float32 [out, in]``."""
+    block_size, type_size, dequantize_blocks = FORMATS[ggml_type]
+    out = rows.shape[0]
+    return dequantize_blocks(rows.reshape(-1, type_size)).reshape(out, -1)
