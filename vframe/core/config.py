@@ -89,6 +89,19 @@ class ModelSection(BaseModel):
     mm_processor_kwargs: dict[str, Any] | None = Field(
         None, description="only None or {}: vframe serves text-only models"
     )
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        "auto",
+        description="generate (text) or pooling (embeddings: LLM.embed / encode / score, /v1/embeddings); "
+        "auto = pooling for an encoder-only model (BERT), else generate",
+    )
+    task: str | None = Field(
+        None, description="vLLM's older spelling of runner: generate, or embed / embedding / encode (= pooling)"
+    )
+    pooler_config: dict[str, Any] | None = Field(
+        None,
+        description="the pooling runner's pooler: {'pooling_type': MEAN | CLS | LAST, 'normalize': bool}; "
+        "default: the checkpoint's sentence-transformers config, else the model's (LAST, normalized, for decoders)",
+    )
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -102,6 +115,16 @@ class ModelSection(BaseModel):
     @classmethod
     def _none_seed_is_zero(cls, v: Any) -> Any:
         return 0 if v is None else v  # vLLM v1 reads seed=None as 0
+
+    @field_validator("pooler_config", mode="before")
+    @classmethod
+    def _pooler_config_json(cls, v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        try:  # --pooler-config '{"pooling_type": "MEAN"}'
+            return json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"pooler_config={v!r} is not a JSON object ({e})") from None
 
     @field_validator("tokenizer_mode")
     @classmethod

@@ -34,6 +34,9 @@ from vframe.plugins import get_registry
 from vframe.plugins.manager import call_lifecycle, load_plugins
 
 if TYPE_CHECKING:
+    from vframe.core.pooling_outputs import PoolingOutput, PoolingRequestOutput
+    from vframe.core.pooling_params import PoolingParams
+    from vframe.core.worker.pooling_runner import PoolingRunner
     from vframe.engine.arg_utils import EngineArgs
     from vframe.lora.request import LoRARequest
 
@@ -72,6 +75,7 @@ class LLMEngine:
         runner_cls = get_registry("model_runner").load(config.device.model_runner)
         self.model_runner: ModelRunner = runner_cls(config)
         self.model_runner.load_model()
+        self.runner_type = _resolve_runner(config, self.model_runner)
         self._lora_of_request: dict[str, int] = {}  # in-flight request id -> its adapter
         self.tokenizer = None
         if not config.model.skip_tokenizer_init:
@@ -129,6 +133,11 @@ class LLMEngine:
         sched_cls = get_registry("scheduler").load(config.scheduler.scheduler)
         self.scheduler: Scheduler = sched_cls(config, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.pooling_runner: PoolingRunner | None = None
+        if self.runner_type == "pooling":
+            from vframe.core.worker import pooling_runner
+
+            self.pooling_runner = pooling_runner.PoolingRunner(self)
         self._request_counter = itertools.count()
         self.engine_view = EngineView(
             engine_id=next_engine_id(),
@@ -238,6 +247,12 @@ class LLMEngine:
         ``InvalidRequestError`` and leaves the engine untouched. With
         ``lora_request`` the request runs with that adapter, loaded now if it
         is not (an adapter that cannot load is the request's error)."""
+        if self.pooling_runner is not None:
+            raise InvalidRequestError(
+                f"model {self.engine_view.model!r} runs with runner='pooling': it embeds (LLM.embed, LLM.encode, "
+                "LLM.score, /v1/embeddings) and does not generate; build the engine with runner='generate' "
+                "(a decoder model) to generate"
+            )
         request_id = str(next(self._request_counter)) if request_id is None else str(request_id)
         if self.output_processor.is_in_use(request_id):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
@@ -304,6 +319,17 @@ class LLMEngine:
             engine_view=self.engine_view,
         )
         return request_id
+
+    def encode(
+        self, prompts: list[PromptType], pooling_params: list[PoolingParams]
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """Pool each prompt with the pooling runner (``runner="pooling"``), in prompt order."""
+        if self.pooling_runner is None:
+            raise InvalidRequestError(
+                f"model {self.engine_view.model!r} runs with runner='generate', which does not embed; build the "
+                "engine with runner='pooling' (or task='embed') to use LLM.embed / LLM.encode / LLM.score"
+            )
+        return self.pooling_runner.encode(prompts, pooling_params)
 
     # ------------------------------------------------------------------ #
     # LoRA adapters
@@ -443,6 +469,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         call_lifecycle("vframe_engine_shutdown", engine=self, engine_view=self.engine_view)
+
+
+def _resolve_runner(config: EngineConfig, model_runner: ModelRunner) -> str:
+    from vframe.core.worker.pooling_runner import resolve_runner
+
+    architectures = getattr(model_runner.hf_config, "architectures", None) or ["the model"]
+    model = getattr(model_runner, "model", None)
+    return resolve_runner(config.model.runner, config.model.task, model, architectures[0])
 
 
 def _merged_stats(scheduler: Scheduler, kv_cache_manager: KVCacheManager) -> dict[str, float]:

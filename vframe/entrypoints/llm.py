@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from vframe.core.config import EngineConfig
 from vframe.core.engine import LLMEngine, PromptType
 from vframe.core.outputs import CompletionOutput, Logprob, RequestOutput
+from vframe.core.pooling_outputs import (
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from vframe.core.pooling_params import PoolingParams
 from vframe.core.sample.beam_search import BeamSearchOutput, BeamSearchSequence, beam_search
 from vframe.core.sampling_params import BeamSearchParams, SamplingParams
 from vframe.errors import InvalidRequestError
@@ -239,6 +250,86 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
+    # Pooling (runner="pooling"): vLLM's embed / encode / score.
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+        pooling_task: str = "embed",
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """The pooled hidden states of each prompt, in prompt order: ``.outputs.data``
+        is a float32 tensor, ``[E]`` for ``pooling_task="embed"``, ``[n, E]`` (one row
+        per prompt token) for ``"token_embed"``. Needs ``runner="pooling"``."""
+        if lora_request is not None:
+            raise InvalidRequestError("lora_request is not supported by the pooling runner; leave it None")
+        prompts = _as_prompt_list(prompts)
+        params = [
+            dataclasses.replace(
+                p, task=p.task or pooling_task,
+                truncate_prompt_tokens=p.truncate_prompt_tokens if truncate_prompt_tokens is None
+                else truncate_prompt_tokens,
+            )
+            for p in self._per_prompt(pooling_params or PoolingParams(), len(prompts), "pooling_params")
+        ]
+        return self.llm_engine.encode(prompts, params)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``.outputs.embedding``, a list of floats), in
+        prompt order. Needs ``runner="pooling"``."""
+        outputs = self.encode(
+            prompts, pooling_params, use_tqdm, lora_request, "embed", truncate_prompt_tokens=truncate_prompt_tokens
+        )
+        return [EmbeddingRequestOutput.from_base(out) for out in outputs]
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The cosine similarity of the embeddings of text pairs, as vLLM scores
+        with an embedding model: one ``data_1`` against each of ``data_2``, or
+        ``data_1[i]`` against ``data_2[i]``. ``.outputs.score`` is a float."""
+        first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second) or not first:
+            raise InvalidRequestError(
+                f"score() pairs one data_1 with each data_2, or data_1[i] with data_2[i]; got {len(first)} "
+                f"data_1 and {len(second)} data_2 prompts"
+            )
+        embeds = self.encode(
+            first + second, pooling_params, use_tqdm, lora_request, "embed",
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        a, b = embeds[: len(first)], embeds[len(first) :]
+        return [
+            ScoringRequestOutput(
+                x.request_id,
+                ScoringOutput(torch.nn.functional.cosine_similarity(x.outputs.data, y.outputs.data, dim=0).item()),
+                x.prompt_token_ids + y.prompt_token_ids,
+            )
+            for x, y in zip(a, b)
+        ]
+
     def _run(
         self, items: list[tuple[PromptType, SamplingParams, int, LoRARequest | None]], use_tqdm: bool
     ) -> list[RequestOutput]:
@@ -320,6 +411,13 @@ def _with_text_content(message: Message) -> Message:
             )
         texts.append(part["text"])
     return {**message, "content": "\n".join(texts)}
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a string, a token-id list, a prompt dict) as a list of one."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _progress_bar(total: int):

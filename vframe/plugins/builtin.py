@@ -20,6 +20,7 @@ def vframe_register_models(register: RegisterFn) -> None:
     register("DeepseekV3ForCausalLM", "vframe.models.deepseek:DeepseekV3ForCausalLM")
     register("Qwen2ForCausalLM", "vframe.models.qwen:Qwen2ForCausalLM")
     register("Qwen3ForCausalLM", "vframe.models.qwen:Qwen3ForCausalLM")
+    register("BertModel", "vframe.models.bert:BertModel")
 
 
 @hookimpl

@@ -290,6 +290,8 @@ class TorchModelRunner(ModelRunner):
 
     def determine_num_kv_blocks(self) -> int:
         cache = self.config.cache
+        if not getattr(self.model, "uses_kv_cache", True):
+            return 1  # an encoder-only model (BERT) caches nothing; one block keeps the engine's invariants
         if cache.num_gpu_blocks_override:
             return cache.num_gpu_blocks_override
         budget = cache.kv_cache_memory_bytes

@@ -26,6 +26,7 @@ from vframe.core.config import EngineConfig
 from vframe.core.engine import EMBEDDED_MODEL_NAME, LLMEngine
 from vframe.entrypoints.openai.chat import create_chat_completion
 from vframe.entrypoints.openai.completions import create_completion
+from vframe.entrypoints.openai.embeddings import EmbeddingRequest, EmbeddingResponse, create_embedding
 from vframe.entrypoints.openai.args import LoRAModule, ServerPolicy
 from vframe.entrypoints.openai.errors import APIError, error_response, install_error_handlers
 from vframe.entrypoints.openai.guards import (
@@ -62,7 +63,7 @@ logger = logging.getLogger("vframe.serve")
 
 _ENDPOINTS = frozenset(
     {
-        "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+        "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize",
         "/v1/load_lora_adapter", "/v1/unload_lora_adapter", *OPEN_PATHS,
     }
 )
@@ -123,6 +124,11 @@ def build_app(
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         """Answer a conversation, formatted with the model's chat template."""
         return await create_chat_completion(ctx, request, raw_request)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+    async def embeddings(request: EmbeddingRequest) -> EmbeddingResponse:
+        """Embed texts or token ids (a pooling model: ``--runner pooling``); ``encoding_format`` float or base64."""
+        return await create_embedding(ctx, request)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models() -> ModelList:
