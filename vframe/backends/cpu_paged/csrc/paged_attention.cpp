@@ -161,6 +161,47 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// exp(x) for x <= 0 (softmax after subtracting the maximum): x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by its Taylor polynomial to r^6 (relative error < 2e-7),
+// times 2^n by scalef. Below -87 the result flushes towards 0, as float32's exp does.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[0 .. len) <- softmax(s)
+inline void softmax_avx512(float* s, int64_t len) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 16 <= len; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+  float m = _mm512_reduce_max_ps(mx);
+  for (int64_t u = t; u < len; ++u) m = std::max(m, s[u]);
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (t = 0; t < len; t += 16) {
+    const __mmask16 mask = len - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - t)) - 1u);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vm));
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+    _mm512_mask_storeu_ps(s + t, mask, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (t = 0; t < len; t += 16) {
+    const __mmask16 mask = len - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - t)) - 1u);
+    _mm512_mask_storeu_ps(s + t, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s + t), inv));
+  }
+}
+
 constexpr int64_t kMaxGroup = 16;
 
 template <typename T, int NC>
@@ -175,12 +216,17 @@ void attend_request_avx512(
   __m512 partial[kMaxGroup][16];
   // Chunks of 16 tokens; each chunk's slots (all KV heads) are read from memory once
   // and then stay in L1 while every head is computed.
+  const T* next[16];
+  int64_t num_next = 0;
   auto chunk_slots = [&](const T* cache, int64_t t0, int64_t nt) {
-    for (int64_t i = 0; i < nt; ++i) {
-      slots[i] = cache + slot_of(blocks, block_size, t0 + i) * slot_size;
-      // the next chunk's first line of each slot: the hardware prefetcher follows from there
-      if (t0 + i + 16 < seq_len) __builtin_prefetch(cache + slot_of(blocks, block_size, t0 + i + 16) * slot_size);
-    }
+    for (int64_t i = 0; i < nt; ++i) slots[i] = cache + slot_of(blocks, block_size, t0 + i) * slot_size;
+    num_next = std::clamp<int64_t>(seq_len - t0 - 16, 0, 16);
+    for (int64_t i = 0; i < num_next; ++i) next[i] = cache + slot_of(blocks, block_size, t0 + 16 + i) * slot_size;
+  };
+  // The next chunk's slots, one per token of this chunk: spread out so that the
+  // prefetches never queue up behind each other.
+  auto prefetch_next = [&](int64_t i) {
+    if (i < num_next) prefetch_slot(next[i], slot_size);
   };
   // pass 1: scores
   for (int64_t t0 = start; t0 < seq_len; t0 += 16) {
@@ -189,6 +235,7 @@ void attend_request_avx512(
     const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1u);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t i = 0; i < 16; ++i) {
+        if (h == 0) prefetch_next(i);
         __m512 k[NC];
         for (int c = 0; c < NC; ++c) k[c] = i < nt ? load16(slots[i] + h * D + c * 16) : _mm512_setzero_ps();
         for (int64_t g = 0; g < group; ++g) {
@@ -202,18 +249,7 @@ void attend_request_avx512(
         _mm512_mask_storeu_ps(scores + (h * group + g) * len + (t0 - start), valid, reduce16(partial[g]));
     }
   }
-  for (int64_t hq = 0; hq < num_heads; ++hq) {
-    float* sh = scores + hq * len;
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sh[t]);
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) {
-      sh[t] = std::exp(sh[t] - mx);
-      sum += sh[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
-  }
+  for (int64_t hq = 0; hq < num_heads; ++hq) softmax_avx512(scores + hq * len, len);
   // pass 2: the probability-weighted sum of values; per chunk and head, up to four
   // query heads accumulate in registers and are added to acc once
   std::fill(acc, acc + num_heads * D, 0.f);
@@ -227,6 +263,7 @@ void attend_request_avx512(
         for (int64_t g = 0; g < 4; ++g)
           for (int c = 0; c < NC; ++c) a[g][c] = _mm512_setzero_ps();
         for (int64_t i = 0; i < nt; ++i) {
+          if (h == 0 && g0 == 0) prefetch_next(i);
           __m512 v[NC];
           for (int c = 0; c < NC; ++c) v[c] = load16(slots[i] + h * D + c * 16);
           for (int64_t g = 0; g < ng; ++g) {
