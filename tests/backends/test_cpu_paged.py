@@ -126,15 +126,26 @@ def test_a_missing_compiler_is_a_refusal_naming_the_fix(monkeypatch: pytest.Monk
         build.library_path()
 
 
-def test_the_build_is_reused(tmp_path) -> None:
-    # a fresh cache builds once; a second process finds the library and does not rebuild
-    env = {**os.environ, "VFRAME_CACHE_DIR": str(tmp_path)}
+def test_the_portable_path_conforms_and_its_build_is_reused(tmp_path) -> None:
+    # What CPUs without AVX-512 run: the operator built with -mno-avx512f into a fresh
+    # cache by one process; a second process finds that build, does not rebuild it,
+    # and passes the conformance kit with it.
+    env = {**os.environ, "VFRAME_CACHE_DIR": str(tmp_path), "VFRAME_CPU_PAGED_CXXFLAGS": "-mno-avx512f"}
     code = "from vframe.backends.cpu_paged import build; print(build.build())"
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "built the cpu_paged attention operators in" in first.stderr
     path = first.stdout.strip()
     assert path.startswith(str(tmp_path / "cpu_paged"))
     mtime = os.stat(path).st_mtime_ns
-    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    code = (
+        "import torch\n"
+        "from vframe.backends.cpu_paged import build\n"
+        "from vframe.testing.attention import check_attention_backend\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    check_attention_backend('cpu_paged', dtype=dtype)\n"
+        "print(build.library_path())\n"
+    )
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-3000:]
     assert second.stdout.strip() == path and "built" not in second.stderr
     assert os.stat(path).st_mtime_ns == mtime

@@ -3,7 +3,8 @@
 The shared library lands in ``$VFRAME_CACHE_DIR/cpu_paged/<key>/`` where the key
 hashes the sources, the torch version, the compiler and the CPU's instruction-set
 flags (the code is built with ``-march=native``); later loads reuse it. Nothing
-is downloaded. ``make install`` builds it (``python -m vframe.backends.cpu_paged.build``);
+is downloaded. ``$VFRAME_CPU_PAGED_CXXFLAGS`` adds compiler flags (part of the key;
+the tests build the portable path with ``-mno-avx512f``). ``make install`` builds it (``python -m vframe.backends.cpu_paged.build``);
 otherwise the first engine that selects the backend does, and logs what it cost.
 """
 
@@ -63,6 +64,7 @@ def _compile_command(cxx: str, sources: list[Path], output: Path) -> list[str]:
     lib_dirs = cpp_extension.library_paths()
     return [
         cxx, "-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++20",
+        *os.environ.get("VFRAME_CPU_PAGED_CXXFLAGS", "").split(),
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in cpp_extension.include_paths()),
         *(str(s) for s in sources),
