@@ -5,12 +5,15 @@ meaning, a documented no-op, or an exact refusal (docs/compatibility.md)."""
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib
 import json
 import random
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,6 +120,119 @@ def test_llm_engine_from_engine_args_generates_what_llm_does(llm_fp32):
         assert len(expected.outputs[0].token_ids) == 5
     finally:
         engine.shutdown()
+
+
+# --------------------------------------------------------------------------- #
+# vLLM's argparse pattern: EngineArgs.add_cli_args + LLM(**vars(args))
+# --------------------------------------------------------------------------- #
+
+# vLLM's examples/offline_inference/basic/generate.py, with only the imports changed
+# (vllm -> vframe) and the default model set to the embedded one's file.
+from vframe import EngineArgs  # noqa: E402
+from vframe.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
+
+
+def create_parser(model: str):
+    parser = FlexibleArgumentParser()
+    # Add engine args
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(model=model)
+    # Add sampling params
+    sampling_group = parser.add_argument_group("Sampling parameters")
+    sampling_group.add_argument("--max-tokens", type=int)
+    sampling_group.add_argument("--temperature", type=float)
+    sampling_group.add_argument("--top-p", type=float)
+    sampling_group.add_argument("--top-k", type=int)
+    return parser
+
+
+def main(args: dict):
+    # Pop arguments not used by LLM
+    max_tokens = args.pop("max_tokens")
+    temperature = args.pop("temperature")
+    top_p = args.pop("top_p")
+    top_k = args.pop("top_k")
+
+    # Create an LLM
+    llm = LLM(**args)
+
+    # Create a sampling params object
+    sampling_params = llm.get_default_sampling_params()
+    if max_tokens is not None:
+        sampling_params.max_tokens = max_tokens
+    if temperature is not None:
+        sampling_params.temperature = temperature
+    if top_p is not None:
+        sampling_params.top_p = top_p
+    if top_k is not None:
+        sampling_params.top_k = top_k
+
+    # Generate texts from the prompts. The output is a list of RequestOutput
+    # objects that contain the prompt, generated text, and other information.
+    prompts = [
+        "Hello, my name is",
+        "The president of the United States is",
+        "The capital of France is",
+        "The future of AI is",
+    ]
+    outputs = llm.generate(prompts, sampling_params)
+    # Print the outputs.
+    print("\nGenerated Outputs:\n" + "-" * 60)
+    for output in outputs:
+        prompt = output.prompt
+        generated_text = output.outputs[0].text
+        print(f"Prompt:    {prompt!r}")
+        print(f"Output:    {generated_text!r}")
+        print("-" * 60)
+
+
+def test_vllms_generate_example_runs_with_its_argparse_flags(smollm, llm_fp32, capsys):
+    parser = create_parser(str(smollm.gguf_file))
+    args: dict = vars(parser.parse_args(
+        ["--max_model_len", "1K", "--dtype", "float32", "--enforce-eager", "--max-tokens", "6", "--temperature", "0"]
+    ))
+    main(args)
+    printed = capsys.readouterr().out
+    expected = llm_fp32.generate(
+        ["Hello, my name is", "The capital of France is"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
+    )
+    for out in expected:
+        assert f"Prompt:    {out.prompt!r}\nOutput:    {out.outputs[0].text!r}\n" in printed
+    assert printed.count("Output:    ") == 4
+    assert expected[1].outputs[0].text == " Paris.\n\nThe answer"
+
+
+def test_none_means_the_default_for_every_setting(monkeypatch):
+    assert EngineConfig.from_sources(env={}, **{name: None for name in FLAT_FIELDS}) == EngineConfig()
+    # None is "not given": the environment still sets it, as for a flag left out
+    config = EngineConfig.from_sources(env={"VFRAME_MAX_NUM_SEQS": "4"}, max_num_seqs=None, dtype=None)
+    assert (config.scheduler.max_num_seqs, config.model.dtype) == (4, "auto")
+
+
+def test_add_cli_args_takes_vllms_flag_spellings_and_values():
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(
+        ["-tp", "1", "-q", "gguf", "--max-model-len=32k", "--hf_overrides", '{"rope_theta": 1e6}',
+         "--compilation-config", '{"level": 0}', "--enable-prefix-caching", "--no-enable-chunked-prefill"]
+    )
+    config = EngineConfig.from_sources(env={}, **vars(args))
+    assert (config.parallel.tensor_parallel_size, config.quantization.quantization) == (1, "gguf")
+    assert (config.model.max_model_len, config.model.hf_overrides) == (32000, {"rope_theta": 1e6})
+    assert config.device.compilation_config == {"level": 0}
+    assert (config.cache.enable_prefix_caching, config.scheduler.enable_chunked_prefill) == (True, False)
+    assert parser.parse_args(["--max-model-len", "2K"]).max_model_len == 2048
+    # vLLM's older example: LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(["--max-num-seqs", "3"]))
+    assert EngineConfig.from_sources(env={}, **dataclasses.asdict(engine_args)).scheduler.max_num_seqs == 3
+
+
+def test_flexible_argument_parser_is_where_vllm_has_it():
+    import vframe.utils
+    import vframe.utils.argparse_utils
+
+    assert vframe.utils.FlexibleArgumentParser is vframe.utils.argparse_utils.FlexibleArgumentParser
+    with pytest.raises(SystemExit):
+        EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--max-model-len", "1.5K"])
 
 
 # --------------------------------------------------------------------------- #
@@ -391,6 +507,19 @@ def test_serve_accepts_vllms_flags():
     assert (config.model.generation_config, config.model.tokenizer_mode) == ("vllm", "slow")
 
 
+def test_serve_takes_vllms_flag_spellings_and_values():
+    from vframe.entrypoints.cli import _build_parser, engine_kwargs
+
+    args = _build_parser().parse_args(
+        ["serve", "-tp", "1", "--max-model-len", "2K", "--hf-overrides", '{"rope_theta": 1e6}',
+         "--compilation-config", '{"level": 0}']
+    )
+    assert engine_kwargs(args) == {
+        "tensor_parallel_size": 1, "max_model_len": 2048, "hf_overrides": {"rope_theta": 1e6},
+        "compilation_config": {"level": 0},
+    }
+
+
 def test_requests_take_the_unset_sampling_fields_from_generation_config():
     from vframe.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -472,3 +601,139 @@ def test_cleanup_dist_env_and_memory_collects_what_is_left_of_deleted_objects():
     assert left() is None
     with pytest.raises(ValueError, match="^shutdown_ray=True: vframe does not use Ray$"):
         cleanup_dist_env_and_memory(shutdown_ray=True)
+
+
+# --------------------------------------------------------------------------- #
+# LLM.chat's keywords, set_tokenizer
+# --------------------------------------------------------------------------- #
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a colour."}],
+]
+CHAT_PARAMS = SamplingParams(temperature=0.0, max_tokens=3)
+
+
+def test_chat_with_a_list_of_conversations_answers_each_in_order(llm_fp32):
+    batch = llm_fp32.chat(CONVERSATIONS, CHAT_PARAMS, use_tqdm=False)
+    one_by_one = [llm_fp32.chat(c, CHAT_PARAMS, use_tqdm=False)[0] for c in CONVERSATIONS]
+    assert [o.outputs[0].text for o in batch] == [o.outputs[0].text for o in one_by_one]
+    assert batch[0].prompt.endswith("What is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert batch[1].prompt.startswith("<|im_start|>system\nAnswer in one word.<|im_end|>")
+
+
+def test_chat_template_and_generation_prompt_keywords(llm_fp32):
+    template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    [out] = llm_fp32.chat(CONVERSATIONS[0], CHAT_PARAMS, use_tqdm=False, chat_template=template)
+    assert out.prompt == "user: What is the capital of France?\nassistant:"
+    [out] = llm_fp32.chat(CONVERSATIONS[0], CHAT_PARAMS, use_tqdm=False, add_generation_prompt=False)
+    assert out.prompt.endswith("What is the capital of France?<|im_end|>\n")
+    partial = [*CONVERSATIONS[0], {"role": "assistant", "content": "The capital of France is"}]
+    [out] = llm_fp32.chat(
+        partial, CHAT_PARAMS, use_tqdm=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert out.prompt.endswith("<|im_start|>assistant\nThe capital of France is")  # no <|im_end|>: continued
+    assert out.outputs[0].text == " Paris."
+    with pytest.raises(InvalidRequestError) as error:
+        llm_fp32.chat(partial, CHAT_PARAMS, continue_final_message=True)  # add_generation_prompt defaults to True
+    assert str(error.value) == "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+
+
+def test_set_tokenizer_is_used_for_prompts_chats_and_outputs(llm_fp32):
+    import copy
+
+    loaded = llm_fp32.get_tokenizer()
+    replacement = copy.deepcopy(loaded)
+    replacement.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    try:
+        llm_fp32.set_tokenizer(replacement)
+        assert llm_fp32.get_tokenizer() is replacement
+        [out] = llm_fp32.chat(CONVERSATIONS[0], CHAT_PARAMS, use_tqdm=False)
+        assert out.prompt == "<user>What is the capital of France?"
+        [plain] = llm_fp32.generate(PROMPT, GREEDY, use_tqdm=False)
+        assert plain.outputs[0].text == replacement.decode(plain.outputs[0].token_ids)
+    finally:
+        llm_fp32.set_tokenizer(loaded)
+    assert llm_fp32.get_tokenizer() is loaded
+    with pytest.raises(InvalidRequestError, match="^set_tokenizer\\(\\) needs a Hugging Face tokenizer"):
+        llm_fp32.set_tokenizer("gpt2")
+
+
+# --------------------------------------------------------------------------- #
+# docs/compatibility.md's LLM(...) table, row by row
+# --------------------------------------------------------------------------- #
+
+_REFUSAL = re.compile(
+    r"^(?:(?P<name>\w+)=(?P<value>.+?) is not (?:yet )?supported\b"
+    r"|invalid value for '(?P<name2>\w+)': (?P<value2>.+?) \()"
+)
+
+
+def _llm_keyword_rows() -> list[tuple[list[str], str]]:
+    """``(keyword names, status text)`` of each row of the ``LLM(...)`` keywords table."""
+    text = (Path(__file__).parents[1] / "docs" / "compatibility.md").read_text()
+    section = text.split("## `LLM(...)` keywords", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        keyword, status = (cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:3])
+        rows.append(([n for n in re.findall(r"`([^`]+)`", keyword) if n.isidentifier()], status))
+    return rows
+
+
+def _literals(text: str) -> list[object]:
+    """The backticked Python literals of ``text`` (``"auto"``, ``None``, ``{}`` ...)."""
+    values = []
+    for span in re.findall(r"`([^`]+)`", text):
+        try:
+            values.append(ast.literal_eval(span))
+        except (ValueError, SyntaxError):
+            pass
+    return values
+
+
+_ROWS = _llm_keyword_rows()
+
+
+def test_the_llm_keywords_table_has_every_setting_vllm_users_pass():
+    names = {name for names, _ in _ROWS for name in names}
+    assert len(_ROWS) >= 40
+    assert {"model", "dtype", "seed", "enforce_eager", "max_model_len", "hf_token", "speculative_config"} <= names
+
+
+@pytest.mark.parametrize(("names", "status"), _ROWS, ids=[",".join(n[:2]) for n, _ in _ROWS])
+def test_each_llm_keyword_row_of_compatibility_md_holds(names, status):
+    """Rows refused as unknown settings are unknown; every other row's keywords are
+    settings that take ``None`` and the values the row says work (the backticked
+    literals before its first "refused"); each refusal message quoted in the row, with
+    the value it names, is raised word for word (those raised at load are not checked here)."""
+    if status.startswith("refused (unknown setting)"):
+        for name in names:
+            with pytest.raises(ConfigError, match=f"^unknown setting '{name}' \\(from arguments\\)"):
+                EngineConfig.from_sources(env={}, **{name: True})
+        return
+    assert set(names) <= set(FLAT_FIELDS), f"{set(names) - set(FLAT_FIELDS)} are not settings"
+    default = EngineConfig()
+    for name in names:
+        assert EngineConfig.from_sources(env={}, **{name: None}) == default
+        values = _literals(status.split("refused", 1)[0].split(";", 1)[0])
+        field = getattr(EngineConfig.model_fields[FLAT_FIELDS[name]].annotation, "model_fields")[name]
+        if status.startswith("no-op") and field.annotation is bool:
+            values.append(True)
+        for value in values:
+            EngineConfig.from_sources(env={}, **{name: value})  # accepted: no ConfigError
+    for match in re.finditer(r"`([^`]+)`", status):
+        message = match.group(1)
+        refusal = _REFUSAL.match(message)
+        around = status[max(0, match.start() - 12) : match.end() + 11]
+        if refusal is None or "at load" in around:
+            continue
+        name = refusal.group("name") or refusal.group("name2")
+        value = ast.literal_eval(refusal.group("value") or refusal.group("value2"))
+        with pytest.raises(ConfigError) as error:
+            EngineConfig.from_sources(env={}, **{name: value})
+        assert str(error.value) == message

@@ -14,10 +14,11 @@ from gguf.quants import quantize as gguf_quantize
 
 from vframe import LLM, SamplingParams
 from vframe.errors import ConfigError, ModelLoadError
+from vframe.layers.embedding import TiedLMHead, VocabEmbedding
 from vframe.layers.linear import QKVParallelLinear, ReplicatedLinear
 from vframe.models.loader.gguf import iterate_gguf_quantized, read_gguf_tensors
 from vframe.models.loader.load import quantized_linear_layers, weight_bytes
-from vframe.models.loader.resolve import embedded_default_gguf
+from vframe.models.loader.resolve import embedded_default_gguf, gguf_cache_path, resolve_model
 from vframe.plugins import get_registry
 from vframe.quant import gguf_dequant
 from vframe.quant.gguf import GGUFConfig, GGUFLinearMethod
@@ -34,6 +35,14 @@ QUANTIZED = list(_F16_FIELDS)
 # (gguf.GGUFReader n_bytes): 207,360 for q and o, 69,120 for k and v, 552,960 for gate, up and down.
 SMOLLM_PACKED_LINEAR_BYTES = 30 * 576 * (576 + 192 + 192 + 576 + 3 * 1536) * 20 // 32
 assert SMOLLM_PACKED_LINEAR_BYTES == 30 * (2 * 207_360 + 2 * 69_120 + 3 * 552_960)
+# Its token embedding (tied to the LM head): Q8_0 [49152, 576], 34 bytes per 32 weights (n_bytes 30,081,024);
+# the 61 norm weights of 576 are F32.
+SMOLLM_EMBEDDING_BYTES = 49152 * 576 * 34 // 32
+assert SMOLLM_EMBEDDING_BYTES == 30_081_024
+SMOLLM_NORM_VALUES = (30 * 2 + 1) * 576
+# The dense float32 conversion: 134,515,008 weights of 4 bytes.
+SMOLLM_DENSE_FP32_BYTES = 4 * (30 * 576 * (576 + 192 + 192 + 576 + 3 * 1536) + 49152 * 576 + SMOLLM_NORM_VALUES)
+assert SMOLLM_DENSE_FP32_BYTES == 538_060_032
 
 
 def random_rows(ggml_type: str, rows: int, in_features: int, seed: int) -> np.ndarray:
@@ -176,6 +185,37 @@ def test_conforms_on_every_layer_kind(ggml_type: str, dtype: torch.dtype) -> Non
     check_quant_method("gguf", dtype=dtype, quick=True, checkpoint_tensors=tensors)
 
 
+@pytest.mark.parametrize(
+    ("ggml_type", "dtype", "planes"),
+    [("Q8_0", torch.float32, False), ("Q8_0", torch.bfloat16, True), ("Q4_1", torch.bfloat16, False)],
+)
+def test_embedding_looks_up_exact_rows_and_its_tied_head_multiplies_by_them(
+    ggml_type: str, dtype: torch.dtype, planes: bool
+) -> None:
+    vocab, hidden = 192, 64
+    rows = random_rows(ggml_type, vocab, hidden, seed=11)
+    embedding = VocabEmbedding(vocab, hidden, GGUFConfig().get_embedding_method("embed"), params_dtype=dtype)
+    load_layer(embedding, [(None, ggml_type, rows)])
+    head = TiedLMHead(embedding)
+    ids = torch.tensor([0, 31, 32, 63, 64, 100, 191, 31])  # both nibble halves of the int4 layout's 64-row tiles
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(12)).to(dtype)
+
+    looked_up, logits = embedding(ids), head(x)
+
+    weight = gguf_weight(rows, ggml_type)  # [vocab, hidden]
+    assert embedding.quant_method.q8_planes == planes
+    assert looked_up.dtype == dtype and torch.equal(looked_up, weight[ids].to(dtype))  # the rows, bit for bit
+    assert torch.equal(embedding.quant_method.dequantize_weight(embedding), weight)
+    reference = x.double() @ weight.double().T
+    # float32: float32 noise; bfloat16: its outputs (two, for the planes) and the planes' bfloat16 scales
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-6
+    assert logits.dtype == dtype
+    assert float((logits.double() - reference).abs().max()) <= tolerance * float(reference.abs().max())
+    # planes: 1 byte per weight, 2 x (bfloat16 scale, zero) and a float16 d per 32 weights
+    expected_bytes = vocab * hidden * (32 + 2 * 4 + 2) // 32 if planes else rows.nbytes
+    assert weight_bytes(embedding) - embedding.qweight_type.nbytes == expected_bytes
+
+
 def test_an_unsupported_ggml_type_is_refused_by_name() -> None:
     layer = ReplicatedLinear(256, 64, bias=False, quant_config=GGUFConfig(), prefix="model.layers.0.mlp.down_proj")
     with pytest.raises(ModelLoadError, match=r"is of GGUF type IQ4_NL \(20\), which quantization='gguf' does not run"):
@@ -231,30 +271,67 @@ def test_smollm2_float32_from_its_blocks_matches_the_dense_conversion(
     assert greedy(gguf_fp32) == dense_greedy
 
 
+def type_bytes(model) -> int:  # the ggml type numbers, one int32 per fused shard
+    return sum(m.qweight_type.nbytes for m in quantized_linear_layers(model))
+
+
 def test_smollm2_weights_take_the_file_s_packed_bytes(gguf_fp32: LLM) -> None:
     model = gguf_fp32.llm_engine.model_runner.model
     layers = quantized_linear_layers(model)
-    assert len(layers) == 30 * 4  # qkv, o, gate_up, down
-    type_bytes = sum(layer.qweight_type.nbytes for layer in layers)
-    assert sum(weight_bytes(layer) for layer in layers) - type_bytes == SMOLLM_PACKED_LINEAR_BYTES
-    # plus the float32 embedding (the tied LM head) and norms, dequantized on load
-    floats = 49152 * 576 + 30 * 2 * 576 + 576
-    assert weight_bytes(model) - type_bytes == SMOLLM_PACKED_LINEAR_BYTES + 4 * floats
+    assert len(layers) == 30 * 4 + 1  # qkv, o, gate_up, down; the embedding
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, VocabEmbedding) and isinstance(model.lm_head, TiedLMHead)
+    assert model.lm_head.embedding is embedding  # one quantized tensor serves both
+    linears = [m for m in layers if m is not embedding]
+    assert sum(weight_bytes(m) - m.qweight_type.nbytes for m in linears) == SMOLLM_PACKED_LINEAR_BYTES
+    assert weight_bytes(embedding) - embedding.qweight_type.nbytes == SMOLLM_EMBEDDING_BYTES
+    # the file's bytes plus the float32 norms: 96,576,768 bytes, 17.9% of the dense float32 weights
+    total = weight_bytes(model) - type_bytes(model)
+    assert total == SMOLLM_PACKED_LINEAR_BYTES + SMOLLM_EMBEDDING_BYTES + 4 * SMOLLM_NORM_VALUES == 96_576_768
+    assert total <= 0.18 * SMOLLM_DENSE_FP32_BYTES
 
 
 def test_smollm2_bfloat16_int4_kernel_keeps_the_dense_greedy_tokens(dense_greedy: list[list[int]]) -> None:
     llm = LLM(dtype="bfloat16", quantization="gguf", max_model_len=256, num_threads=1)
 
-    layers = quantized_linear_layers(llm.llm_engine.model_runner.model)
+    model = llm.llm_engine.model_runner.model
+    embedding = model.model.embed_tokens
+    layers = [m for m in quantized_linear_layers(model) if m is not embedding]
     assert {s.kernel for layer in layers for s in layer.quant_method.segments} == {"int4"}
     assert sum(weight_bytes(layer) - layer.qweight_type.nbytes for layer in layers) == SMOLLM_PACKED_LINEAR_BYTES
+    # the Q8_0 embedding / head as two int4 planes (1 byte per weight), two sets of bfloat16
+    # scale and zero per 32 weights, and the float16 scales for lookups: 37,158,912 bytes
+    assert embedding.quant_method.q8_planes and embedding.qweight.numel() == 0
+    planes = 49152 * 576 + 2 * (49152 * 18 * 2 * 2) + 49152 * 18 * 2
+    assert weight_bytes(embedding) - embedding.qweight_type.nbytes == planes == 37_158_912
+    # 103,584,384 bytes with the bfloat16 norms: 19.3% of the dense float32 weights, 38.5% of bfloat16
+    total = weight_bytes(model) - type_bytes(model)
+    assert total == SMOLLM_PACKED_LINEAR_BYTES + planes + 2 * SMOLLM_NORM_VALUES == 103_584_384
+    assert total <= 0.30 * SMOLLM_DENSE_FP32_BYTES
     # bfloat16 activations, scales and zeros move a logit a little: most prompts keep every token
     ours = greedy(llm)
     assert sum(a == b for a, b in zip(ours, dense_greedy)) >= 3, (ours, dense_greedy)
 
 
-def test_a_hugging_face_directory_is_refused(gguf_fp32: LLM) -> None:
-    converted = gguf_fp32.llm_engine.model_runner.resolved.model_dir  # the dense conversion of the GGUF
+def test_the_dense_path_keeps_an_unquantized_tied_embedding(llm_fp32: LLM) -> None:
+    model = llm_fp32.llm_engine.model_runner.model
+    assert type(model.model.embed_tokens) is torch.nn.Embedding
+    assert type(model.lm_head) is ReplicatedLinear and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_a_quantized_run_converts_only_config_and_tokenizer(tmp_path) -> None:
+    resolved = resolve_model(None, cache_dir=tmp_path, convert_weights=False)
+
+    dense_dir = gguf_cache_path(embedded_default_gguf(), tmp_path)
+    assert resolved.model_dir == dense_dir.with_name(dense_dir.name + "-config") and resolved.weight_files == ()
+    assert sorted(p.name for p in resolved.model_dir.iterdir()) == [
+        "chat_template.jinja", "config.json", "tokenizer.json", "tokenizer_config.json"
+    ]
+    assert not dense_dir.exists()
+
+
+def test_a_hugging_face_directory_is_refused(llm_fp32: LLM) -> None:
+    converted = llm_fp32.llm_engine.model_runner.resolved.model_dir  # the dense conversion of the GGUF
     with pytest.raises(ConfigError, match=r"quantization='gguf' reads a .gguf file; model=.* is a Hugging Face"):
         LLM(model=str(converted), quantization="gguf", dtype="float32", num_threads=1)
 
@@ -301,7 +378,8 @@ def test_the_tensor_table_reader_hands_over_blocks_rows_un_permuted(tmp_path) ->
         "model.layers.0.self_attn.q_proj.qweight_type", "model.layers.0.self_attn.q_proj.qweight",
         "model.layers.0.self_attn.k_proj.qweight_type", "model.layers.0.self_attn.k_proj.qweight",
         "model.layers.0.mlp.down_proj.qweight_type", "model.layers.0.mlp.down_proj.qweight",
-        "model.layers.0.input_layernorm.weight", "model.embed_tokens.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.embed_tokens.qweight_type", "model.embed_tokens.qweight",
     ]
     got = dict(tensors)
     modules = ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")
@@ -310,7 +388,8 @@ def test_the_tensor_table_reader_hands_over_blocks_rows_un_permuted(tmp_path) ->
     assert np.array_equal(got["model.layers.0.self_attn.k_proj.qweight"].numpy(), k)
     assert np.array_equal(got["model.layers.0.mlp.down_proj.qweight"].numpy(), down)
     assert torch.equal(got["model.layers.0.input_layernorm.weight"], torch.from_numpy(norm))
-    assert torch.equal(got["model.embed_tokens.weight"], torch.from_numpy(embed.astype(np.float32)))
+    assert int(got["model.embed_tokens.qweight_type"]) == 1  # F16
+    assert np.array_equal(got["model.embed_tokens.qweight"].numpy(), embed.view(np.uint8))
 
 
 # --------------------------------------------------------------------------- #
@@ -323,9 +402,10 @@ OTHERS = {"attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "
           "ffn_gate": "Q2_K", "ffn_up": "Q2_K", "ffn_down": "Q5_0"}
 
 
-def write_tiny_llama(path, layer_types: list[dict[str, str]], vocab: int = 96) -> None:
+def write_tiny_llama(path, layer_types: list[dict[str, str]], vocab: int = 96, output_type: str | None = None) -> None:
     """A 2-layer Llama GGUF of random blocks (hidden 256, 4 heads and 2 kv heads of 64,
-    MLP 512) with a byte-level toy vocabulary, written by the ``gguf`` package."""
+    MLP 512) with a byte-level toy vocabulary, written by the ``gguf`` package; its LM
+    head tied to the float16 embedding, or an ``output.weight`` of ``output_type``."""
     from gguf import GGUFWriter
 
     hidden, heads, kv_heads, head_dim, inter = 256, 4, 2, 64, 512
@@ -347,6 +427,9 @@ def write_tiny_llama(path, layer_types: list[dict[str, str]], vocab: int = 96) -
     rng = np.random.default_rng(0)
     writer.add_tensor("token_embd.weight", rng.normal(0, 1, (vocab, hidden)).astype(np.float16))
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    if output_type is not None:
+        rows = random_rows(output_type, vocab, hidden, seed=99)
+        writer.add_tensor("output.weight", rows, raw_dtype=GGMLQuantizationType[output_type])
     shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
               "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
               "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
@@ -390,3 +473,25 @@ def test_a_k_quant_llama_runs_from_its_blocks_as_its_dense_conversion(tmp_path, 
     ]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert ours == [b.token_ids for b in dense]
+
+
+def test_an_untied_q8_0_head_runs_from_its_blocks_as_its_dense_conversion(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("VFRAME_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "untied.gguf"
+    write_tiny_llama(path, [Q4_K_M], output_type="Q8_0")
+    prompts = [{"prompt_token_ids": [0, 5, 17, 33, 2]}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
+    kw = dict(model=str(path), max_model_len=128, num_threads=1, attention_backend="torch", dtype="float32")
+
+    dense = LLM(**kw).generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(**kw, quantization="gguf")
+    ours = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+
+    model = llm.llm_engine.model_runner.model
+    assert isinstance(model.lm_head, ReplicatedLinear) and isinstance(model.lm_head.quant_method, GGUFLinearMethod)
+    assert weight_bytes(model.lm_head) - model.lm_head.qweight_type.nbytes == 96 * 256 * 34 // 32  # the file's Q8_0
+    assert isinstance(model.model.embed_tokens, VocabEmbedding)
+    assert ours.token_ids == dense.token_ids
+    assert [lp[t].logprob for t, lp in zip(ours.token_ids, ours.logprobs)] == pytest.approx(
+        [lp[t].logprob for t, lp in zip(dense.token_ids, dense.logprobs)], abs=1e-4
+    )

@@ -145,7 +145,7 @@ def test_unknown_name_is_an_error_listing_the_entries() -> None:
     assert result.stdout == ""
     assert result.stderr.startswith(
         "vframe: error: no plugin registers an entry named 'flash', and no loaded plugin of that name "
-        "has lifecycle hooks; registered: model 'DeepseekV2ForCausalLM', "
+        "has lifecycle hooks; registered: model 'BertModel', model 'DeepseekV2ForCausalLM', "
     )
     assert "attention_backend 'torch'" in result.stderr
 

@@ -9,6 +9,8 @@ means the same on both. A flat setting name maps to exactly one section field
 3. a YAML or TOML file (``config_file=`` / ``--config``), flat or by section
 4. the defaults below
 
+A setting given as ``None`` is not set: the next source, or the default, decides
+(``LLM(**vars(args))`` over argparse flags left out works as in vLLM).
 Invalid values fail at construction with the field, the value and what is allowed.
 """
 
@@ -437,6 +439,8 @@ def _merge(into: dict[str, dict[str, Any]], values: dict[str, Any], source: str)
                 f"unknown setting {key!r} (from {source}); known settings: "
                 + ", ".join(sorted(FLAT_FIELDS))
             )
+        if value is None:
+            continue  # None means the default, as vLLM's EngineArgs (and argparse flags left out) use it
         into.setdefault(section, {})[key] = value
 
 

@@ -705,7 +705,16 @@ class ModelArchitecture(ABC):
     when a quantization method is configured (a class without that parameter
     cannot run quantized). It does so under ``torch.device("cpu")``, calls
     ``load_weights``, then the runner moves the model to its device and calls
-    it in ``torch.inference_mode()``."""
+    it in ``torch.inference_mode()``.
+
+    A class attribute ``supports_packed_weights = True`` (plugin API 1.6;
+    default ``False``) lets vframe replace the ``weight`` of the model's
+    unquantized bfloat16 linear layers on the CPU by oneDNN's packed form (an
+    opaque ``torch._mkldnn`` tensor) once loaded: each layer's ``forward`` is
+    unchanged, but ``layer.weight`` is no longer an ordinary tensor. Read a
+    weight with ``layer.quant_method.dequantize_weight(layer)``, or set
+    ``layer.needs_plain_weight = True`` on a layer whose weight the model uses
+    directly."""
 
     @abstractmethod
     def forward(self, input_ids, positions, kv_caches, attn_metadata):  # -> [T, E]

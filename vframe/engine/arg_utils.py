@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
 
 from vframe.core.config import _SECTIONS, FLAT_FIELDS, EngineConfig
@@ -50,11 +51,49 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def _add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one ``--flag`` per field, as ``vframe serve`` has them."""
+    """Add one ``--flag`` per field, as ``vframe serve`` has them, each ``None`` when
+    left out (the default, so ``LLM(**vars(parser.parse_args()))`` works as in vLLM),
+    with vLLM's short names (``-tp``, ``-pp``, ``-q``) and value syntax
+    (``--max-model-len 32k``, JSON for ``--hf-overrides`` and ``--compilation-config``)."""
     from vframe.entrypoints.cli import add_engine_args
 
+    add_vllm_flag_syntax(parser)
     add_engine_args(parser)
     return parser
+
+
+def add_vllm_flag_syntax(parser: argparse.ArgumentParser) -> None:
+    """The engine flags whose vLLM spelling or value syntax differs from the plain
+    ``--name value`` that ``add_engine_args`` gives (it skips flags already added)."""
+    from vframe.utils.argparse_utils import human_readable_int
+
+    group = parser.add_argument_group("engine settings with vLLM's syntax")
+    for flags, value_type in _VLLM_FLAGS:
+        name = flags[0].removeprefix("--").replace("-", "_")
+        info = _SECTIONS[FLAT_FIELDS[name]].model_fields[name]
+        group.add_argument(
+            *flags, dest=name, default=None, help=info.description,
+            type=human_readable_int if value_type == "human_int" else value_type,
+        )
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+
+
+# vLLM's spelling of these flags; every other field gets add_engine_args' flag.
+_VLLM_FLAGS: list[tuple[tuple[str, ...], Any]] = [
+    (("--tensor-parallel-size", "-tp"), int),
+    (("--pipeline-parallel-size", "-pp"), int),
+    (("--quantization", "-q"), str),
+    (("--max-model-len",), "human_int"),
+    (("--hf-overrides",), _json_value),
+    (("--compilation-config",), _json_value),
+    (("--mm-processor-kwargs",), _json_value),
+]
 
 
 def _from_cli_args(cls: type[EngineArgs], args: argparse.Namespace) -> EngineArgs:

@@ -59,6 +59,25 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Use ``tokenizer`` (a Hugging Face tokenizer of the same vocabulary) to
+        tokenize text prompts, render chats and detokenize outputs, as vLLM's
+        ``set_tokenizer``. Structured outputs and plugins keep the one the engine loaded
+        (their token tables are built from it)."""
+        if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
+            raise InvalidRequestError(
+                "set_tokenizer() needs a Hugging Face tokenizer (callable, with decode), got "
+                f"{type(tokenizer).__name__}"
+            )
+        engine = self.llm_engine
+        if len(tokenizer) > engine.vocab_size:
+            raise InvalidRequestError(
+                f"set_tokenizer(): the tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary "
+                f"({engine.vocab_size}); use a tokenizer of this model"
+            )
+        engine.tokenizer = tokenizer
+        engine.output_processor.tokenizer = tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use when given no ``sampling_params``: the
         model's ``generation_config.json`` defaults (setting ``generation_config``)."""
@@ -224,7 +243,9 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations,
-        formatted with the tokenizer's chat template.
+        formatted with the tokenizer's chat template (or ``chat_template``, a Jinja
+        template). ``continue_final_message=True`` (with ``add_generation_prompt=False``)
+        continues the last (assistant) message instead of starting a new one.
 
         A message's ``content`` is a string or, as in the OpenAI API, a list of
         ``{"type": "text", "text": ...}`` parts (joined by newlines, as the server
@@ -233,6 +254,10 @@ class LLM:
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise InvalidRequestError("chat() needs a tokenizer; do not set skip_tokenizer_init")
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(  # vLLM's message
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
         for conversation in conversations:

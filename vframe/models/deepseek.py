@@ -134,6 +134,7 @@ class DeepseekAttention(nn.Module):
             self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False,
             prefix=f"{prefix}.kv_b_proj", params_dtype=dtype,
         )
+        self.kv_b_proj.needs_plain_weight = True  # absorbed into the query and output below, read as a tensor
         self.num_heads = self.kv_b_proj.output_size_per_partition // (self.qk_nope_head_dim + self.v_head_dim)
         self.o_proj = RowParallelLinear(
             total_heads * self.v_head_dim, hidden, bias=bias, prefix=f"{prefix}.o_proj", **linear
@@ -323,6 +324,8 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekV2ForCausalLM(nn.Module):
+    supports_packed_weights = True  # kv_b_proj, read as a tensor, is marked needs_plain_weight
+
     def __init__(
         self,
         hf_config: Any,

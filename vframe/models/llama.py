@@ -19,6 +19,7 @@ from torch import nn
 
 from vframe.core.interfaces import AttentionBackend
 from vframe.core.kv_cache_spec import KVCacheSpec, full_attention_specs
+from vframe.layers.embedding import TiedLMHead, VocabEmbedding
 from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vframe.layers.rotary import rope_frequencies
 from vframe.models.loader.weights import load_named_weights
@@ -245,9 +246,16 @@ class LlamaModel(nn.Module):
         mlp_cls: type[nn.Module] = LlamaMLP,
     ) -> None:
         super().__init__()
-        # An explicit, uninitialised weight skips Embedding's random init.
-        weight = torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype)
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, _weight=weight)
+        embed_method = None if quant_config is None else quant_config.get_embedding_method(f"{prefix}.embed_tokens")
+        if embed_method is None:
+            # An explicit, uninitialised weight skips Embedding's random init.
+            weight = torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype)
+            self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, _weight=weight)
+        else:
+            self.embed_tokens = VocabEmbedding(
+                hf_config.vocab_size, hf_config.hidden_size, embed_method,
+                params_dtype=dtype, prefix=f"{prefix}.embed_tokens",
+            )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
                 hf_config, attn_backend, dtype, quant_config, f"{prefix}.layers.{i}", i, attention_cls, mlp_cls
@@ -278,6 +286,7 @@ class LlamaForCausalLM(nn.Module):
     }
     attention_cls: type[LlamaAttention] = LlamaAttention  # what a subclass swaps (vframe/models/qwen.py)
     mlp_cls: type[nn.Module] = LlamaMLP  # MixtralSparseMoeBlock in vframe/models/mixtral.py
+    supports_packed_weights = True  # no linear weight is read as a tensor (vframe/quant/onednn_packed.py)
 
     def __init__(
         self,
@@ -295,12 +304,21 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(
             hf_config, attn_backend, dtype, quant_config, attention_cls=self.attention_cls, mlp_cls=self.mlp_cls
         )
-        # The head stays unquantized, as checkpoints of the usual formats keep it.
-        self.lm_head = ReplicatedLinear(
-            hf_config.hidden_size, hf_config.vocab_size, bias=False, prefix="lm_head", params_dtype=dtype
-        )
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if not isinstance(self.model.embed_tokens, VocabEmbedding):
+            # The head stays unquantized, as checkpoints of the usual formats keep it.
+            self.lm_head = ReplicatedLinear(
+                hf_config.hidden_size, hf_config.vocab_size, bias=False, prefix="lm_head", params_dtype=dtype
+            )
+            if self.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        elif self.tie_word_embeddings:
+            self.lm_head = TiedLMHead(self.model.embed_tokens)  # one quantized tensor serves both
+        else:
+            # A format that quantizes the embedding (GGUF) quantizes the head too.
+            self.lm_head = ReplicatedLinear(
+                hf_config.hidden_size, hf_config.vocab_size, bias=False, quant_config=quant_config,
+                prefix="lm_head", params_dtype=dtype,
+            )
         self.rotary_emb = RotaryEmbedding(hf_config, get_head_dim(hf_config))
 
     def forward(

@@ -50,6 +50,7 @@ INTERFACES: tuple[str, ...] = (
     "vframe.core.sample.structured:GrammarMatcher",
     "vframe.quant.base:QuantizationConfig",
     "vframe.quant.base:LinearMethodBase",
+    "vframe.quant.base:EmbeddingMethodBase",
     "vframe.layers.linear:LinearBase",
 )
 

@@ -16,6 +16,13 @@ with ``quantization="name"`` the engine:
    then ``process_weights_after_loading`` runs once per layer (repack, quantize);
 5. every forward pass calls ``apply(layer, x, bias)``.
 
+A format may also keep the token embedding quantized, and with it the LM head
+(``get_embedding_method``, default ``None``: both stay unquantized). Its
+``EmbeddingMethodBase`` creates the ``[vocab, hidden]`` weight as a linear
+layer of ``hidden`` inputs and ``vocab`` outputs would, looks rows up
+(``embedding``) and computes the head's logits (``apply``); a tied head is the
+same module (``vframe/layers/embedding.py``).
+
 Parameters a method creates describe themselves with attributes (see
 ``set_weight_attrs``) so that the layer's loader can place fused (q/k/v,
 gate/up), tensor-parallel and packed tensors without knowing the format:
@@ -105,6 +112,21 @@ class LinearMethodBase(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not implement dequantize_weight")
 
 
+class EmbeddingMethodBase(LinearMethodBase):
+    """How a token embedding ``[vocab, hidden]`` stores its weight, looks rows up
+    and, as the LM head, multiplies by it. ``create_weights`` sees a linear layer
+    of ``hidden`` inputs and ``[vocab]`` outputs; ``apply`` is the head's
+    ``x @ W.T`` ([T, hidden] -> [T, vocab])."""
+
+    @abstractmethod
+    def embedding(
+        self,
+        layer: nn.Module,
+        input_ids: torch.Tensor,  # [T] int64
+    ) -> torch.Tensor:  # [T, hidden], params_dtype
+        """Rows ``input_ids`` of the weight ``dequantize_weight`` returns."""
+
+
 class UnquantizedLinearMethod(LinearMethodBase):
     """The default: one ``[out, in]`` weight in the model's dtype, ``F.linear``."""
 
@@ -120,11 +142,21 @@ class UnquantizedLinearMethod(LinearMethodBase):
         weight = torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype)
         register_weight(layer, "weight", weight, {"output_dim": 0, "input_dim": 1})  # [out, in]
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        from vframe.quant import onednn_packed
+
+        if onednn_packed.should_pack(layer):  # bfloat16 on the CPU: oneDNN's layout, once
+            onednn_packed.pack(layer)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.weight.is_mkldnn:
+            from vframe.quant.onednn_packed import packed_linear
+
+            return packed_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
-        return layer.weight
+        return layer.weight.to_dense() if layer.weight.is_mkldnn else layer.weight
 
 
 class QuantizationConfig(ABC):
@@ -195,6 +227,15 @@ class QuantizationConfig(ABC):
         """The method for ``layer`` (a ``vframe.layers.linear.LinearBase``; its sizes
         and ``tp_rank`` / ``tp_size`` are set), named ``prefix`` in the model
         (``"model.layers.0.self_attn.qkv_proj"``); ``None`` leaves it unquantized."""
+
+    def get_embedding_method(self, prefix: str) -> EmbeddingMethodBase | None:
+        """The method for the model's token embedding named ``prefix``
+        (``"model.embed_tokens"``), which the model then builds as a
+        ``vframe.layers.embedding.VocabEmbedding``; with one, the LM head is
+        quantized too: tied, through the same method and tensor; untied, as a
+        linear layer (``get_quant_method``). Default ``None``: embedding and
+        head stay unquantized."""
+        return None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -27,6 +27,11 @@ Kernels, per segment:
 * the reference, every other format (``gguf_dequant.FORMATS``) and dtype: the
   segment's bytes stay in ``qweight`` (uint8, the file's bytes, nothing else) and
   are dequantized to float32 on every call, cast, ``F.linear``.
+
+The token embedding and the LM head tied to it are one ``GGUFEmbeddingMethod``
+(``get_embedding_method``; ``vframe/layers/embedding.py``): lookups dequantize the
+looked-up rows, the head runs a Q8_0 table as two int4 planes (bfloat16 CPU) or
+the reference. An untied ``output.weight`` head is a ``GGUFLinearMethod`` layer.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from torch import nn
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant import int4_cpu
-from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight
+from vframe.quant.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, register_weight
 from vframe.quant.gguf_dequant import FORMATS, GGML_TYPE_NAMES, INT4_TYPES, dequantize, int4_groups, row_bytes
 
 NAME = "gguf"
@@ -93,6 +98,9 @@ class GGUFConfig(QuantizationConfig):
             )
         return GGUFLinearMethod()
 
+    def get_embedding_method(self, prefix: str) -> EmbeddingMethodBase:
+        return GGUFEmbeddingMethod()
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -118,6 +126,8 @@ class Segment:
 
 
 class GGUFLinearMethod(LinearMethodBase):
+    repack = True  # Q4 segments of a bfloat16 CPU layer go to the int4 kernel (their bytes are dropped)
+
     def __init__(self) -> None:
         self.segments: list[Segment] = []
         self._blocks: dict[int, torch.Tensor] = {}  # shard index -> uint8 [rows, row bytes], until processed
@@ -202,7 +212,11 @@ class GGUFLinearMethod(LinearMethodBase):
         self._blocks = {}
 
         # Each segment is repacked for the int4 kernel, or its bytes are kept (in qweight, in order).
-        int4_layer = layer.qweight.device.type == "cpu" and int4_cpu.kernel_group_size(layer, _INT4_GROUP) is not None
+        int4_layer = (
+            self.repack
+            and layer.qweight.device.type == "cpu"
+            and int4_cpu.kernel_group_size(layer, _INT4_GROUP) is not None
+        )
         kept: list[torch.Tensor] = []
         byte_start = 0
         for i, (segment, shards) in enumerate(zip(segments, segment_blocks, strict=True)):
@@ -243,6 +257,102 @@ class GGUFLinearMethod(LinearMethodBase):
         eye = torch.eye(layer.input_size_per_partition, device=weight.device)
         scales_and_zeros = getattr(layer, f"int4_scales_and_zeros_{i}").float()
         return torch._weight_int4pack_mm_for_cpu(eye, weight, _INT4_GROUP, scales_and_zeros).T
+
+
+class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
+    """The token embedding, and the LM head tied to it, kept quantized.
+
+    A GGUF embedding row is one token's vector (blocks along the hidden size), so a
+    lookup dequantizes only the looked-up rows. Head kernels:
+
+    * Q8_0 in a bfloat16 model on the CPU (vocabulary a multiple of 64): each
+      ``q = 16 hi + lo`` is split into two 4-bit planes, each run through torch's
+      int4 kernel with the block's scale (``d (q - 8)`` form: hi plane scale
+      ``16 d``, zero ``8 d``; lo plane scale ``d``, zero 0) and the two outputs
+      added. The planes hold the file's int8 values, the float16 ``d`` stay for
+      lookups: 1.31 bytes per weight (the file: 1.06; bfloat16: 2). The kernel's
+      bfloat16 scales round ``d`` to 8 bits, as a dense bfloat16 weight rounds ``d q``.
+    * otherwise the file's bytes stay in ``qweight`` and the head dequantizes
+      ``_HEAD_ROWS`` vocabulary rows at a time, casts and multiplies: exact, but
+      a dequantization of the whole table per step (docs/quantization.md has its cost).
+    """
+
+    repack = False
+    q8_planes = False  # the Q8_0 int4 planes replace qweight (process_weights_after_loading)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        [segment] = self.segments
+        vocab = layer.num_embeddings
+        if not (
+            segment.ggml_type == "Q8_0" and layer.qweight.device.type == "cpu" and vocab % 64 == 0
+            and int4_cpu.kernel_group_size(layer, _INT4_GROUP) == _INT4_GROUP
+        ):
+            return
+        blocks = segment.rows(layer.qweight).view(vocab, -1, 34)  # [vocab, hidden / 32, 34]: d | 32 int8
+        d = blocks[..., :2].contiguous().view(torch.float16).reshape(vocab, -1)  # [vocab, hidden / 32]
+        scale = d.float().T  # [hidden / 32, vocab]
+        scales_and_zeros = {
+            "hi": torch.stack([16 * scale, 8 * scale], dim=-1), "lo": torch.stack([scale, 0 * scale], dim=-1)
+        }
+        # The kernel's layout packs each 64 rows on their own: pack a chunk of rows at a time
+        # so that the int32 values it takes never exist for the whole table.
+        planes: dict[str, list[torch.Tensor]] = {"hi": [], "lo": []}
+        for start in range(0, vocab, _HEAD_ROWS):
+            q = blocks[start : start + _HEAD_ROWS, :, 2:].contiguous().view(torch.int8)  # [rows, hidden / 32, 32]
+            q = q.int().flatten(1)  # [rows, hidden]
+            planes["hi"].append(torch._convert_weight_to_int4pack_for_cpu((q >> 4) + 8, 1))
+            planes["lo"].append(torch._convert_weight_to_int4pack_for_cpu(q & 0x0F, 1))
+        for plane, chunks in planes.items():
+            layer.register_buffer(f"q8_{plane}", torch.cat(chunks), persistent=False)
+            layer.register_buffer(
+                f"q8_{plane}_scales_and_zeros", scales_and_zeros[plane].to(torch.bfloat16), persistent=False
+            )
+        layer.register_buffer("q8_d", d, persistent=False)
+        self.q8_planes = True
+        # The planes' layout is torch's, not a documented format: check rows of both nibble halves.
+        ids = torch.tensor([0, 31, 32, 63, vocab // 2 + 33, vocab - 1], device=d.device)
+        if not torch.equal(self._rows(layer, ids), dequantize(segment.rows(layer.qweight)[ids], "Q8_0")):
+            raise ModelLoadError(
+                f"{self.where}: torch's int4 CPU weight layout is not the one vframe reads rows from; "
+                "run the Q8_0 embedding in float32 (dtype='float32') or report this torch version"
+            )
+        layer.qweight.data = torch.empty(0, dtype=torch.uint8)
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self._rows(layer, input_ids).to(layer.params_dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.q8_planes and int4_cpu.applies(x):
+            out = int4_cpu.matmul(x, layer.q8_hi, layer.q8_hi_scales_and_zeros, _INT4_GROUP, bias)
+            return out + int4_cpu.matmul(x, layer.q8_lo, layer.q8_lo_scales_and_zeros, _INT4_GROUP, None)
+        vocab = layer.num_embeddings
+        out = x.new_empty(x.shape[0], vocab)  # [T, vocab]
+        for start in range(0, vocab, _HEAD_ROWS):
+            ids = torch.arange(start, min(start + _HEAD_ROWS, vocab), device=x.device)
+            out[:, start : start + len(ids)] = F.linear(x, self._rows(layer, ids).to(x.dtype))
+        return out if bias is None else out + bias
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [vocab, hidden] float32, exact
+        return self._rows(layer, torch.arange(layer.num_embeddings, device=layer.qweight.device))
+
+    def _rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] float32, exact
+        [segment] = self.segments
+        if not self.q8_planes:
+            return dequantize(segment.rows(layer.qweight)[ids], segment.ggml_type)
+        # The int4 CPU layout: per 64 rows, byte [k, n % 32] holds input k of row n, high nibble for n % 64 >= 32.
+        shift = (ids % 64 >= 32).to(torch.uint8)[:, None] * 4  # [T, 1]
+
+        def nibbles(weight: torch.Tensor) -> torch.Tensor:  # [T, hidden] uint8
+            packed = weight.view(-1, layer.embedding_dim, 32)[ids // 64, :, ids % 32]
+            return (packed >> shift) & 0x0F
+
+        q = (nibbles(layer.q8_hi).int() - 8) * 16 + nibbles(layer.q8_lo).int()  # [T, hidden] in [-128, 128)
+        d = layer.q8_d[ids].float()  # [T, hidden / 32]
+        return (q.view(len(ids), -1, 32).float() * d[..., None]).view(len(ids), -1)
+
+
+_HEAD_ROWS = 4096  # vocabulary rows dequantized at once by the reference head: 9 MiB of float32 at hidden 576
 
 
 def _int4_pack(rows: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,7 +49,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None, code:
         ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs=true"),
         ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream=true"),
         ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools.0.function", "Field required"),
-        ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "not supported"),
+        ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix", 'suffix="!" is not supported: suffix is only supported for models with FIM'),
+        ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 1}, "best_of", "best_of must be greater than or equal to n, got n=2 and best_of=1"),
     ],
 )
 def test_invalid_request_is_a_400_naming_the_field(server: Server, path, body, param, message):

@@ -255,7 +255,7 @@ def test_openapi_spec_states_the_constraints(server: Server):
     prompt_shapes = completion["prompt"]["anyOf"]
     assert [s.get("minLength", s.get("minItems")) for s in prompt_shapes] == [1, 1, 1, 1]
     assert completion["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1}
-    assert completion["echo"].get("const", completion["echo"].get("enum", [None])[0]) is False
+    assert (completion["echo"]["type"], completion["echo"]["default"]) == ("boolean", False)
     assert completion["suffix"]["type"] == "null"
     assert completion["logit_bias"]["anyOf"][0] == {
         "type": "object", "additionalProperties": False,

@@ -27,9 +27,23 @@ def compat_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "--kv-cache-dtype", "auto",
         "--compilation-config", "0",
         "--generation-config", str(generation_dir),
+        "--served-model-name", "smol", "smollm2-alias",
+        "--chat-template", str(_write(generation_dir / "template.jinja", CHAT_TEMPLATE)),
     )
     yield srv
     stop_server(srv.process)
+
+
+# --chat-template FILE: a template of the operator's, used instead of the model's
+CHAT_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
 
 
 def _events(response) -> list[dict]:
@@ -81,3 +95,45 @@ def test_ping_answers_as_health_does_for_get_and_post(compat_server: Server):
     for method in ("GET", "POST"):
         response = httpx.request(method, compat_server.base_url + "/ping", timeout=10)
         assert (response.status_code, response.json()) == (200, {})
+
+
+def test_served_model_names_are_all_accepted_and_listed_and_answers_give_the_first(compat_server: Server):
+    import httpx
+
+    models = httpx.get(compat_server.base_url + "/v1/models", headers={"Authorization": "Bearer test-key-123"})
+    assert [m["id"] for m in models.json()["data"]] == ["smol", "smollm2-alias"]
+    for name in ("smol", "smollm2-alias"):
+        body = {"model": name, "prompt": "Hi", "max_tokens": 1}
+        response = compat_server.post("/v1/completions", json=body)
+        assert (response.status_code, response.json()["model"]) == (200, "smol")
+    unknown = compat_server.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+
+
+def test_chat_template_flag_renders_conversations_with_the_given_template(compat_server: Server):
+    messages = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+    ids = compat_server.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    text = compat_server.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == "[system] Be brief.\n[user] What is the capital of France?\n[assistant] "
+
+
+def test_chat_template_flag_takes_a_file_or_the_template_and_refuses_a_missing_path(tmp_path: Path):
+    from vframe.entrypoints.openai.args import load_chat_template
+    from vframe.errors import ConfigError
+
+    assert load_chat_template(str(_write(tmp_path / "t.jinja", CHAT_TEMPLATE))) == CHAT_TEMPLATE
+    assert load_chat_template(CHAT_TEMPLATE) == CHAT_TEMPLATE
+    with pytest.raises(ConfigError) as error:
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    assert str(error.value) == (
+        f"--chat-template {str(tmp_path / 'missing.jinja')!r} looks like a file path, but it cannot be read "
+        "(No such file or directory); give a template file or the template itself"
+    )
+
+
+def test_version_is_vframes(compat_server: Server):
+    import httpx
+
+    from vframe.version import __version__
+
+    assert httpx.get(compat_server.base_url + "/version", timeout=10).json() == {"version": __version__}

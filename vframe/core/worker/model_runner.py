@@ -147,7 +147,8 @@ class TorchModelRunner(ModelRunner):
         quantization = self.config.quantization.quantization
         if quantization is not None:
             get_registry("quantizer").get(quantization)  # an unknown name fails before the checkpoint is read
-        self.resolved = resolve_model(self.config.model.model)
+        # quantization="gguf" reads a GGUF's blocks: no dense conversion is written.
+        self.resolved = resolve_model(self.config.model.model, convert_weights=quantization != "gguf")
         check_load_format(self.config.model.load_format, self.resolved.source, self.resolved.gguf_file is not None)
         hf_overrides = self.config.model.hf_overrides
         self.hf_config = load_hf_config(self.resolved, hf_overrides)

@@ -26,6 +26,7 @@ from vframe.core.config import EngineConfig
 from vframe.core.engine import EMBEDDED_MODEL_NAME, LLMEngine
 from vframe.entrypoints.openai.chat import create_chat_completion
 from vframe.entrypoints.openai.completions import create_completion
+from vframe.entrypoints.openai.responses import ResponsesRequest, create_response
 from vframe.entrypoints.openai.embeddings import EmbeddingRequest, EmbeddingResponse, create_embedding
 from vframe.entrypoints.openai.args import LoRAModule, ServerPolicy
 from vframe.entrypoints.openai.errors import APIError, error_response, install_error_handlers
@@ -63,7 +64,8 @@ logger = logging.getLogger("vframe.serve")
 
 _ENDPOINTS = frozenset(
     {
-        "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize",
+        "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/models", "/tokenize",
+        "/detokenize",
         "/v1/load_lora_adapter", "/v1/unload_lora_adapter", *OPEN_PATHS,
     }
 )
@@ -77,7 +79,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 def build_app(
     engine: AsyncLLMEngine,
-    served_model_name: str,
+    served_model_name: str | list[str],
     api_key: str | None = None,
     policy: ServerPolicy | None = None,
     lora_requests: list[LoRARequest] | None = None,
@@ -86,6 +88,8 @@ def build_app(
     ``policy`` (default: ``ServerPolicy(api_key=api_key)``) sets what clients may send;
     ``lora_requests`` are adapters the engine has already added, served under their names."""
     policy = policy or ServerPolicy(api_key=api_key)
+    if policy.chat_template is not None:
+        engine.tokenizer.chat_template = policy.chat_template  # before PromptBuilder copies the tokenizer
     metrics = ServerMetrics(lambda: engine.stats)
     models = ServingModels(
         engine, served_model_name, str(engine.config.model.model or EMBEDDED_MODEL_NAME), engine.max_model_len,
@@ -124,6 +128,11 @@ def build_app(
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         """Answer a conversation, formatted with the model's chat template."""
         return await create_chat_completion(ctx, request, raw_request)
+
+    @app.post("/v1/responses", responses=_ERRORS)
+    async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
+        """OpenAI's Responses API, text only: ``input`` and ``instructions`` rendered with the chat template."""
+        return await create_response(ctx, request, raw_request)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def embeddings(request: EmbeddingRequest) -> EmbeddingResponse:
@@ -267,8 +276,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     config = EngineConfig.from_sources(config_file=args.config_file, **engine_kwargs)
     if config.model.skip_tokenizer_init:
         raise ConfigError("vframe serve needs the tokenizer (texts, chat templates): drop skip_tokenizer_init")
-    served_name = args.served_model_name or config.model.model or EMBEDDED_MODEL_NAME
-    lora_requests = _lora_requests(args.lora_modules or [], config.lora.enable_lora, served_name)
+    served_names = args.served_model_name or [config.model.model or EMBEDDED_MODEL_NAME]
+    lora_requests = _lora_requests(args.lora_modules or [], config.lora.enable_lora, served_names[0])
     sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
     host, port = sock.getsockname()[:2]
 
@@ -277,7 +286,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
             llm_engine.add_lora(lora)
 
     engine = AsyncLLMEngine.from_config(config, setup=add_loras)
-    app = build_app(engine, served_name, policy=policy, lora_requests=lora_requests)
+    app = build_app(engine, served_names, policy=policy, lora_requests=lora_requests)
     server = _Server(
         uvicorn.Config(
             app,
@@ -306,7 +315,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     engine.on_dead = on_engine_dead
     url_host = f"[{host}]" if ":" in host else host
     logger.info(
-        "serving %r on http://%s:%d/v1 (API key %s)", served_name, url_host, port,
+        "serving %s on http://%s:%d/v1 (API key %s)", " / ".join(map(repr, served_names)), url_host, port,
         "required" if policy.api_key else "off",
     )
     server.run(sockets=[sock])

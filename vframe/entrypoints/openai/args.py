@@ -31,6 +31,7 @@ class ServerPolicy:
     trust_request_chat_template: bool = False
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     tool_calling: ToolCallingConfig | None = None  # None: no --enable-auto-tool-choice, no parser
+    chat_template: str | None = None  # --chat-template: replaces the model's
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, loopback: bool) -> ServerPolicy:
@@ -49,7 +50,28 @@ class ServerPolicy:
             tool_calling=ToolCallingConfig.from_flags(
                 args.enable_auto_tool_choice, args.tool_call_parser, args.exclude_tools_when_tool_choice_none
             ),
+            chat_template=load_chat_template(args.chat_template),
         )
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's contents, or the value itself when it is a Jinja
+    template (vLLM's rule: it holds one of ``{}`` or a newline); ``ConfigError`` for a
+    path that does not exist."""
+    from vframe.errors import ConfigError
+
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        if any(c in value for c in "{}\n"):
+            return value
+        raise ConfigError(
+            f"--chat-template {value!r} looks like a file path, but it cannot be read ({e.strerror}); "
+            "give a template file or the template itself"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -101,6 +123,9 @@ def _lora_module(text: str) -> LoRAModule:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from vframe.engine.arg_utils import add_vllm_flag_syntax
+
+    add_vllm_flag_syntax(parser)  # -tp, --max-model-len 32k, JSON --hf-overrides ... as vllm serve takes them
     parser.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL",
         help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)",
@@ -113,8 +138,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on the API (default: $VFRAME_API_KEY; none = open)",
     )
     server.add_argument(
-        "--served-model-name", default=None,
-        help="the model name clients send (default: MODEL as given, or SmolLM2-135M-Instruct)",
+        "--served-model-name", nargs="+", default=None, metavar="NAME",
+        help="the model names clients may send, listed by /v1/models; responses give the first "
+        "(default: MODEL as given, or SmolLM2-135M-Instruct)",
+    )
+    server.add_argument(
+        "--chat-template", default=None,
+        help="the chat template to use instead of the model's: a file, or the Jinja template itself",
     )
     server.add_argument(
         "--shutdown-timeout", type=float, default=30.0,

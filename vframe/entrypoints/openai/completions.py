@@ -1,6 +1,9 @@
 """``POST /v1/completions``: text or token-id prompts, streamed or not.
 
 Choice ``i * n + j`` is the ``j``-th sequence of the ``i``-th prompt, as in OpenAI's API.
+With ``echo`` each choice's text starts with its prompt (streamed: in its first chunk),
+and with ``logprobs`` too its logprobs start with the prompt tokens' (the first one
+``null``), as vLLM answers.
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -50,7 +54,8 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     await ctx.prepare(params, "prompt")
     request_id = ctx.new_id("cmpl")
     generation = await ctx.start(request_id, prompts, params, request.priority, "prompt", arrival, lora_request)
-    run = _Run(request, model, request_id, generation, len(prompts))
+    echoed = [_prompt_text(ctx, prompt) for prompt in prompts] if request.echo else None
+    run = _Run(request, model, request_id, generation, prompts, echoed, ctx.engine.tokenizer)
     if request.stream:
         return ClosingStreamingResponse(run.stream(), on_close=generation.close)
     try:
@@ -70,26 +75,55 @@ async def _prompts(ctx: ServingContext, prompt: str | list[str] | list[int] | li
     return [Prompt(None, list(p)) for p in prompt]  # type: ignore[union-attr]
 
 
+def _prompt_text(ctx: ServingContext, prompt: Prompt) -> str:
+    if prompt.text is not None:
+        return prompt.text
+    return ctx.engine.tokenizer.decode(prompt.token_ids)
+
+
 class _Run:
     """One completion request in flight and how to answer it."""
 
     def __init__(
-        self, request: CompletionRequest, model: str, request_id: str, generation: Generation, num_prompts: int
+        self,
+        request: CompletionRequest,
+        model: str,
+        request_id: str,
+        generation: Generation,
+        prompts: list[Prompt],
+        echoed: list[str] | None,
+        tokenizer: Any,
     ) -> None:
         self.request = request
         self.model = model
         self.request_id = request_id
         self.generation = generation
-        self.num_prompts = num_prompts
+        self.prompts = prompts
+        self.num_prompts = len(prompts)
+        self.echoed = echoed  # per prompt, its text when echo is on
+        self.tokenizer = tokenizer
         self.created = int(time.time())
+        # per prompt, its tokens' logprobs (echo with logprobs), filled by the engine as it prefills
+        self.prompt_logprobs: dict[int, list] = {}
+
+    def _echo(self, prompt_index: int) -> tuple[str, list]:
+        """The text and ``(token id, entry)`` pairs to put before a choice's first output."""
+        if self.echoed is None:
+            return "", []
+        entries = self.prompt_logprobs.get(prompt_index)
+        pairs = list(zip(self.prompts[prompt_index].token_ids, entries)) if entries is not None else []
+        return self.echoed[prompt_index], pairs
 
     async def collect(self) -> Response:
         n = self.request.n
         choices = {i * n + j: Choice() for i in range(self.num_prompts) for j in range(n)}
         async with contextlib.aclosing(self.generation.outputs()) as outputs:
             async for i, output in outputs:
+                if output.prompt_logprobs is not None:
+                    self.prompt_logprobs[i] = output.prompt_logprobs
                 for completion in output.outputs:
                     choices[i * n + completion.index].add(completion)
+        echoes = {index: self._echo(index // n) for index in choices}
         response = CompletionResponse(
             id=self.request_id,
             created=self.created,
@@ -97,8 +131,8 @@ class _Run:
             choices=[
                 CompletionChoice(
                     index=index,
-                    text=choice.text,
-                    logprobs=self._logprobs(choice.logprobs, 0),
+                    text=echoes[index][0] + choice.text,
+                    logprobs=self._logprobs(echoes[index][1] + choice.logprobs, 0),
                     finish_reason=choice.finish_reason or "abort",  # none: the server aborted it
                     stop_reason=choice.stop_reason,
                 )
@@ -116,21 +150,25 @@ class _Run:
         try:
             async with contextlib.aclosing(self.generation.outputs()) as outputs:
                 async for i, output in outputs:
+                    if output.prompt_logprobs is not None:
+                        self.prompt_logprobs[i] = output.prompt_logprobs
                     chunk_choices = []
                     for completion in output.outputs:
                         index = i * n + completion.index
                         num_tokens += len(completion.token_ids)
                         if not (completion.text or completion.finish_reason or completion.logprobs):
                             continue
+                        echo_text, echo_pairs = self._echo(i) if index not in offsets else ("", [])
                         offset = offsets.get(index, 0)
-                        logprobs = self._logprobs(_pairs(completion), offset)
-                        offsets[index] = offset + len(completion.text)
+                        text = echo_text + completion.text
+                        logprobs = self._logprobs(echo_pairs + _pairs(completion), offset)
+                        offsets[index] = offset + len(text)
                         if completion.finish_reason is not None:
                             unfinished.discard(index)
                         chunk_choices.append(
                             CompletionChoice(
                                 index=index,
-                                text=completion.text,
+                                text=text,
                                 logprobs=logprobs,
                                 finish_reason=completion.finish_reason,
                                 stop_reason=completion.stop_reason,
@@ -163,6 +201,14 @@ class _Run:
             return None
         result = CompletionLogprobs()
         for token_id, entry in pairs:
+            if entry is None:  # the first prompt token (echo): nothing before it to predict it
+                token = self.tokenizer.decode([token_id])
+                result.tokens.append(token)
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                result.text_offset.append(text_offset)
+                text_offset += len(token)
+                continue
             chosen = entry[token_id]
             token = chosen.decoded_token or ""
             result.tokens.append(token)

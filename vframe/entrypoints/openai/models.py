@@ -34,11 +34,14 @@ class ServingModels:
     """The base model and the LoRA adapters a request may name, by name."""
 
     def __init__(
-        self, engine: AsyncLLMEngine, base_model_name: str, root: str, max_model_len: int,
+        self, engine: AsyncLLMEngine, base_model_name: str | list[str], root: str, max_model_len: int,
         lora_requests: list[LoRARequest] | None = None,
     ) -> None:
         self.engine = engine
-        self.base_model_name = base_model_name
+        # vLLM's --served-model-name NAME...: a request may name any of them; responses
+        # and errors give the first
+        self.base_model_names = [base_model_name] if isinstance(base_model_name, str) else list(base_model_name)
+        self.base_model_name = self.base_model_names[0]
         self.root = root
         self.max_model_len = max_model_len
         self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in lora_requests or []}
@@ -51,7 +54,7 @@ class ServingModels:
 
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter ``model`` names, ``None`` for the base model (or no ``model``); 404 otherwise."""
-        if model is None or model == self.base_model_name:
+        if model is None or model in self.base_model_names:
             return None
         lora = self.loras.get(model)
         if lora is None:
@@ -75,16 +78,16 @@ class ServingModels:
         )
 
     def cards(self) -> list[ModelCard]:
-        base = ModelCard(id=self.base_model_name, root=self.root, max_model_len=self.max_model_len)
+        bases = [ModelCard(id=name, root=self.root, max_model_len=self.max_model_len) for name in self.base_model_names]
         adapters = [
             ModelCard(id=r.lora_name, root=r.lora_path, parent=r.base_model_name or self.base_model_name)
             for r in self.loras.values()
         ]
-        return [base, *adapters]
+        return [*bases, *adapters]
 
     def card(self, model: str) -> ModelCard:
         lora = self.resolve(model)
-        name = self.base_model_name if lora is None else lora.lora_name
+        name = model if lora is None else lora.lora_name
         return next(c for c in self.cards() if c.id == name)
 
     # ------------------------------------------------------------------ #
@@ -102,7 +105,7 @@ class ServingModels:
                 "Both 'lora_name' and 'lora_path' must be provided.", param="lora_path" if name else "lora_name"
             )
         async with self._updating:
-            if name in self.loras or name == self.base_model_name:
+            if name in self.loras or name in self.base_model_names:
                 raise APIError.bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
             request = LoRARequest(name, next(self._next_id), path)
             try:

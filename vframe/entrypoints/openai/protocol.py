@@ -16,6 +16,8 @@ which JSON schema cannot say, is in the field's description.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 import time
@@ -301,9 +303,15 @@ class CompletionRequest(_GenerationRequest):
     )
     max_tokens: int | None = Field(16, ge=1, description="tokens to generate; null = up to the context length")
     logprobs: int | None = Field(None, ge=0, le=20, description="also return the top-k logprobs of each token")
-    echo: Literal[False] = Field(False, description="not supported (only false)")
-    best_of: int | None = Field(None, ge=1, description="only equal to n (no beam search)")
-    suffix: None = Field(None, description="not supported (only null)")
+    echo: bool = Field(
+        False, description="prepend the prompt to each choice's text (with logprobs: the prompt tokens' logprobs too)"
+    )
+    best_of: int | None = Field(
+        None, ge=1, le=128,
+        description="completions generated per prompt (at least n), of which the n with the highest cumulative "
+        "logprob are returned; more than n only without stream",
+    )
+    suffix: None = Field(None, description="not supported (only null): no fill-in-the-middle rendering")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -317,21 +325,37 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("the prompt is empty: give a non-empty text or token ids")
         return value
 
-    @field_validator("echo", "suffix", mode="before")
+    @field_validator("suffix", mode="before")
     @classmethod
-    def _unsupported(cls, value: Any, info: Any) -> Any:
-        if value is not None and value is not False:  # 0 == False, but is not false
-            raise ValueError(f"{info.field_name}={_short_repr(value)} is not supported by vframe yet")
+    def _no_suffix(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(
+                f"suffix={_short_repr(value)} is not supported: suffix is only supported for models with FIM "
+                "(fill-in-the-middle) completion rendering, and vframe renders none; leave suffix null"
+            )
         return value
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
-        if self.best_of is not None and self.best_of != self.n:
+        """With ``best_of > n`` the engine returns the ``n`` best when all are done
+        (output kind ``final``); ``echo`` with ``logprobs`` asks for the prompt's logprobs too (vLLM's rule)."""
+        best_of = self.best_of
+        if best_of is not None and best_of < self.n:
             raise APIError.bad_request(
-                f"best_of={self.best_of} is not supported: vframe returns every sequence it generates; "
-                "use n instead",
+                f"best_of must be greater than or equal to n, got n={self.n} and best_of={best_of}", param="best_of"
+            )
+        if best_of is not None and best_of > self.n and self.stream:
+            raise APIError.bad_request(
+                f"best_of={best_of} with n={self.n} cannot be streamed: the best completions are known only when "
+                "all are done; use stream=false or best_of=n",
                 param="best_of",
             )
-        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
+        params = self._sampling_params(self.max_tokens, self.logprobs, defaults)
+        changes: dict[str, Any] = {}
+        if best_of is not None and best_of > self.n:
+            changes |= {"best_of": best_of, "output_kind": "final"}
+        if self.echo and self.logprobs is not None:
+            changes["prompt_logprobs"] = self.logprobs
+        return dataclasses.replace(params, **changes) if changes else params
 
 
 class CompletionLogprobs(_Response):

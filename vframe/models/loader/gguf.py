@@ -1,7 +1,8 @@
 """Convert a llama.cpp GGUF file, once, into a Hugging Face-layout directory.
 
 The result holds ``config.json``, ``model.safetensors`` (dequantized to
-float32, so both float32 and bfloat16 runs are exact) and the tokenizer. It is
+float32, so both float32 and bfloat16 runs are exact; left out for
+``quantization="gguf"``, which reads the file's blocks) and the tokenizer. It is
 written into a temporary directory and renamed into place, so a killed
 process never leaves a half-written cache.
 """
@@ -49,8 +50,9 @@ _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling factors, folded into th
 _REQUIRED = object()
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write the Hugging Face-layout conversion of ``gguf_path`` to ``out_dir``."""
+def convert_gguf(gguf_path: Path, out_dir: Path, *, weights: bool = True) -> None:
+    """Write the Hugging Face-layout conversion of ``gguf_path`` to ``out_dir``;
+    ``weights=False``: only ``config.json`` and the tokenizer."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
@@ -63,13 +65,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         )
     logger.info("converting %s into %s (first load only)", gguf_path, out_dir)
     config = gguf_to_hf_config(reader, architecture)
-    tensors = dict(gguf_to_hf_tensors(reader, config))
+    tensors = dict(gguf_to_hf_tensors(reader, config)) if weights else None
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
     try:
         config.save_pretrained(tmp)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tensors is not None:
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         tokenizer.save_pretrained(str(tmp))
         try:
@@ -209,10 +212,10 @@ def gguf_to_hf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, torch.Te
 
 def iterate_gguf_quantized(gguf_path: Path, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of ``gguf_path`` for ``quantization="gguf"`` (``vframe.quant.gguf``):
-    each linear layer's weight kept as the file stores it, as ``<module>.qweight_type``
-    (the ggml type number) then ``<module>.qweight`` (uint8 [out, row bytes], q / k
-    rows un-permuted); every other tensor (embeddings, LM head, norms, biases)
-    dequantized to float32 as the conversion does."""
+    each linear layer's weight, the token embedding and an untied LM head kept as
+    the file stores them, as ``<module>.qweight_type`` (the ggml type number) then
+    ``<module>.qweight`` (uint8 [out, row bytes], q / k rows un-permuted); every
+    other tensor (norms, biases) dequantized to float32 as the conversion does."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -220,7 +223,7 @@ def iterate_gguf_quantized(gguf_path: Path, config: Any) -> Iterator[tuple[str, 
         if gguf_name == _ROPE_FREQS:
             continue
         name = hf_tensor_name(gguf_name)
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+        if name in _KEPT_QUANTIZED or name.startswith("model.layers.") and name.endswith("_proj.weight"):
             module = name.removesuffix(".weight")
             yield f"{module}.qweight_type", torch.tensor(ggml_type)
             yield f"{module}.qweight", torch.from_numpy(np.array(_unpermute_rows(name, rows, config)))
@@ -229,6 +232,8 @@ def iterate_gguf_quantized(gguf_path: Path, config: Any) -> Iterator[tuple[str, 
             array = _unpermute_rows(name, array, config)
             yield name, torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
 
+
+_KEPT_QUANTIZED = ("model.embed_tokens.weight", "lm_head.weight")  # besides the layers' projections
 
 # GGUF value types: struct formats of the scalars; 8 is a string, 9 an array
 _GGUF_SCALARS = {

@@ -116,7 +116,7 @@ def load_model(
     else:
         quantized = sum(weight_bytes(m) for m in quantized_linear_layers(model))
         logger.info(
-            "loaded %s: %.1f MiB of weights, %.1f MiB of them in %s-quantized linear layers",
+            "loaded %s: %.1f MiB of weights, %.1f MiB of them in %s-quantized layers",
             resolved.source, weight_bytes(model) / 2**20, quantized / 2**20, quant_config.get_name(),
         )
     return model.eval().requires_grad_(False)
@@ -126,11 +126,16 @@ def weight_bytes(module: nn.Module) -> int:
     """Bytes of ``module``'s weights as they sit in memory: its parameters (a tied
     tensor once) and the buffers of its linear layers (where quantization methods
     keep repacked kernel weights); not caches such as rotary tables."""
-    tensors = {p.data_ptr(): p for p in module.parameters()}
+    tensors = {_identity(p): p for p in module.parameters()}
     for m in module.modules():
         if getattr(m, "quant_method", None) is not None:
-            tensors.update((b.data_ptr(), b) for b in m.buffers(recurse=False))
+            tensors.update((_identity(b), b) for b in m.buffers(recurse=False))
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _identity(t: torch.Tensor) -> int:
+    # oneDNN-packed weights (vframe/quant/onednn_packed.py) are opaque: no data_ptr
+    return id(t) if t.is_mkldnn else t.data_ptr()
 
 
 def quantized_linear_layers(model: nn.Module) -> list[nn.Module]:

