@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from vframe.bench.throughput import offline_prompts
+from vframe.bench.throughput import model_workload_prompts
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -297,19 +297,8 @@ def _print(r: LevelResult) -> None:
     )
 
 
-def _prompts(args: argparse.Namespace) -> list[list[int]]:
-    from vframe.models.loader import load_hf_config, load_tokenizer, resolve_model
-
-    resolved = resolve_model(args.model)
-    tokenizer = load_tokenizer(resolved)
-    vocab_size = load_hf_config(resolved).vocab_size
-    return offline_prompts(
-        vocab_size, set(tokenizer.all_special_ids), args.num_prompts, args.min_input_len, args.max_input_len
-    )
-
-
 def run_bench_serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
-    prompts = _prompts(args)
+    prompts = model_workload_prompts(args)
     print(
         f"serving workload: {len(prompts)} prompts ({sum(map(len, prompts))} tokens), "
         f"{args.output_len} output tokens each, concurrency {args.concurrency}",

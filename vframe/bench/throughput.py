@@ -4,6 +4,9 @@ Workload (../shared/BENCHMARK.md): 64 requests, prompt lengths uniform in
 [32, 512] and token ids drawn from the non-special ids with
 ``numpy.random.default_rng(0)``, 128 greedy output tokens each with
 ``ignore_eos``, all submitted at once, one warm-up request first.
+
+Engines (``--backend``, vframe.bench.peers): vframe; transformers ``generate`` with
+static left-padded batches; vLLM in the Python given by ``--peer-python``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+
+from vframe.bench.peers import add_backend_args, check_peer, run_vllm_peer
 
 
 @dataclass
@@ -62,8 +67,7 @@ def add_offline_workload_args(parser: argparse.ArgumentParser) -> None:
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     add_offline_workload_args(parser)
-    parser.add_argument("--backend", choices=["vframe", "hf", "both"], default="vframe",
-                        help="engine to run: vframe, transformers (hf), or both with their ratio")
+    add_backend_args(parser)
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the hf peer")
 
 
@@ -72,6 +76,27 @@ def workload_prompts(args: argparse.Namespace, tokenizer, vocab_size: int) -> li
     return offline_prompts(
         vocab_size, set(tokenizer.all_special_ids), args.num_prompts, args.min_input_len, args.max_input_len
     )
+
+
+def model_workload_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """``workload_prompts`` for ``args.model`` without building an engine."""
+    from vframe.models.loader import load_hf_config, load_tokenizer, resolve_model
+
+    resolved = resolve_model(args.model)
+    return workload_prompts(args, load_tokenizer(resolved), load_hf_config(resolved).vocab_size)
+
+
+def peer_device_dtype(engine_kwargs: dict[str, Any]) -> tuple[str, str]:
+    """The device and dtype a peer runs in: those vframe runs in (``--device``, ``--dtype``,
+    else its defaults)."""
+    import torch
+
+    from vframe.core.worker.model_runner import default_dtype_name
+
+    device = engine_kwargs.get("device") or "auto"
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, engine_kwargs.get("dtype") or default_dtype_name(device)
 
 
 def run_vframe(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Result:
@@ -119,8 +144,9 @@ def time_offline(
     )
 
 
-def run_hf(args: argparse.Namespace, dtype_name: str, device: str = "cpu") -> Result:
-    """transformers ``generate`` with static left-padded batches on a dense copy, on ``device``."""
+def load_hf(args: argparse.Namespace, dtype_name: str, device: str) -> tuple[Any, Any, float]:
+    """transformers' tokenizer and model of ``args.model`` (a GGUF's dense conversion) on
+    ``device``, with ``args.threads`` torch threads; and the seconds that took."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -129,10 +155,17 @@ def run_hf(args: argparse.Namespace, dtype_name: str, device: str = "cpu") -> Re
     torch.set_num_threads(args.threads)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype_name]
     t0 = time.perf_counter()
-    directory = resolve_model(args.model).model_dir  # a GGUF's dense conversion
+    directory = resolve_model(args.model).model_dir
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval().to(device)
-    startup = time.perf_counter() - t0
+    return tokenizer, model, time.perf_counter() - t0
+
+
+def run_hf(args: argparse.Namespace, dtype_name: str, device: str = "cpu") -> Result:
+    """transformers ``generate`` with static left-padded batches on a dense copy, on ``device``."""
+    import torch
+
+    tokenizer, model, startup = load_hf(args, dtype_name, device)
     prompts = workload_prompts(args, tokenizer, model.config.vocab_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -169,24 +202,32 @@ def print_result(result: Result) -> None:
     )
 
 
+def run_vllm(args: argparse.Namespace, peer_python: str, dtype_name: str) -> Result:
+    """vLLM in ``peer_python`` on the same prompts, after the same warm-up request."""
+    prompts = model_workload_prompts(args)
+    r = run_vllm_peer(
+        peer_python, args.model, "throughput", prompts, prompts[0][:64], args.output_len, dtype_name, args.threads,
+        ld_preload=args.peer_ld_preload,
+    )
+    return Result("vllm", dtype_name, r["num_requests"], r["prompt_tokens"], r["output_tokens"], r["wall_s"],
+                  r["startup_s"])
+
+
 def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    # Checked first: a missing vLLM is found before minutes of the other engines.
+    peer_python = check_peer(args) if "vllm" in args.backend else ""
+    device, dtype = peer_device_dtype(engine_kwargs)
     results: list[Result] = []
-    if args.backend in ("vframe", "both"):
-        results.append(run_vframe(args, dict(engine_kwargs)))
+    for backend in args.backend:
+        if backend == "vframe":
+            results.append(run_vframe(args, dict(engine_kwargs)))
+        elif backend == "hf":
+            results.append(run_hf(args, dtype, device))
+        else:
+            results.append(run_vllm(args, peer_python, dtype))
         print_result(results[-1])
-    if args.backend in ("hf", "both"):
-        import torch
-
-        from vframe.core.worker.model_runner import default_dtype_name
-
-        device = engine_kwargs.get("device") or "auto"
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = engine_kwargs.get("dtype") or default_dtype_name(device)
-        results.append(run_hf(args, dtype, device))
-        print_result(results[-1])
-    if len(results) == 2:
-        print(f"vframe / hf output tokens/s: {results[0].output_tps / results[1].output_tps:.2f}x")
+    for peer in results[1:] if results[0].backend == "vframe" else []:
+        print(f"vframe / {peer.backend} output tokens/s: {results[0].output_tps / peer.output_tps:.2f}x")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump([r.as_dict() for r in results], f, indent=2)

@@ -127,11 +127,23 @@ def _build_parser() -> argparse.ArgumentParser:
     tp = bench_sub.add_parser(
         "throughput",
         help="the offline workload: 64 prompts of 32-512 tokens, 128 output tokens each",
-        description="Run the offline workload of BENCHMARK.md on vframe and, with --backend hf, "
-        "on transformers (static batches), printing output tokens/s and the ratio.",
+        description="Run the offline workload of BENCHMARK.md on vframe and, with --backend, on "
+        "transformers (hf: static batches) and vLLM (vllm: in --peer-python), printing output tokens/s "
+        "and vframe's ratio to each.",
     )
     add_throughput_args(tp)
     add_engine_args(tp)
+    from vframe.bench.latency import add_latency_args
+
+    lt = bench_sub.add_parser(
+        "latency",
+        help="the latency workload: 1 request, 256-token prompt, 128 output tokens: TTFT and TPOT",
+        description="Run the latency workload of BENCHMARK.md (one streamed request, best of 3) on vframe "
+        "and, with --backend, on transformers (hf) and vLLM (vllm: in --peer-python), printing time to first "
+        "token, time per output token and vframe's ratio to each.",
+    )
+    add_latency_args(lt)
+    add_engine_args(lt)
     from vframe.bench.shared_prefix import add_shared_prefix_args
 
     sp = bench_sub.add_parser(
@@ -255,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
             from vframe.bench.throughput import run_throughput
 
             return run_throughput(args, engine_kwargs(args))
+        if args.command == "bench" and args.bench_command == "latency":
+            from vframe.bench.latency import run_latency
+
+            return run_latency(args, engine_kwargs(args))
         if args.command == "bench" and args.bench_command == "shared-prefix":
             from vframe.bench.shared_prefix import run_shared_prefix
 
