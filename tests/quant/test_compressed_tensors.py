@@ -15,6 +15,7 @@ from vframe.plugins import get_registry
 from vframe.quant.compressed_tensors import CompressedTensorsConfig, NaiveMethod, PackedMethod
 from vframe.testing.models import assert_matches_transformers
 from vframe.testing.quant import check_quant_method
+from fp8_blocks import fp8_block_quantize
 from packers import ct_fp8_quantize, ct_int_quantize, pack_to_int32, write_quantized_llama
 
 
@@ -27,6 +28,20 @@ def weights(num_bits: int = 4, type: str = "int", strategy: str = "group", group
 INT8_TOKEN = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
 FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
 FP8_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+FP8_GROUP = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "symmetric": True,
+             "dynamic": True}  # FP8_BLOCK's activations
+
+
+def fp8_block_weights(block: list[int]) -> dict[str, Any]:
+    return {**weights(8, "float", "block", None), "block_structure": block}
+
+
+def fp8_block_tensors(block: tuple[int, int]):
+    def tensors(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scales, _ = fp8_block_quantize(w, block)
+        return {"weight": q, "weight_scale": scales}
+
+    return tensors
 
 
 def quant_config(fmt: str, w: dict, activations: dict | None = None, ignore: list[str] | None = None,
@@ -127,6 +142,21 @@ def test_fp8_weight_is_the_e4m3_values_times_the_scales(fmt: str, strategy: str)
     assert torch.equal(layer.quant_method.dequantize_weight(layer).double(), expected)
 
 
+def test_fp8_block_weight_keeps_each_shard_s_partial_blocks() -> None:
+    # FP8_BLOCK on SmolLM2's MLP: gate and up 1536 rows (12 blocks), 576 inputs (4.5 blocks of 128)
+    config = CompressedTensorsConfig.from_config(
+        quant_config("float-quantized", fp8_block_weights([128, 128]), FP8_GROUP)
+    )
+    layer = MergedColumnParallelLinear(576, [1536, 1536], bias=False, quant_config=config, prefix="l.gate_up_proj")
+    packed = [fp8_block_quantize(random_weight(1536, 576, seed), (128, 128)) for seed in (0, 1)]
+    for shard_id, (q, scales, _) in enumerate(packed):
+        load(layer, {"weight": q, "weight_scale": scales}, shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+
+    assert layer.weight.dtype == torch.float8_e4m3fn and tuple(layer.weight_scale.shape) == (24, 5)
+    assert torch.equal(layer.quant_method.dequantize_weight(layer), torch.cat([p[2] for p in packed]))
+
+
 def test_w8a8_quantizes_each_token_to_int8() -> None:
     config = CompressedTensorsConfig.from_config(
         quant_config("int-quantized", weights(8, "int", "channel", None), INT8_TOKEN)
@@ -162,6 +192,8 @@ CONFORMANCE = {
                    lambda w: ct_fp8_quantize(w, strategy="tensor", static_input=True).tensors),
     "FP8 channel": (quant_config("float-quantized", weights(8, "float", "channel", None), FP8_TOKEN),
                     lambda w: ct_fp8_quantize(w, strategy="channel").tensors),
+    "FP8 block": (quant_config("float-quantized", fp8_block_weights([32, 64]), FP8_GROUP),
+                  fp8_block_tensors((32, 64))),
 }
 
 
@@ -171,7 +203,7 @@ def test_conforms_on_every_layer_kind(scheme: str) -> None:
     check_quant_method("compressed-tensors", hf_quant_config=config, checkpoint_tensors=tensors)
 
 
-@pytest.mark.parametrize("scheme", ["W4A16 group", "W8A8 int8", "FP8 channel"])  # W4A16: torch's int4 kernel
+@pytest.mark.parametrize("scheme", ["W4A16 group", "W8A8 int8", "FP8 channel", "FP8 block"])  # W4A16: int4 kernel
 def test_bfloat16_activations_conform(scheme: str) -> None:
     config, tensors = CONFORMANCE[scheme]
     check_quant_method("compressed-tensors", hf_quant_config=config, checkpoint_tensors=tensors,
@@ -217,8 +249,12 @@ def test_fused_shards_quantized_differently_are_refused() -> None:
 @pytest.mark.parametrize(
     ("q", "message"),
     [
-        (quant_config("float-quantized", {**weights(8, "float", "block", None), "block_structure": [128, 128]}),
-         r"config_groups.group_0 \(float-quantized, float8 weights, strategy 'block'\): strategy 'block' is not"),
+        (quant_config("float-quantized", fp8_block_weights([128])),
+         r"config_groups.group_0.weights.block_structure=\[128\]: expected two positive integers"),
+        (quant_config("float-quantized", fp8_block_weights([128, 128]), FP8_STATIC),
+         r"group_0 .*: static activation scales with block weights are not supported"),
+        (quant_config("int-quantized", {**weights(8, "int", "block", None), "block_structure": [128, 128]}),
+         r"group_0 \(int-quantized, int8 weights, strategy 'block'\): block scales are served for FP8"),
         (quant_config("pack-quantized", weights(4, "int", "group", 128), INT8_TOKEN),
          r"group_0 .*: input_activations with packed weights \(W4A8\) are not supported"),
         (quant_config("pack-quantized", weights(3, "int", "group", 128)), r"group_0 \(pack-quantized, int3 weights"),

@@ -17,6 +17,7 @@ from vframe.testing.quant import check_quant_method
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from test_llama import save_tiny_llama  # noqa: E402
+from fp8_blocks import fp8_block_quantize  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -79,10 +80,59 @@ def test_checkpoint_scales_stay_per_fused_shard() -> None:
                        * expected[:, None])
 
 
+def block_checkpoint_tensors(block: tuple[int, int]):
+    def tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scales, _ = fp8_block_quantize(weight, block)
+        return {"weight": q, "weight_scale_inv": scales}
+
+    return tensors
+
+
+@pytest.mark.parametrize("block", [(32, 64), (128, 128)])
+def test_block_checkpoint_conforms_on_every_layer_kind(block: tuple[int, int]) -> None:
+    # 32 x 64 blocks: whole blocks per tensor-parallel rank; 128 x 128: partial blocks (k, v of 64 rows)
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    check_quant_method("fp8", hf_quant_config=config, checkpoint_tensors=block_checkpoint_tensors(block),
+                       quick=block == (128, 128))
+
+
+def test_block_scales_stay_with_their_shard_across_partial_blocks() -> None:
+    # SmolLM2's attention: q 576 rows (4.5 blocks of 128), k and v 192 (1.5 blocks), 576 inputs
+    config = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    layer = QKVParallelLinear(576, 64, 9, 3, bias=False, quant_config=config, prefix="l.qkv_proj")
+    g = torch.Generator().manual_seed(0)
+    shards = {"q": torch.randn(576, 576, generator=g), "k": 30 * torch.randn(192, 576, generator=g),
+              "v": torch.randn(192, 576, generator=g) / 30}
+    packed = {s: fp8_block_quantize(w, (128, 128)) for s, w in shards.items()}
+    for shard_id, (q, scales, _) in packed.items():
+        layer.weight.weight_loader(layer.weight, q, shard_id)
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scales, shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+
+    assert tuple(layer.weight_scale_inv.shape) == (5 + 2 + 2, 5)  # per shard ceil(rows / 128), ceil(576 / 128)
+    assert [tuple(packed[s][1].shape) for s in "qkv"] == [(5, 5), (2, 5), (2, 5)]
+    w_deq = layer.quant_method.dequantize_weight(layer)
+    assert torch.equal(w_deq, torch.cat([packed[s][2] for s in "qkv"]))
+    # e4m3 rounding: within 1/16 of each value, plus the subnormal step of its block
+    w = torch.cat(list(shards.values()))
+    assert float((w_deq - w).abs().max()) <= float(w.abs().max()) / 16
+    x = torch.randn(3, 576, generator=g)
+    reference = x.double() @ w_deq.double().T
+    assert float((layer(x).double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
+
+
+def test_block_scales_a_rank_cannot_cut_whole_are_refused() -> None:
+    config = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(ConfigError, match=r"output shards of \[192, 64, 64\] per tensor-parallel rank"):
+        QKVParallelLinear(576, 64, 9, 3, bias=False, quant_config=config, tp_rank=0, tp_size=3)
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"weight_block_size=\[128, 128\]: block-wise"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size=\[128\]: expected two positive"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+         r"activation_scheme='static' with weight_block_size"),
         ({"quant_method": "fp8", "activation_scheme": "per-token"}, r"activation_scheme='per-token'"),
         ({"quant_method": "gptq", "bits": 4}, r"already quantized as 'gptq'"),
     ],

@@ -20,13 +20,15 @@ value in the lowest bits; signed integers are stored plus ``2**(bits - 1)``)::
                      weight_shape       int64 [2]                  (out, in)
                      W[o, i] = scale[o, i // group_size] * (q[o, i] - zero[o, i // group_size])
     int-quantized    weight int8 [out, in], weight_scale [out, 1]; activations int8 per token, dynamic
-    float-quantized  weight e4m3 [out, in], weight_scale [1] (tensor) or [out, 1] (channel),
+    float-quantized  weight e4m3 [out, in], weight_scale [1] (tensor) or [out, 1] (channel)
+                     or [ceil(out / bn), ceil(in / bk)] (block, ``block_structure: [bn, bk]``;
+                     partial blocks at the edges, see ``fp8.BlockFp8Method``),
                      input_scale [1] with static activations
 
 Served: W4A16 / W8A16 (pack-quantized, group or channel, symmetric or not), W8A8
 int8 (int-quantized, channel or tensor weights, dynamic per-token int8
-activations) and FP8 weights (float-quantized, tensor or channel; activations
-stay in the model's dtype). Everything else is refused naming the group.
+activations) and FP8 weights (float-quantized, tensor, channel or block;
+activations stay in the model's dtype). Everything else is refused naming the group.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant import int4_cpu
 from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight
-from vframe.quant.fp8 import FP8_DTYPE, _per_shard_loader
+from vframe.quant.fp8 import FP8_DTYPE, BlockFp8Method, _per_shard_loader, block_structure
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
 # vframe's fused layers and the checkpoint modules they hold (their names in targets / ignore).
@@ -60,9 +62,10 @@ class Scheme:
     type: str  # int | float
     num_bits: int
     symmetric: bool
-    strategy: str  # tensor | channel | group
+    strategy: str  # tensor | channel | group | block
     group_size: int | None
     activations: str | None  # None (weight-only), "int8-token" (dynamic), "fp8-static", "fp8-dynamic"
+    block: tuple[int, int] | None = None  # (rows, columns) of a block, strategy "block" only
 
 
 class CompressedTensorsConfig(QuantizationConfig):
@@ -131,6 +134,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         scheme = found[names[0]]
         if scheme is None:
             return None
+        if scheme.strategy == "block":
+            return BlockFp8Method(scheme.block, "weight_scale")
         return PackedMethod(scheme) if scheme.format == "pack-quantized" else NaiveMethod(scheme)
 
     def _scheme_of(self, name: str) -> Scheme | None:
@@ -169,8 +174,10 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Sch
     group_size = w.get("group_size")
     strategy = w.get("strategy") or ("tensor" if group_size is None else "channel" if group_size == -1 else "group")
     label = f"{where} ({fmt}, {wtype}{num_bits} weights, strategy {strategy!r})"
-    if strategy not in ("tensor", "channel", "group"):
-        raise ConfigError(f"{label}: strategy {strategy!r} is not supported yet; vframe serves tensor, channel, group")
+    if strategy not in ("tensor", "channel", "group", "block"):
+        raise ConfigError(
+            f"{label}: strategy {strategy!r} is not supported yet; vframe serves tensor, channel, group, block"
+        )
     if w.get("actorder") in ("group", "dynamic", True):
         raise ConfigError(f"{label}: actorder={w['actorder']!r} (weight_g_idx) is not supported; 'weight' is")
     if w.get("dynamic"):
@@ -179,9 +186,15 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Sch
         raise ConfigError(f"{label}: group_size={group_size!r}, expected a positive integer")
     a = group.get("input_activations")
 
-    def scheme(activations: str | None) -> Scheme:
-        return Scheme(name, fmt, wtype, num_bits, bool(symmetric), strategy, group_size, activations)
+    block = None
+    if strategy == "block":
+        block = block_structure(w.get("block_structure"), f"{where}.weights.block_structure")
 
+    def scheme(activations: str | None) -> Scheme:
+        return Scheme(name, fmt, wtype, num_bits, bool(symmetric), strategy, group_size, activations, block)
+
+    if strategy == "block" and not (fmt in ("float-quantized", "naive-quantized") and wtype == "float"):
+        raise ConfigError(f"{label}: block scales are served for FP8 (float-quantized) weights only")
     if fmt == "pack-quantized" and wtype == "int" and num_bits in (4, 8) and strategy in ("group", "channel"):
         if a:
             raise ConfigError(f"{label}: input_activations with packed weights (W4A8) are not supported")
@@ -196,12 +209,14 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Sch
             raise ConfigError(f"{label}: activations {a!r}; vframe serves dynamic symmetric int8 per token only")
         return scheme("int8-token")
     if fmt in ("float-quantized", "naive-quantized") and wtype == "float" and num_bits == 8 and symmetric:
-        if strategy not in ("tensor", "channel"):
-            raise ConfigError(f"{label}: FP8 weights are served per channel or tensor")
+        if strategy not in ("tensor", "channel", "block"):
+            raise ConfigError(f"{label}: FP8 weights are served per tensor, channel or block")
         if not a:
             return scheme(None)
         if a.get("type") != "float" or a.get("num_bits") != 8:
             raise ConfigError(f"{label}: activations {a!r}; vframe serves FP8 activations only with FP8 weights")
+        if strategy == "block" and not a.get("dynamic"):
+            raise ConfigError(f"{label}: static activation scales with block weights are not supported; dynamic are")
         return scheme("fp8-dynamic" if a.get("dynamic") else "fp8-static")
     raise ConfigError(
         f"{label}, symmetric={symmetric}: not supported; vframe serves pack-quantized int4 / int8, "

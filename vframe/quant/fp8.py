@@ -1,8 +1,9 @@
 """FP8 (e4m3) weights: quantized while loading a float checkpoint
 (``quantization="fp8"``), or read from an FP8 checkpoint (``quant_method: fp8``,
-as vLLM's and llm-compressor's per-tensor FP8 checkpoints store it).
+as vLLM's and llm-compressor's per-tensor FP8 checkpoints store it, or with
+block-wise scales as DeepSeek-V3's does).
 
-Either way the layer ends with::
+Per-tensor and on the fly, the layer ends with::
 
     weight        float8_e4m3fn [out, in]
     weight_scale  float32       [out]       W[o, i] = weight[o, i] * weight_scale[o]
@@ -13,9 +14,20 @@ Either way the layer ends with::
   tensor (so per q, k and v shard of a fused layer); after loading each shard's
   scale is repeated over its rows. Static ``input_scale`` tensors are read and
   not used: activations stay in the model's dtype (weight-only FP8).
+* Block-wise (``weight_block_size: [bn, bk]``, DeepSeek-V3: ``[128, 128]``):
+  one scale per ``bn x bk`` block, named ``weight_scale_inv`` though it
+  multiplies. A tensor whose sizes ``bn`` / ``bk`` do not divide ends in partial
+  blocks with scales of their own (llm-compressor pads the weight with zeros
+  to whole blocks, quantizes, and cuts the padding off)::
 
-The kernel is the reference: dequantize, then ``F.linear``. Block-wise scales
-(``weight_block_size``) are refused.
+      weight            e4m3    [out, in]
+      weight_scale_inv  float32 [ceil(out / bn), ceil(in / bk)]
+      W[o, i] = weight[o, i] * scale[o // bn, i // bk]
+
+  A fused layer keeps each shard's block rows (``BlockFp8Method``): q's last
+  partial block and k's first are different blocks.
+
+The kernel is the reference: dequantize, then ``F.linear``.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vframe.errors import ConfigError
+from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight
 
@@ -40,13 +52,23 @@ class Fp8Config(QuantizationConfig):
     # (1/28 with a scale per row, whose largest value lands on 448).
     weight_tolerance = 1 / 16 + 1e-6
 
-    def __init__(self, is_checkpoint_fp8: bool, activation_scheme: str, ignored_layers: list[str]) -> None:
+    def __init__(
+        self,
+        is_checkpoint_fp8: bool,
+        activation_scheme: str,
+        ignored_layers: list[str],
+        weight_block_size: tuple[int, int] | None = None,
+    ) -> None:
         self.is_checkpoint_fp8 = is_checkpoint_fp8
         self.activation_scheme = activation_scheme
         self.ignored_layers = ignored_layers
+        self.weight_block_size = weight_block_size
 
     def __repr__(self) -> str:
-        return f"Fp8Config(is_checkpoint_fp8={self.is_checkpoint_fp8}, activation_scheme={self.activation_scheme!r})"
+        return (
+            f"Fp8Config(is_checkpoint_fp8={self.is_checkpoint_fp8}, activation_scheme={self.activation_scheme!r}, "
+            f"weight_block_size={self.weight_block_size})"
+        )
 
     @classmethod
     def get_name(cls) -> str:
@@ -67,20 +89,25 @@ class Fp8Config(QuantizationConfig):
                 f"quantization='fp8' quantizes float checkpoints or reads FP8 ones; this checkpoint is "
                 f"already quantized as {method!r}"
             )
-        if q.get("weight_block_size") is not None:
-            raise ConfigError(
-                f"quantization_config.weight_block_size={q['weight_block_size']!r}: block-wise FP8 scales "
-                "are not supported yet; vframe reads per-tensor FP8 checkpoints"
-            )
         scheme = q.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
             raise ConfigError(f"quantization_config.activation_scheme={scheme!r}: expected 'dynamic' or 'static'")
+        block = q.get("weight_block_size")
+        if block is not None:
+            block = block_structure(block, "quantization_config.weight_block_size")
+            if scheme != "dynamic":
+                raise ConfigError(
+                    f"quantization_config.activation_scheme={scheme!r} with weight_block_size: block-wise FP8 "
+                    "checkpoints have dynamic activations; expected 'dynamic'"
+                )
         ignored = q.get("ignored_layers") or q.get("modules_to_not_convert") or []
-        return cls(True, scheme, list(ignored))
+        return cls(True, scheme, list(ignored), block)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         if not isinstance(layer, LinearBase) or any(name in prefix for name in self.ignored_layers):
             return None
+        if self.weight_block_size is not None:
+            return BlockFp8Method(self.weight_block_size, "weight_scale_inv")
         return Fp8CheckpointMethod(self) if self.is_checkpoint_fp8 else Fp8OnTheFlyMethod()
 
 
@@ -141,6 +168,127 @@ class Fp8CheckpointMethod(Fp8OnTheFlyMethod):
         scale = layer.weight_scale.repeat_interleave(sizes)  # [out]
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         layer.input_scale = None  # weight-only: activations are not quantized
+
+
+class BlockFp8Method(LinearMethodBase):
+    """e4m3 weights with one scale per ``bn x bk`` block, kept per fused shard.
+
+    The scale parameter (``scale_name``: ``weight_scale_inv`` in ``quant_method:
+    fp8`` checkpoints, ``weight_scale`` in compressed-tensors ones) stacks the
+    shards' block rows: ``[sum(ceil(shard_out / bn)), ceil(in / bk)]``.
+    Tensor-parallel ranks must cut whole blocks."""
+
+    def __init__(self, block: tuple[int, int], scale_name: str) -> None:
+        self.block = block
+        self.scale_name = scale_name
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        block_n, block_k = self.block
+        where = layer.prefix or type(layer).__name__
+        if input_size_per_partition != input_size and input_size_per_partition % block_k:
+            raise ConfigError(
+                f"{where}: {input_size_per_partition} inputs per tensor-parallel rank do not fill whole FP8 "
+                f"blocks of {block_k}; use a tensor-parallel size whose share of {input_size} inputs {block_k} divides"
+            )
+        if sum(output_partition_sizes) != output_size and any(size % block_n for size in output_partition_sizes):
+            raise ConfigError(
+                f"{where}: output shards of {output_partition_sizes} per tensor-parallel rank do not fill whole "
+                f"FP8 blocks of {block_n}; use a tensor-parallel size that splits each projection into whole blocks"
+            )
+        out = sum(output_partition_sizes)
+        register_weight(layer, "weight", torch.empty(out, input_size_per_partition, dtype=FP8_DTYPE),
+                        {"output_dim": 0, "input_dim": 1})  # [out, in] e4m3
+        rows = sum(_cdiv(size, block_n) for size in output_partition_sizes)
+        scale = torch.empty(rows, _cdiv(input_size_per_partition, block_k), dtype=torch.float32)
+        register_weight(layer, self.scale_name, scale,  # [shard block rows, in blocks]
+                        {"output_dim": None, "weight_loader": _block_scale_loader(layer, self.block)})
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
+        return dequantize_blocks(layer.weight, getattr(layer, self.scale_name), self.block, layer.output_partition_sizes)
+
+
+def dequantize_blocks(
+    weight: torch.Tensor,  # [out, in] e4m3
+    scale: torch.Tensor,  # [sum(ceil(shard_out / bn)), ceil(in / bk)]
+    block: tuple[int, int],
+    shard_sizes: list[int],
+) -> torch.Tensor:  # [out, in] float32
+    """Each shard's rows times its own block scales, partial blocks cut off."""
+    block_n, block_k = block
+    inputs = weight.shape[1]
+    parts, row = [], 0
+    for w, size in zip(weight.split(shard_sizes), shard_sizes, strict=True):
+        rows = _cdiv(size, block_n)
+        s = scale[row : row + rows].repeat_interleave(block_n, dim=0)[:size]  # [size, in blocks]
+        parts.append(w.float() * s.repeat_interleave(block_k, dim=1)[:, :inputs])
+        row += rows
+    return torch.cat(parts)
+
+
+def block_structure(value: Any, field: str) -> tuple[int, int]:
+    """``[bn, bk]`` from a config field, checked."""
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
+        raise ConfigError(f"{field}={value!r}: expected two positive integers [rows, columns], e.g. [128, 128]")
+    return int(value[0]), int(value[1])
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _block_scale_loader(layer: LinearBase, block: tuple[int, int]):
+    """A shard's block scales ``[ceil(shard_out / bn), ceil(in / bk)]`` into its rows
+    of the stacked parameter; a rank takes its own (whole) blocks."""
+    block_n, block_k = block
+
+    def load(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        sizes = layer.output_partition_sizes
+        where = layer.prefix or type(layer).__name__
+        if shard_id is None and len(sizes) > 1:
+            # A checkpoint that stores the fused layer: its blocks run across shard boundaries
+            # unless every shard is whole blocks.
+            if any(size % block_n for size in sizes) or layer.tp_size > 1:
+                raise ModelLoadError(
+                    f"{where}: a fused FP8 block scale of shape {tuple(loaded_weight.shape)} cannot be split into "
+                    f"shards of {sizes} rows, which blocks of {block_n} do not divide; store the projections apart"
+                )
+            for sid, part in zip(layer.shard_ids, loaded_weight.split([s // block_n for s in sizes]), strict=True):
+                load(param, part, sid)
+            return
+        index = 0 if shard_id is None else layer.shard_ids.index(shard_id)
+        rows = _cdiv(sizes[index], block_n)
+        start = sum(_cdiv(size, block_n) for size in sizes[:index])
+        if hasattr(layer, "_shard_layout"):  # column-parallel: this rank's whole blocks of the shard
+            _, _, src_index, num_src = layer._shard_layout(shard_id)
+            if num_src > 1:
+                loaded_weight = loaded_weight.narrow(0, src_index * rows, rows)
+        if layer.input_size_per_partition != layer.input_size:  # row-parallel: this rank's block columns
+            cols = param.shape[1]
+            loaded_weight = loaded_weight.narrow(1, layer.tp_rank * cols, cols)
+        target = param.data[start : start + rows]
+        if target.shape != loaded_weight.shape:
+            raise ModelLoadError(
+                f"{where}: FP8 block scale has shape {tuple(loaded_weight.shape)}, the model expects "
+                f"{tuple(target.shape)} (blocks of {block_n} x {block_k})"
+            )
+        target.copy_(loaded_weight)
+
+    return load
 
 
 def _per_shard_loader(layer: LinearBase):

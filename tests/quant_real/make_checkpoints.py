@@ -1,0 +1,224 @@
+"""Make quantized checkpoints of a dense Hugging Face Llama with the real tools.
+
+Runs in the tools' own environment (``make quant-tools``: ``.venv-quant``, with
+llm-compressor and auto-round), not in vframe's, and imports nothing from vframe::
+
+    .venv-quant/bin/python tests/quant_real/make_checkpoints.py DENSE_DIR OUT_DIR SCHEME [SCHEME ...]
+
+Each scheme writes two directories, made under a temporary name and renamed
+when complete (an existing one is kept, so a second run costs nothing)::
+
+    OUT_DIR/<scheme>/            the checkpoint exactly as the tool saves it
+    OUT_DIR/<scheme>-reference/  the same model with every weight replaced by the
+                                 tool's own dequantized weight, as a float32
+                                 dense checkpoint that plain transformers loads
+
+The reference weights come from the tool, not from vframe: for llm-compressor,
+transformers loads the saved checkpoint through compressed-tensors
+(``run_compressed=False`` decompresses every layer); for auto-round, the
+model right after ``quantize()`` holds its fake-quantized (quantize then
+dequantize) weights, saved before packing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+# Calibration text: a few dozen plain sentences (nothing is downloaded).
+CALIBRATION = [
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Paris is the capital of France and is known for the Eiffel Tower.",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "The mitochondria is the powerhouse of the cell.",
+    "In 1969, astronauts landed on the Moon for the first time.",
+    "A triangle has three sides and its angles add up to 180 degrees.",
+    "Photosynthesis turns sunlight, water and carbon dioxide into sugar.",
+    "The Pacific Ocean is the largest and deepest ocean on Earth.",
+    "Shakespeare wrote Hamlet, Macbeth and Romeo and Juliet.",
+    "Python is a programming language that emphasizes readability.",
+    "The heart pumps blood through the arteries and veins of the body.",
+    "Mount Everest is the highest mountain above sea level.",
+    "Bees collect nectar from flowers and turn it into honey.",
+    "The Great Wall of China stretches for thousands of kilometers.",
+    "Electrons carry a negative charge and orbit the nucleus of an atom.",
+    "A healthy breakfast can include oatmeal, fruit and yogurt.",
+    "The train leaves the station at eight o'clock every morning.",
+    "Rainbows appear when sunlight is refracted by drops of water.",
+    "The library opens at nine and closes at six on weekdays.",
+    "Gravity keeps the planets in orbit around the Sun.",
+    "She planted tomatoes, basil and peppers in her garden this spring.",
+    "The stock market rose sharply after the announcement.",
+    "To bake bread, mix flour, water, yeast and a pinch of salt.",
+    "The human brain contains about eighty-six billion neurons.",
+    "Lightning is a sudden discharge of electricity in the atmosphere.",
+    "The museum displays paintings from the Renaissance period.",
+    "Wolves live and hunt together in packs.",
+    "A computer stores data in memory and on disk.",
+    "The recipe calls for two cups of sugar and three eggs.",
+    "Volcanoes erupt when pressure builds up beneath the Earth's crust.",
+    "The Amazon rainforest produces a large share of the world's oxygen.",
+    "He practiced the piano every evening for an hour.",
+    "Def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "The committee will meet next Tuesday to discuss the budget.",
+    "Snow covered the mountains, and the lake froze over in January.",
+    "Light travels at about three hundred thousand kilometers per second.",
+    "User: What is two plus two? Assistant: Two plus two is four.",
+    "User: Name a primary color. Assistant: Red is a primary color.",
+    "The children built a sandcastle on the beach.",
+    "Antibiotics treat infections caused by bacteria, not viruses.",
+]
+MAX_SEQ_LENGTH = 64
+
+# scheme -> the tool and what it runs
+SCHEMES = {
+    "ct-fp8-tensor": "llm-compressor QuantizationModifier FP8 (per-tensor weights, static activations)",
+    "ct-fp8-dynamic": "llm-compressor QuantizationModifier FP8_DYNAMIC (per-channel weights)",
+    "ct-fp8-block": "llm-compressor QuantizationModifier FP8_BLOCK (128x128 blocks)",
+    "ct-w8a8": "llm-compressor SmoothQuantModifier + GPTQModifier W8A8 (int8 channel weights, dynamic int8 tokens)",
+    "ct-w8a16": "llm-compressor GPTQModifier W8A16 (int8, groups of 64)",
+    "ct-w4a16": "llm-compressor GPTQModifier W4A16 (int4, groups of 64)",
+    "autoround-gptq": "auto-round 4 bit symmetric, groups of 64, exported as auto_gptq",
+    "autoround-awq": "auto-round 4 bit with zero points, groups of 64, round to nearest (iters=0), as auto_awq",
+}
+# The presets W4A16 / W8A16 take groups of 128, which llm-compressor refuses for
+# SmolLM2's 576 inputs (columns % group_size must be 0): the same schemes with groups of 64.
+CT_PRESETS = {
+    "ct-fp8-tensor": ("quantization", "FP8"),
+    "ct-fp8-dynamic": ("quantization", "FP8_DYNAMIC"),
+    "ct-fp8-block": ("quantization", "FP8_BLOCK"),
+    "ct-w8a8": ("gptq", "W8A8"),
+    "ct-w8a16": ("gptq", 8),
+    "ct-w4a16": ("gptq", 4),
+}
+AUTOROUND_FORMATS = {"autoround-gptq": "auto_gptq", "autoround-awq": "auto_awq"}
+
+
+def _load(dense: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(dense)
+
+
+def _save_reference(model: torch.nn.Module, dense: Path, out: Path) -> None:
+    """The model's float weights under the dense checkpoint's names, config and tokenizer."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(dense / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    state = model.state_dict()
+    weights = {name: state[name].detach().to(torch.float32).contiguous() for name in names}
+    out.mkdir(parents=True)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for item in dense.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, out / item.name)
+
+
+def make_llm_compressor(scheme: str, dense: Path, out: Path, reference: Path) -> None:
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+
+    modifier_kind, preset = CT_PRESETS[scheme]
+    model, tokenizer = _load(dense)
+    if isinstance(preset, int):  # WnA16, groups of 64
+        weights = {"num_bits": preset, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64}
+        how = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+    else:
+        how = {"targets": "Linear", "scheme": preset}
+    recipe = [(GPTQModifier if modifier_kind == "gptq" else QuantizationModifier)(ignore=["lm_head"], **how)]
+    if preset == "W8A8":
+        # llm-compressor's W8A8 recipe: SmoothQuant first moves SmolLM2's activation outliers into the
+        # weights; without it per-token int8 rounds most of an outlier token's inputs to 0
+        recipe.insert(0, SmoothQuantModifier(smoothing_strength=0.8))
+    oneshot(
+        model=model,
+        tokenizer=tokenizer,
+        recipe=recipe,
+        dataset=Dataset.from_dict({"text": CALIBRATION}),
+        num_calibration_samples=len(CALIBRATION),
+        max_seq_length=MAX_SEQ_LENGTH,
+        output_dir=str(out),
+        save_compressed=True,
+    )
+    for item in dense.iterdir():
+        if item.suffix != ".safetensors" and not (out / item.name).exists():
+            shutil.copy(item, out / item.name)
+    del model
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    loaded = AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)
+    )
+    _save_reference(loaded, dense, reference)
+
+
+def make_auto_round(scheme: str, dense: Path, out: Path, reference: Path) -> None:
+    from auto_round import AutoRound
+
+    model, tokenizer = _load(dense)
+    rounder = AutoRound(
+        model,
+        tokenizer,
+        bits=4,
+        group_size=64,
+        sym=scheme == "autoround-gptq",  # AWQ as AutoAWQ writes it: with zero points
+        # auto-round drops texts shorter than seqlen: five sentences a text
+        dataset=[" ".join(CALIBRATION[i : i + 5]) for i in range(0, len(CALIBRATION), 5)],
+        nsamples=len(CALIBRATION) // 5,
+        seqlen=MAX_SEQ_LENGTH,
+        # 20 steps of SignRound for GPTQ; AWQ rounds to nearest (iters=0): tuning in float32
+        # takes about 11 s a layer on an idle 2-core machine, several minutes a layer on a busy one
+        iters=20 if scheme == "autoround-gptq" else 0,
+        batch_size=4,
+        device_map="cpu",
+        enable_torch_compile=False,
+        # in float32 (no bfloat16 autocast on the CPU): the fake-quantized weights it keeps are then
+        # the exported integers times the exported float16 scales
+        amp=False,
+    )
+    qdq_model, _ = rounder.quantize()
+    _save_reference(qdq_model, dense, reference)
+    rounder.save_quantized(str(out), format=AUTOROUND_FORMATS[scheme], inplace=True)
+    for item in dense.iterdir():
+        if item.suffix != ".safetensors" and not (out / item.name).exists():
+            shutil.copy(item, out / item.name)
+
+
+def make(scheme: str, dense: Path, out_dir: Path) -> None:
+    if scheme not in SCHEMES:
+        raise SystemExit(f"unknown scheme {scheme!r}; known: {', '.join(SCHEMES)}")
+    final, final_ref = out_dir / scheme, out_dir / f"{scheme}-reference"
+    if (final / "config.json").exists() and (final_ref / "config.json").exists():
+        return
+    tmp, tmp_ref = out_dir / f".{scheme}.tmp", out_dir / f".{scheme}-reference.tmp"
+    for path in (tmp, tmp_ref, final, final_ref):
+        shutil.rmtree(path, ignore_errors=True)
+    torch.manual_seed(0)
+    maker = make_auto_round if scheme in AUTOROUND_FORMATS else make_llm_compressor
+    maker(scheme, dense, tmp, tmp_ref)
+    tmp_ref.rename(final_ref)
+    tmp.rename(final)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3:
+        raise SystemExit(__doc__)
+    dense, out_dir = Path(argv[0]), Path(argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for scheme in argv[2:]:
+        make(scheme, dense, out_dir)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
