@@ -3,9 +3,10 @@
 The shared library lands in ``$VFRAME_CACHE_DIR/cpu_paged/<key>/`` where the key
 hashes the sources, the torch version, the compiler and the CPU's instruction-set
 flags (the code is built with ``-march=native``); later loads reuse it. Nothing
-is downloaded. ``$VFRAME_CPU_PAGED_CXXFLAGS`` adds compiler flags (part of the key;
-the tests build the portable path with ``-mno-avx512f``). ``make install`` builds it (``python -m vframe.backends.cpu_paged.build``);
-otherwise the first engine that selects the backend does, and logs what it cost.
+is downloaded. ``$VFRAME_CPU_PAGED_CXXFLAGS`` adds compiler flags (part of the
+key; the tests build the portable path with ``-mno-avx512f``). ``make install``
+builds it (``python -m vframe.backends.cpu_paged.build``); otherwise the first
+engine that selects the backend does, and logs what it cost.
 """
 
 from __future__ import annotations
