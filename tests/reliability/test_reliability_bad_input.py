@@ -171,7 +171,7 @@ def completion_cases() -> list[Case]:
                                                                      "kwargs": {"x": 1}}]),
         Case("completions-body-over-limit", "POST", COMPLETIONS,
              body_with(COMPLETIONS, prompt="hello " * (3 * 2**20 // 6)), expect=frozenset({400, 413})),
-        case("echo", echo=True),
+        case("echo-string", echo="yes"),  # echo=True works (the prompt is prepended)
         case("suffix", suffix="x"),
         case("best-of-3", best_of=3),
     ]
