@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vframe.quant import onednn_packed
+
 
 def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
     """Attach loading attributes (``output_dim``, ``input_dim``, ``weight_loader``) to ``param``."""
@@ -143,16 +145,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
         register_weight(layer, "weight", weight, {"output_dim": 0, "input_dim": 1})  # [out, in]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        from vframe.quant import onednn_packed
-
         if onednn_packed.should_pack(layer):  # bfloat16 on the CPU: oneDNN's layout, once
             onednn_packed.pack(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if layer.weight.is_mkldnn:
-            from vframe.quant.onednn_packed import packed_linear
-
-            return packed_linear(x, layer.weight, bias)
+            return onednn_packed.packed_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:

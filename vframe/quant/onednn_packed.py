@@ -57,9 +57,5 @@ def pack(layer: nn.Module) -> None:
     layer.weight = nn.Parameter(packed, requires_grad=False)
 
 
-def is_packed(weight: torch.Tensor) -> bool:
-    return weight.is_mkldnn
-
-
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

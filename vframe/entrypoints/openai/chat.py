@@ -33,14 +33,13 @@ from vframe.entrypoints.openai.protocol import (
 from vframe.entrypoints.openai.serving import (
     SSE_DONE,
     Choice,
-    ClosingStreamingResponse,
     Generation,
     ServingContext,
     finite,
+    respond,
     sse,
     sse_error,
     top_logprobs,
-    until_disconnected,
 )
 from vframe.entrypoints.openai.tools import ToolChoice
 
@@ -78,12 +77,7 @@ async def create_chat_completion(
     request_id = ctx.new_id("chatcmpl")
     generation = await ctx.start(request_id, [prompt], params, request.priority, "messages", arrival, lora_request)
     run = _Run(request, model, request_id, generation, tool_choice)
-    if request.stream:
-        return ClosingStreamingResponse(run.stream(), on_close=generation.close)
-    try:
-        return await until_disconnected(raw_request, run.collect())
-    finally:
-        generation.close()
+    return await respond(raw_request, generation, run, request.stream)
 
 
 class _Run:

@@ -29,14 +29,13 @@ from vframe.entrypoints.openai.protocol import (
 from vframe.entrypoints.openai.serving import (
     SSE_DONE,
     Choice,
-    ClosingStreamingResponse,
     Generation,
     ServingContext,
     finite,
+    respond,
     sse,
     sse_error,
     top_logprobs,
-    until_disconnected,
 )
 
 
@@ -56,12 +55,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     generation = await ctx.start(request_id, prompts, params, request.priority, "prompt", arrival, lora_request)
     echoed = [_prompt_text(ctx, prompt) for prompt in prompts] if request.echo else None
     run = _Run(request, model, request_id, generation, prompts, echoed, ctx.engine.tokenizer)
-    if request.stream:
-        return ClosingStreamingResponse(run.stream(), on_close=generation.close)
-    try:
-        return await until_disconnected(raw_request, run.collect())
-    finally:
-        generation.close()
+    return await respond(raw_request, generation, run, request.stream)
 
 
 async def _prompts(ctx: ServingContext, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:

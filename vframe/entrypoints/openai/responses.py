@@ -33,12 +33,11 @@ from vframe.entrypoints.openai.errors import REQUEST_ERRORS, APIError
 from vframe.entrypoints.openai.protocol import ChatMessage, _Body, _Request
 from vframe.entrypoints.openai.serving import (
     Choice,
-    ClosingStreamingResponse,
     Generation,
     ServingContext,
+    respond,
     sse,
     sse_error,
-    until_disconnected,
 )
 
 
@@ -104,12 +103,7 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw_re
     response_id = f"resp_{uuid.uuid4().hex}"
     generation = await ctx.start(response_id, [prompt], params, 0, "input", arrival, lora_request)
     run = _Run(request, model, response_id, generation, params)
-    if request.stream:
-        return ClosingStreamingResponse(run.stream(), on_close=generation.close)
-    try:
-        return await until_disconnected(raw_request, run.collect())
-    finally:
-        generation.close()
+    return await respond(raw_request, generation, run, request.stream)
 
 
 class _Run:

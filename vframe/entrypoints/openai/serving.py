@@ -17,7 +17,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -272,6 +272,25 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     finally:
         for task in tasks:
             task.cancel()
+
+
+class Answer(Protocol):
+    """An API request in flight: its answer as server-sent events or as one response."""
+
+    def stream(self) -> AsyncIterator[str]: ...
+
+    async def collect(self) -> Response: ...
+
+
+async def respond(raw_request: Request, generation: Generation, run: Answer, streaming: bool) -> Response:
+    """``run``'s answer, streamed or whole; ``generation`` is closed when the
+    answer ends, however it ends (done, client gone, cancelled)."""
+    if streaming:
+        return ClosingStreamingResponse(run.stream(), on_close=generation.close)
+    try:
+        return await until_disconnected(raw_request, run.collect())
+    finally:
+        generation.close()
 
 
 async def until_disconnected(raw_request: Request, work: Awaitable[Response]) -> Response:

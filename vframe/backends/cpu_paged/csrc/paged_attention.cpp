@@ -323,18 +323,17 @@ void decode_attention(
         for (int64_t d = 0; d < D; ++d) q[hq * D + d] *= fscale;
       }
       scores.resize(num_heads * (seq_len - start));
+      bool done = false;
 #if defined(__AVX512F__)
       if constexpr (HD > 0 && HD % 16 == 0) {
         if (group <= kMaxGroup) {
           attend_request_avx512<T, HD / 16>(num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride,
                                              block_size, start, seq_len, scores.data(), acc.data());
-        } else {
-          attend_request<T, HD>(D, num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride,
-                                block_size, start, seq_len, scores.data(), acc.data(), row.data());
+          done = true;
         }
-      } else
+      }
 #endif
-      {
+      if (!done) {
         attend_request<T, HD>(D, num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride, block_size,
                               start, seq_len, scores.data(), acc.data(), row.data());
       }
