@@ -599,8 +599,7 @@ def test_cleanup_dist_env_and_memory_collects_what_is_left_of_deleted_objects():
     finally:
         gc.enable()
     assert left() is None
-    with pytest.raises(ValueError, match="^shutdown_ray=True: vframe does not use Ray$"):
-        cleanup_dist_env_and_memory(shutdown_ray=True)
+    cleanup_dist_env_and_memory(shutdown_ray=True)  # no Ray runtime started here: nothing to stop
 
 
 # --------------------------------------------------------------------------- #

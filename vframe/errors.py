@@ -25,3 +25,8 @@ class PluginError(VFrameError):
 
 class LoRAAdapterError(InvalidRequestError):
     """A LoRA adapter that cannot be served: unreadable, unsupported or made for another model."""
+
+
+class ExecutorDeadError(VFrameError):
+    """A rank of the model (a tensor-parallel worker) died or fell out of step with
+    the others: the engine cannot run another step and must be restarted."""

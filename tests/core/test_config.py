@@ -38,7 +38,8 @@ def test_toml_file(tmp_path):
         ({"dtype": "int8"}, "invalid value for 'dtype': 'int8'"),
         ({"block_size": 12}, "block_size must be a power of two, got 12"),
         ({"preemption_mode": "pause"}, "'recompute' or 'swap'"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not yet supported"),
+        ({"tensor_parallel_size": 0}, "invalid value for 'tensor_parallel_size': 0"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2: pipeline parallelism is not built yet"),
         ({"max_num_seq": 4}, "unknown setting 'max_num_seq'"),
     ],
 )

@@ -96,9 +96,9 @@ def test_unknown_attention_backend_lists_known_ones():
         LLM(attention_backend="flashy")
 
 
-def test_tensor_parallel_not_yet_supported():
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2 is not yet supported"):
-        LLM(tensor_parallel_size=2)
+def test_pipeline_parallel_not_yet_supported():
+    with pytest.raises(ConfigError, match=r"^pipeline_parallel_size=2: pipeline parallelism is not built yet"):
+        LLM(pipeline_parallel_size=2)
 
 
 def test_request_larger_than_the_kv_cache(tmp_path):

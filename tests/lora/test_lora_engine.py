@@ -118,6 +118,22 @@ def test_a_batch_mixing_four_adapters_and_the_base_model(adapters, references) -
     assert len(manager.slot_ids()) == 2
 
 
+def test_adapters_split_over_three_tensor_parallel_ranks_match_peft(adapters, references) -> None:
+    # SmolLM2's 9 heads split by 3: each worker holds its shard of A (row-parallel
+    # layers) or B (column-parallel ones) of every adapter (docs/distributed.md).
+    llm = LLM(dtype="float32", enable_lora=True, max_loras=2, tensor_parallel_size=3)
+    try:
+        names = [None, "all4", "rs16"]
+        prompts = [{"prompt_token_ids": PROMPTS[i % 2]} for i in range(len(names))]
+        loras = [None if n is None else adapters[n] for n in names]
+        outputs = llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False)
+        for i, (name, output) in enumerate(zip(names, outputs, strict=True)):
+            _assert_matches(output, references[name][i % 2], f"request {i} ({name}) over 3 ranks")
+        assert sorted(r.lora_name for r in llm.llm_engine.list_loras()) == ["all4", "rs16"]
+    finally:
+        llm.shutdown()
+
+
 def test_prefix_cache_is_not_shared_across_adapters(adapters) -> None:
     llm = LLM(dtype="float32", enable_lora=True, max_loras=2, num_threads=2, block_size=4)
     prompt = [{"prompt_token_ids": PROMPTS[1]}]  # 21 tokens: 5 full blocks

@@ -157,3 +157,47 @@ def test_hf_tensor_names() -> None:
     assert gguf_loader.hf_tensor_name("output.weight") == "lm_head.weight"
     with pytest.raises(ModelLoadError, match="blk.0.attn_qkv.weight"):
         gguf_loader.hf_tensor_name("blk.0.attn_qkv.weight")
+
+
+def test_weights_are_views_of_the_mapped_file_equal_to_safetensors_own_reading(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.bf16_odd": torch.randn(3, 5, generator=generator).to(torch.bfloat16),  # 30 bytes: what follows is unaligned
+        "b.f32": torch.randn(7, 4, generator=generator),
+        "c.f16": torch.randn(9, generator=generator).half(),
+        "d.i32": torch.arange(-5, 6, dtype=torch.int32),
+        "e.u8": torch.arange(0, 200, 7, dtype=torch.uint8),
+        "f.fp8": torch.randn(4, 4, generator=generator).to(torch.float8_e4m3fn),
+        "g.bool": torch.tensor([True, False, True]),
+        "h.empty": torch.empty(0, 3),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    reference = load_file(str(path))
+
+    ours = dict(iterate_weights(ResolvedModel(source=tmp_path, model_dir=tmp_path, weight_files=(path,))))
+
+    assert sorted(ours) == sorted(tensors)
+    for name, tensor in ours.items():
+        assert tensor.dtype == reference[name].dtype and tensor.shape == reference[name].shape, name
+        assert torch.equal(tensor.view(torch.uint8), reference[name].view(torch.uint8)), name
+    # Views of one mapping of the file, not copies (the rows a tensor-parallel rank
+    # keeps are all it reads): their addresses lie as far apart as their data in the file.
+    header = json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    offset = {name: entry["data_offsets"][0] for name, entry in header.items() if name != "__metadata__"}
+    for name in ("b.f32", "c.f16", "g.bool"):
+        assert ours[name].data_ptr() - ours["a.bf16_odd"].data_ptr() == offset[name] - offset["a.bf16_odd"], name
+
+
+def test_safetensors_whose_offsets_do_not_hold_the_shape_are_refused(tmp_path: Path) -> None:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 60]}}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(64))
+    resolved = ResolvedModel(source=tmp_path, model_dir=tmp_path, weight_files=(path,))
+    with pytest.raises(ModelLoadError) as info:
+        list(iterate_weights(resolved))
+    assert str(info.value) == (
+        f"{path}: corrupt safetensors file (tensor 'w': data_offsets [0, 60] do not hold shape [4, 4])"
+    )

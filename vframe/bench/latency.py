@@ -106,7 +106,7 @@ def run_vframe(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Laten
     for i in range(args.num_iters):
         llm.reset_prefix_cache()
         runs.append(Timing.from_token_times(timed_request(engine, f"timed-{i}", prompt, params)))
-    dtype = str(engine.model_runner.dtype).removeprefix("torch.")
+    dtype = str(engine.runner_info.dtype).removeprefix("torch.")
     llm.shutdown()
     return LatencyResult("vframe", dtype, len(prompt), runs, startup)
 

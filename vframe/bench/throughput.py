@@ -134,7 +134,7 @@ def time_offline(
     wall = time.perf_counter() - t0
     return Result(
         backend=backend,
-        dtype=str(engine.model_runner.dtype).removeprefix("torch."),
+        dtype=str(engine.runner_info.dtype).removeprefix("torch."),
         num_requests=len(prompts),
         prompt_tokens=sum(len(p) for p in prompts),
         output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),

@@ -256,11 +256,25 @@ class SchedulerSection(BaseModel):
 class ParallelSection(BaseModel):
     model_config = _STRICT
 
-    tensor_parallel_size: int = Field(1, ge=1, description="ranks per model (only 1 so far)")
-    pipeline_parallel_size: int = Field(1, ge=1, description="pipeline stages (only 1)")
-    disable_custom_all_reduce: bool = Field(
-        False, description="accepted, no effect: one rank, so no all-reduce runs"
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks per model: heads, MLP columns and vocabulary split over that many workers"
     )
+    pipeline_parallel_size: int = Field(1, ge=1, description="pipeline stages (only 1; docs/distributed.md)")
+    distributed_executor_backend: str | None = Field(
+        None,
+        description="executor registry name: uni (in-process, one rank), mp (a process per rank on this "
+        "machine), ray (Ray actors, across machines), or a plugin's; None = uni at one rank, else mp",
+    )
+    disable_custom_all_reduce: bool = Field(
+        False, description="accepted, no effect: all-reduce is torch.distributed's (gloo, NCCL)"
+    )
+
+    @property
+    def executor(self) -> str:
+        """The executor registry name in effect."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
 
 
 class DeviceSection(BaseModel):
@@ -389,13 +403,11 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> EngineConfig:
-        if self.parallel.tensor_parallel_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.parallel.tensor_parallel_size} is not yet supported; "
-                "use tensor_parallel_size=1"
-            )
         if self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("pipeline_parallel_size > 1 is not supported; use 1")
+            raise ValueError(
+                f"pipeline_parallel_size={self.parallel.pipeline_parallel_size}: pipeline parallelism is not "
+                "built yet (docs/distributed.md); use tensor_parallel_size to split the model instead"
+            )
         lora = self.lora
         if lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
             raise ValueError(f"max_cpu_loras={lora.max_cpu_loras} must be at least max_loras={lora.max_loras}")

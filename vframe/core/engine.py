@@ -2,7 +2,7 @@
 
 One step::
 
-    scheduler.schedule() -> model_runner.execute_model() -> scheduler.update_from_output()
+    scheduler.schedule() -> executor.execute_model() -> scheduler.update_from_output()
         -> output_processor.process()  (detokenize, stop strings, RequestOutput)
 
 Every part is looked up by its configured name in the plugin registries; the
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 from vframe.core.config import EngineConfig
 from vframe.core.generation_defaults import load_generation_defaults
 from vframe.core.inputs import PROMPT_KEYS, PromptType
-from vframe.core.interfaces import KVCacheManager, ModelRunner, Scheduler
+from vframe.core.interfaces import Executor, KVCacheManager, ModelRunner, RunnerInfo, Scheduler
 from vframe.core.output_processor import OutputProcessor, ParentRequest
 from vframe.core.outputs import RequestError, RequestOutput
 from vframe.core.plugin_context import EngineView, PluginContext, next_engine_id
 from vframe.core.request import Request, RequestStatus
 from vframe.core.sample.request_setup import SamplingSetup
 from vframe.core.sampling_params import SamplingParams
-from vframe.errors import ConfigError, InvalidRequestError
+from vframe.errors import ConfigError, ExecutorDeadError, InvalidRequestError
 from vframe.plugins import get_registry
 from vframe.plugins.manager import call_lifecycle, load_plugins
 
@@ -52,6 +52,7 @@ def _check_registry_names(config: EngineConfig) -> None:
     (``PluginError`` lists the known names, and a skipped plugin that provides it)."""
     names = {
         "model_runner": config.device.model_runner,
+        "executor": config.parallel.executor,
         "scheduler": config.scheduler.scheduler,
         "scheduling_policy": config.scheduler.scheduling_policy,
         "kv_cache_manager": config.scheduler.kv_cache_manager,
@@ -72,41 +73,47 @@ class LLMEngine:
         _check_registry_names(config)
         t0 = time.perf_counter()
 
-        runner_cls = get_registry("model_runner").load(config.device.model_runner)
-        self.model_runner: ModelRunner = runner_cls(config)
-        self.model_runner.load_model()
-        self.runner_type = _resolve_runner(config, self.model_runner)
+        executor_cls = get_registry("executor").load(config.parallel.executor)
+        self.executor: Executor = executor_cls(config)
+        try:
+            self.runner_info: RunnerInfo = self.executor.load_model()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        # The rank-0 runner when it lives in this process; None when the ranks are workers.
+        self.model_runner: ModelRunner | None = self.executor.driver_runner
+        self.runner_type = _resolve_runner(config, self.runner_info, self.model_runner)
         self._lora_of_request: dict[str, int] = {}  # in-flight request id -> its adapter
         self.tokenizer = None
         if not config.model.skip_tokenizer_init:
             from vframe.models.loader import load_tokenizer
 
-            self.tokenizer = load_tokenizer(self.model_runner.resolved, config.model.tokenizer)
+            self.tokenizer = load_tokenizer(self.runner_info.resolved, config.model.tokenizer)
         self.generation_defaults = load_generation_defaults(
-            config.model.generation_config, self.model_runner.resolved.model_dir
+            config.model.generation_config, self.runner_info.resolved.model_dir
         )
         self.get_default_sampling_params()  # a bad generation_config.json fails now, not per request
         self.max_model_len = self._resolve_max_model_len()
-        self.vocab_size = self.model_runner.vocab_size
+        self.vocab_size = self.runner_info.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         self.plugin_context = PluginContext(
             engine_config=config,
-            model_config=self.model_runner.hf_config,
+            model_config=self.runner_info.hf_config,
             tokenizer=self.tokenizer,
             vocab_size=self.vocab_size,
             eos_token_ids=frozenset(self.eos_token_ids),
-            device=self.model_runner.device,
-            dtype=self.model_runner.dtype,
+            device=self.runner_info.device,
+            dtype=self.runner_info.dtype,
         )
-        self.model_runner.set_plugin_context(self.plugin_context)
+        self.executor.set_plugin_context(self.plugin_context)
         self.sampling_setup = SamplingSetup(self.plugin_context)
 
-        num_blocks = self.model_runner.determine_num_kv_blocks()
-        self.model_runner.initialize_kv_cache(num_blocks)
+        num_blocks = self.executor.determine_num_kv_blocks()
+        self.executor.collective_rpc("initialize_kv_cache", (num_blocks,))
         num_swap_blocks = 0
         if config.scheduler.preemption_mode == "swap":
-            num_swap_blocks = self.model_runner.determine_num_swap_blocks()
-            self.model_runner.initialize_swap_space(num_swap_blocks)
+            num_swap_blocks = self.executor.determine_num_swap_blocks()
+            self.executor.collective_rpc("initialize_swap_space", (num_swap_blocks,))
         cache = config.cache
         kv_cls = get_registry("kv_cache_manager").load(config.scheduler.kv_cache_manager)
         self.kv_cache_manager: KVCacheManager = kv_cls(
@@ -181,7 +188,7 @@ class LLMEngine:
             raise ConfigError(f"generation_config={self.config.model.generation_config!r}: {e}") from None
 
     def _resolve_max_model_len(self) -> int:
-        model_max = self.model_runner.max_position_embeddings
+        model_max = self.runner_info.max_position_embeddings
         requested = self.config.model.max_model_len
         if requested is None:
             return model_max
@@ -194,7 +201,7 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
-        cfg_eos = getattr(self.model_runner.hf_config, "eos_token_id", None)
+        cfg_eos = getattr(self.runner_info.hf_config, "eos_token_id", None)
         ids.update(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos] if cfg_eos is not None else [])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
@@ -272,6 +279,7 @@ class LLMEngine:
             raise InvalidRequestError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         max_tokens = self._validate_prompt(token_ids, params)
         self.sampling_setup.prepare(params)
+        self.executor.check_request(params)
         policy_name = self.config.scheduler.scheduling_policy
         if priority != 0 and not get_registry("scheduling_policy").load(policy_name).uses_priority:
             raise InvalidRequestError(
@@ -348,18 +356,18 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"lora_request must be a vframe.lora.request.LoRARequest, got {type(lora_request).__name__}"
             )
-        self.model_runner.add_lora(lora_request)
+        self.executor.collective_rpc("add_lora", (lora_request,))
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter; ``False`` if it was not loaded or requests in
         flight still use it."""
         if lora_int_id in self._lora_of_request.values():
             return False
-        return self.model_runner.remove_lora(lora_int_id)
+        return self.executor.collective_rpc("remove_lora", (lora_int_id,))[0]
 
     def list_loras(self) -> list[LoRARequest]:
         """The adapters added so far and not removed."""
-        return self.model_runner.list_loras() if self.config.lora.enable_lora else []
+        return self.executor.collective_rpc("list_loras")[0] if self.config.lora.enable_lora else []
 
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
         """Checks the prompt and returns the request's resolved ``max_tokens``."""
@@ -403,7 +411,9 @@ class LLMEngine:
             )
         prompt_logprobs = None
         try:
-            runner_out = self.model_runner.execute_model(sched_out)
+            runner_out = self.executor.execute_model(sched_out)
+        except ExecutorDeadError:
+            raise  # no rank can run another step: the caller (LLM, the server) fails everything
         except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
             logger.exception(
                 "a step of %d requests failed; failing those requests", len(sched_out.num_scheduled_tokens)
@@ -469,12 +479,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         call_lifecycle("vframe_engine_shutdown", engine=self, engine_view=self.engine_view)
+        self.executor.shutdown()
 
 
-def _resolve_runner(config: EngineConfig, model_runner: ModelRunner) -> str:
+def _resolve_runner(config: EngineConfig, info: RunnerInfo, model_runner: ModelRunner | None) -> str:
     from vframe.core.worker.pooling_runner import resolve_runner
 
-    architectures = getattr(model_runner.hf_config, "architectures", None) or ["the model"]
+    architectures = getattr(info.hf_config, "architectures", None) or ["the model"]
     model = getattr(model_runner, "model", None)
     return resolve_runner(config.model.runner, config.model.task, model, architectures[0])
 

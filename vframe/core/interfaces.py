@@ -1,7 +1,7 @@
 """The interfaces of vframe's core.
 
 Every concrete scheduler, scheduling policy, KV cache manager, model runner,
-sampler, logits processor and attention backend implements one of these and is found by name in a plugin registry
+executor, sampler, logits processor and attention backend implements one of these and is found by name in a plugin registry
 (``vframe.plugins.registry``). The engine only ever talks to these types.
 
 Shapes use ``T`` for the number of tokens scheduled in one step (all requests
@@ -643,6 +643,96 @@ class ModelRunner(ABC):
     def list_loras(self) -> list[LoRARequest]:
         """The adapters added and not removed."""
         return []
+
+
+# --------------------------------------------------------------------------- #
+# Executor
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What the engine reads of a loaded model runner (its ``ModelRunner``
+    attributes, plus whether the model caches keys and values): from the runner
+    itself in-process, or from rank 0 when the ranks run elsewhere."""
+
+    resolved: Any
+    hf_config: Any
+    vocab_size: int
+    max_position_embeddings: int
+    device: torch.device
+    dtype: torch.dtype
+    uses_kv_cache: bool
+
+    @classmethod
+    def of(cls, runner: ModelRunner) -> RunnerInfo:
+        return cls(
+            runner.resolved, runner.hf_config, runner.vocab_size, runner.max_position_embeddings,
+            runner.device, runner.dtype, getattr(getattr(runner, "model", None), "uses_kv_cache", True),
+        )
+
+
+class Executor(ABC):
+    """How the engine reaches its model (DESIGN.md §11; plugin API 1.7): one
+    ``ModelRunner`` per tensor-parallel rank, in this process or in workers.
+
+    Selected by ``distributed_executor_backend`` and built as
+    ``Executor(config: EngineConfig)``; the constructor starts the ranks (nothing
+    for ``uni``, processes for ``mp``, actors for ``ray``), and each rank builds
+    the configured model runner. The engine, which keeps the scheduler and the
+    KV cache manager, then calls::
+
+        load_model()                    -> RunnerInfo (rank 0's)
+        set_plugin_context(context)     every rank's runner gets the engine's context
+        determine_num_kv_blocks()       -> the fewest any rank can hold
+        initialize_kv_cache(num_blocks) every rank, same count
+        execute_model(scheduler_output) -> ModelRunnerOutput, every step (rank 0's)
+        collective_rpc(method, args)    any other ``ModelRunner`` method on every rank
+        shutdown()                      once; stops every rank, leaves no process behind
+
+    A rank that dies, or that fails while the others succeed (their states no
+    longer agree), makes the call raise ``vframe.errors.ExecutorDeadError``, and
+    every later call too; the executor stops the other ranks. An exception
+    every rank raises alike (a bad adapter, a failing step) is re-raised as is,
+    and the engine goes on.
+
+    Attributes:
+        driver_runner: the rank-0 runner when it lives in this process (``uni``),
+            for callers that need the model object itself (pooling, profiling's
+            trace, benchmarks); ``None`` when the ranks run elsewhere.
+    """
+
+    driver_runner: ModelRunner | None = None
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Call ``ModelRunner.<method>(*args)`` on every rank; the results in rank order."""
+
+    def load_model(self) -> RunnerInfo:
+        return self.collective_rpc("load_model_info")[0]
+
+    def set_plugin_context(self, context: PluginContext) -> None:
+        self.collective_rpc("set_plugin_context", (context,))
+
+    def determine_num_kv_blocks(self) -> int:
+        return min(self.collective_rpc("determine_num_kv_blocks"))
+
+    def determine_num_swap_blocks(self) -> int:
+        return min(self.collective_rpc("determine_num_swap_blocks"))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+
+    def check_request(self, params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` for a request the ranks could not receive
+        (say, a logits processor that does not pickle for a worker process);
+        called before the request is queued. The default accepts everything."""
+
+    def shutdown(self) -> None:
+        """Stop every rank. Idempotent."""
 
 
 # --------------------------------------------------------------------------- #

@@ -1,4 +1,5 @@
-"""vLLM's ``vllm.distributed`` names that user code calls (``cleanup_dist_env_and_memory``)."""
+"""Tensor-parallel state (``parallel_state``) and vLLM's ``vllm.distributed`` names
+that user code calls (``cleanup_dist_env_and_memory``)."""
 
 from vframe.distributed.parallel_state import cleanup_dist_env_and_memory
 

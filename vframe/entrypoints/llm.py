@@ -23,6 +23,7 @@ from vframe.core.pooling_outputs import (
 from vframe.core.pooling_params import PoolingParams
 from vframe.core.sample.beam_search import BeamSearchOutput, BeamSearchSequence, beam_search
 from vframe.core.sampling_params import BeamSearchParams, SamplingParams
+from vframe.entrypoints.chat_utils import tool_call_arguments
 from vframe.errors import InvalidRequestError
 from vframe.lora.request import LoRARequest
 
@@ -108,11 +109,7 @@ class LLM:
             ]
         elif prompts is None:
             raise InvalidRequestError("generate() needs prompts (or vLLM's legacy prompt_token_ids=)")
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = self._per_prompt(sampling_params, len(prompts), "sampling_params")
@@ -139,12 +136,8 @@ class LLM:
             raise InvalidRequestError(
                 f"concurrency_limit must be a positive integer or None, got {concurrency_limit!r}"
             )
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
         engine = self.llm_engine
-        token_prompts = [engine.tokenize_prompt(p)[1] for p in prompts]
+        token_prompts = [engine.tokenize_prompt(p)[1] for p in _as_prompt_list(prompts)]
         chunk = concurrency_limit or max(1, len(token_prompts))
         results = [
             beams
@@ -250,7 +243,9 @@ class LLM:
         A message's ``content`` is a string or, as in the OpenAI API, a list of
         ``{"type": "text", "text": ...}`` parts (joined by newlines, as the server
         does). ``tools`` (OpenAI function tools) go to the template's ``tools``
-        variable; a template that does not use them renders as without them."""
+        variable; a template that does not use them renders as without them. An
+        assistant message's ``tool_calls`` may give ``function.arguments`` as a JSON
+        string (OpenAI's shape): the template gets the object, as vLLM renders it."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise InvalidRequestError("chat() needs a tokenizer; do not set skip_tokenizer_init")
@@ -262,7 +257,7 @@ class LLM:
         prompts: list[PromptType] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                [_with_text_content(m) for m in conversation],
+                [_template_message(i, m) for i, m in enumerate(conversation)],
                 chat_template=chat_template,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
@@ -398,10 +393,10 @@ class LLM:
     def start_profile(self) -> None:
         """Start a torch profiler trace, written to ``torch_profiler_dir`` or
         ``VFRAME_TORCH_PROFILER_DIR`` by ``stop_profile()``."""
-        self.llm_engine.model_runner.profile(is_start=True)
+        self.llm_engine.executor.collective_rpc("profile", (True,))
 
     def stop_profile(self) -> None:
-        self.llm_engine.model_runner.profile(is_start=False)
+        self.llm_engine.executor.collective_rpc("profile", (False,))
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
@@ -422,27 +417,48 @@ class LLM:
         return self.llm_engine.get_stats()
 
 
-def _with_text_content(message: Message) -> Message:
-    """``message`` with a list of text parts as ``content`` turned into one string."""
+def _template_message(index: int, message: Message) -> Message:
+    """``message`` as chat templates read it: a list of text parts as ``content``
+    becomes one string, and an assistant's tool-call ``arguments`` (a JSON string in
+    OpenAI's messages) an object, as the server renders them."""
     content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise InvalidRequestError(
-                f"chat(): message content part {part!r} is not supported; vframe serves text-only models, "
-                "so each part must be {'type': 'text', 'text': str}"
-            )
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(
+                    f"chat(): message content part {part!r} is not supported; vframe serves text-only models, "
+                    "so each part must be {'type': 'text', 'text': str}"
+                )
+            texts.append(part["text"])
+        message = {**message, "content": "\n".join(texts)}
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        message = {**message, "tool_calls": [_template_call(index, j, call) for j, call in enumerate(calls)]}
+    return message
+
+
+def _template_call(index: int, j: int, call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    field = f"messages[{index}].tool_calls[{j}].function.arguments"
+    arguments = tool_call_arguments(function.get("arguments"), field)
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    """One prompt (a string, a token-id list, a prompt dict) as a list of one."""
+    """One prompt (a string, a token-id list, a prompt dict) as a list of one; a
+    prompt dict with vLLM's ``prompt_embeds`` is refused by name."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
+        prompts = [prompts]
+    prompts = list(prompts)
+    if any(isinstance(p, dict) and "prompt_embeds" in p for p in prompts):
+        raise InvalidRequestError(
+            "prompt_embeds is not supported yet: vframe's engine takes prompts as text or token ids "
+            "(vframe.inputs.TextPrompt / TokensPrompt); pass the prompt's text or prompt_token_ids instead"
+        )
+    return prompts
 
 
 def _progress_bar(total: int):

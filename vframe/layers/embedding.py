@@ -12,6 +12,15 @@ keep ``nn.Embedding`` and an unquantized ``ReplicatedLinear`` head::
 A tied head holds the embedding module itself, so one quantized tensor serves
 both and is loaded, processed and counted once (``nn.Module.modules`` and
 ``parameters`` visit a shared module once).
+
+Under tensor parallelism (``tensor_parallel_size > 1``) the unquantized
+embedding and head are split by vocabulary rows instead::
+
+    VocabParallelEmbedding  input_ids [T] -> [T, hidden]  this rank's rows, zeros elsewhere, all-reduce
+    ParallelLMHead          x [T, hidden] -> [T, vocab]   this rank's columns, all-gather
+
+Rank ``r`` of ``R`` holds rows ``[r * S, (r + 1) * S)`` with ``S = ceil(vocab / R)``;
+the last rank's rows past ``vocab`` are zero padding, cut from the gathered logits.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ import torch
 from torch import nn
 
 from vframe.errors import ModelLoadError
+from vframe.layers.linear import ReplicatedLinear
+from vframe.layers.parallel import all_gather, all_reduce, get_tp_rank, get_tp_size
 from vframe.quant.base import EmbeddingMethodBase
 
 
@@ -88,3 +99,94 @@ class TiedLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, vocab]
         return self.embedding.quant_method.apply(self.embedding, x)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``weight[input_ids]`` with the ``[vocab, hidden]`` weight split by rows over
+    the tensor-parallel ranks: each rank looks up the ids it holds, zeros the
+    rest, and one all-reduce sums the ranks' rows."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, params_dtype: torch.dtype, prefix: str = "") -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.prefix = prefix
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.rows_per_rank = -(-num_embeddings // self.tp_size)
+        self.row_start = self.tp_rank * self.rows_per_rank
+        self.weight = nn.Parameter(
+            torch.empty(self.rows_per_rank, embedding_dim, dtype=params_dtype), requires_grad=False
+        )  # [S, hidden]
+        self.weight.weight_loader = self.weight_loader
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        local = input_ids - self.row_start  # [T]
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return all_reduce(x, self.tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        """Keep this rank's rows of the whole ``[vocab, hidden]`` checkpoint tensor."""
+        if shard_id is not None:
+            raise ValueError(f"{self.prefix!r} is a token embedding, not a fused layer; got shard id {shard_id!r}")
+        expected = (self.num_embeddings, self.embedding_dim)
+        if tuple(loaded_weight.shape) != expected:
+            raise ModelLoadError(f"has shape {tuple(loaded_weight.shape)}, the model expects {expected}")
+        rows = loaded_weight[self.row_start : self.row_start + self.rows_per_rank]
+        param.data.zero_()
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows={self.row_start}+{self.rows_per_rank}, tp={self.tp_size}"
+
+
+class ParallelLMHead(nn.Module):
+    """Logits ``x W^T`` with ``W`` split by vocabulary rows as in
+    ``VocabParallelEmbedding`` (tied: the embedding's own shard); every rank
+    ends with the whole ``[T, vocab]``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        *,
+        params_dtype: torch.dtype,
+        tied_to: VocabParallelEmbedding | None = None,
+        prefix: str = "lm_head",
+    ) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp_size = get_tp_size()
+        if tied_to is not None:
+            self.weight = tied_to.weight
+        else:
+            shard = VocabParallelEmbedding(vocab_size, hidden_size, params_dtype=params_dtype, prefix=prefix)
+            self.weight = shard.weight  # [S, hidden], loaded by the same row split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, vocab]
+        local = nn.functional.linear(x, self.weight)  # [T, S]
+        return all_gather(local, self.tp_size)[..., : self.vocab_size]
+
+
+def unquantized_embedding(num_embeddings: int, embedding_dim: int, *, params_dtype: torch.dtype, prefix: str) -> nn.Module:
+    """The token embedding of an unquantized model: ``nn.Embedding`` on one rank,
+    split by vocabulary rows over the ranks of a tensor-parallel group."""
+    if get_tp_size() > 1:
+        return VocabParallelEmbedding(num_embeddings, embedding_dim, params_dtype=params_dtype, prefix=prefix)
+    # An explicit, uninitialised weight skips Embedding's random init.
+    weight = torch.empty(num_embeddings, embedding_dim, dtype=params_dtype)
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=weight)
+
+
+def unquantized_lm_head(
+    hidden_size: int, vocab_size: int, *, params_dtype: torch.dtype, embedding: nn.Module, tied: bool
+) -> nn.Module:
+    """The LM head beside ``unquantized_embedding``'s ``embedding``, sharing its
+    weight when ``tied``."""
+    if isinstance(embedding, VocabParallelEmbedding):
+        return ParallelLMHead(hidden_size, vocab_size, params_dtype=params_dtype, tied_to=embedding if tied else None)
+    head = ReplicatedLinear(hidden_size, vocab_size, bias=False, prefix="lm_head", params_dtype=params_dtype)
+    if tied:
+        head.weight = embedding.weight
+    return head

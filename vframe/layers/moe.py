@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vframe.errors import ConfigError, ModelLoadError
+from vframe.layers.parallel import all_reduce, divide, get_tp_rank, get_tp_size
 from vframe.quant.base import QuantizationConfig
 
 # (parameter name prefix, checkpoint name fragment, expert id, shard id)
@@ -41,7 +42,12 @@ class FusedMoE(nn.Module):
     ``w13_weight [E, 2I, H]`` (gate rows ``0..I-1``, then up rows ``I..2I-1``)
     and ``w2_weight [E, H, I]`` (down). Their ``weight_loader(param,
     loaded_weight, *, expert_id, shard_id)`` takes one expert's matrix with
-    shard id ``"w1"`` (gate), ``"w3"`` (up) or ``"w2"`` (down)."""
+    shard id ``"w1"`` (gate), ``"w3"`` (up) or ``"w2"`` (down).
+
+    Under tensor parallelism every rank holds every expert, each with its
+    ``I / tp_size`` share of the intermediate features (gate/up rows, down
+    columns: the MLP's column/row split, expert by expert), and one all-reduce
+    sums the ranks' outputs."""
 
     def __init__(
         self,
@@ -62,21 +68,26 @@ class FusedMoE(nn.Module):
             )
         self.num_experts = num_experts
         self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        # This rank's intermediate features per expert.
+        self.intermediate_size = divide(
+            intermediate_size, self.tp_size, f"{prefix or 'FusedMoE'}: intermediate size {intermediate_size}"
+        )
         self.prefix = prefix
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=params_dtype), requires_grad=False
-        )
+            torch.empty(num_experts, 2 * self.intermediate_size, hidden_size, dtype=params_dtype), requires_grad=False
+        )  # [E, 2I, H]
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=params_dtype), requires_grad=False
-        )
+            torch.empty(num_experts, hidden_size, self.intermediate_size, dtype=params_dtype), requires_grad=False
+        )  # [E, H, I]
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, *, expert_id: int, shard_id: str
     ) -> None:
-        """Place expert ``expert_id``'s checkpoint matrix of shard ``shard_id`` into ``param``."""
+        """Place this rank's part of expert ``expert_id``'s checkpoint matrix of shard
+        ``shard_id`` into ``param``."""
         inter = self.intermediate_size
         if shard_id == "w1":
             target = param.data[expert_id, :inter]
@@ -88,6 +99,9 @@ class FusedMoE(nn.Module):
             raise ValueError(f"shard_id={shard_id!r}; expected 'w1' (gate), 'w3' (up) or 'w2' (down)")
         if param is not (self.w2_weight if shard_id == "w2" else self.w13_weight):
             raise ValueError(f"shard_id={shard_id!r} does not belong to this parameter")
+        split_dim = 1 if shard_id == "w2" else 0  # down's input columns, gate/up's output rows
+        if self.tp_size > 1 and loaded_weight.shape[split_dim] == inter * self.tp_size:
+            loaded_weight = loaded_weight.narrow(split_dim, self.tp_rank * inter, inter)
         if target.shape != loaded_weight.shape:
             raise ModelLoadError(
                 f"has shape {tuple(loaded_weight.shape)}, expert {expert_id} shard {shard_id} "
@@ -113,7 +127,7 @@ class FusedMoE(nn.Module):
         weighted = out.float() * topk_weights.reshape(-1)[order, None]  # [T*K, H] float32
         acc = torch.zeros(num_tokens, self.hidden_size, dtype=torch.float32, device=hidden_states.device)
         acc.index_add_(0, token_ids, weighted)
-        return acc.to(hidden_states.dtype)
+        return all_reduce(acc, self.tp_size).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"

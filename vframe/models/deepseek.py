@@ -34,6 +34,7 @@ from torch import nn
 from vframe.core.interfaces import AttentionBackend
 from vframe.core.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 from vframe.errors import ModelLoadError
+from vframe.layers.embedding import unquantized_embedding, unquantized_lm_head
 from vframe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from vframe.layers.moe import ExpertWeightLoader, FusedMoE
 from vframe.layers.moe_routing import grouped_topk
@@ -301,8 +302,9 @@ class DeepseekModel(nn.Module):
         quant_config: QuantizationConfig | None,
     ) -> None:
         super().__init__()
-        weight = torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype)
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, _weight=weight)
+        self.embed_tokens = unquantized_embedding(
+            hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype, prefix="model.embed_tokens"
+        )
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(hf_config, routing, attn_backend, dtype, quant_config, i)
             for i in range(hf_config.num_hidden_layers)
@@ -325,6 +327,9 @@ class DeepseekModel(nn.Module):
 
 class DeepseekV2ForCausalLM(nn.Module):
     supports_packed_weights = True  # kv_b_proj, read as a tensor, is marked needs_plain_weight
+    # Heads, MLP columns, experts' intermediate features and vocabulary split by rank;
+    # every rank caches the whole latent (it is not per head).
+    supports_tensor_parallel = True
 
     def __init__(
         self,
@@ -338,11 +343,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.dtype = dtype
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = DeepseekModel(hf_config, self._routing(hf_config), attn_backend, dtype, quant_config)
-        self.lm_head = ReplicatedLinear(
-            hf_config.hidden_size, hf_config.vocab_size, bias=False, prefix="lm_head", params_dtype=dtype
+        self.lm_head = unquantized_lm_head(
+            hf_config.hidden_size, hf_config.vocab_size, params_dtype=dtype,
+            embedding=self.model.embed_tokens, tied=self.tie_word_embeddings,
         )
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary_emb = self._rotary_embedding(hf_config)
 
     @staticmethod

@@ -19,8 +19,10 @@ from torch import nn
 
 from vframe.core.interfaces import AttentionBackend
 from vframe.core.kv_cache_spec import KVCacheSpec, full_attention_specs
-from vframe.layers.embedding import TiedLMHead, VocabEmbedding
+from vframe.errors import ConfigError
+from vframe.layers.embedding import TiedLMHead, VocabEmbedding, unquantized_embedding, unquantized_lm_head
 from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from vframe.layers.parallel import get_tp_size
 from vframe.layers.rotary import rope_frequencies
 from vframe.models.loader.weights import load_named_weights
 from vframe.quant.base import QuantizationConfig
@@ -115,7 +117,7 @@ class LlamaAttention(nn.Module):
             prefix=f"{prefix}.qkv_proj",
             params_dtype=dtype,
         )
-        # This rank's heads: all of them until tensor parallelism.
+        # This rank's heads (tensor parallelism splits them by rank).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(
@@ -248,9 +250,15 @@ class LlamaModel(nn.Module):
         super().__init__()
         embed_method = None if quant_config is None else quant_config.get_embedding_method(f"{prefix}.embed_tokens")
         if embed_method is None:
-            # An explicit, uninitialised weight skips Embedding's random init.
-            weight = torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype)
-            self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size, _weight=weight)
+            self.embed_tokens = unquantized_embedding(
+                hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype, prefix=f"{prefix}.embed_tokens"
+            )
+        elif get_tp_size() > 1:
+            raise ConfigError(
+                f"tensor_parallel_size={get_tp_size()} with a quantized token embedding "
+                f"({type(embed_method).__name__}): quantized embeddings are not split across ranks; "
+                "use tensor_parallel_size=1"
+            )
         else:
             self.embed_tokens = VocabEmbedding(
                 hf_config.vocab_size, hf_config.hidden_size, embed_method,
@@ -287,6 +295,7 @@ class LlamaForCausalLM(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention  # what a subclass swaps (vframe/models/qwen.py)
     mlp_cls: type[nn.Module] = LlamaMLP  # MixtralSparseMoeBlock in vframe/models/mixtral.py
     supports_packed_weights = True  # no linear weight is read as a tensor (vframe/quant/onednn_packed.py)
+    supports_tensor_parallel = True  # heads, MLP columns and vocabulary split by rank (DESIGN.md §9)
 
     def __init__(
         self,
@@ -306,11 +315,10 @@ class LlamaForCausalLM(nn.Module):
         )
         if not isinstance(self.model.embed_tokens, VocabEmbedding):
             # The head stays unquantized, as checkpoints of the usual formats keep it.
-            self.lm_head = ReplicatedLinear(
-                hf_config.hidden_size, hf_config.vocab_size, bias=False, prefix="lm_head", params_dtype=dtype
+            self.lm_head = unquantized_lm_head(
+                hf_config.hidden_size, hf_config.vocab_size, params_dtype=dtype,
+                embedding=self.model.embed_tokens, tied=self.tie_word_embeddings,
             )
-            if self.tie_word_embeddings:
-                self.lm_head.weight = self.model.embed_tokens.weight
         elif self.tie_word_embeddings:
             self.lm_head = TiedLMHead(self.model.embed_tokens)  # one quantized tensor serves both
         else:

@@ -81,3 +81,10 @@ def vframe_register_lora_kernels(register: RegisterFn) -> None:
 def vframe_register_tool_parsers(register: RegisterFn) -> None:
     register("hermes", "vframe.entrypoints.openai.tool_parsers:HermesToolParser")
     register("llama3_json", "vframe.entrypoints.openai.tool_parsers:Llama3JsonToolParser")
+
+
+@hookimpl
+def vframe_register_executors(register: RegisterFn) -> None:
+    register("uni", "vframe.executor.uniproc:UniProcExecutor")
+    register("mp", "vframe.executor.multiproc:MultiprocExecutor")
+    register("ray", "vframe.executor.ray_executor:RayExecutor")

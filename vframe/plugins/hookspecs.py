@@ -138,6 +138,13 @@ def vframe_register_tool_parsers(register: RegisterFn) -> None:
     --tool-call-parser NAME`` (built-in: ``hermes``, ``llama3_json``). Since plugin API 1.5."""
 
 
+@hookspec
+def vframe_register_executors(register: RegisterFn) -> None:
+    """Register ``vframe.core.interfaces.Executor`` subclasses, which run the model
+    runner of every tensor-parallel rank; selected by ``distributed_executor_backend``
+    (built-in: ``uni``, ``mp``, ``ray``). Since plugin API 1.7."""
+
+
 # --------------------------------------------------------------------------- #
 # Lifecycle hooks
 # --------------------------------------------------------------------------- #
@@ -199,6 +206,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "vframe_register_structured_output_backends": "structured_output",
     "vframe_register_lora_kernels": "lora_kernel",
     "vframe_register_tool_parsers": "tool_parser",
+    "vframe_register_executors": "executor",
 }
 
 LIFECYCLE_HOOKS: tuple[str, ...] = (

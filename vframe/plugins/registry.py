@@ -32,6 +32,7 @@ Kind = Literal[
     "structured_output",
     "lora_kernel",
     "tool_parser",
+    "executor",
 ]
 
 BUILTIN = "builtin"
@@ -53,6 +54,7 @@ _KINDS: dict[str, tuple[str, str | None]] = {
     ),
     "lora_kernel": ("LoRA kernel", None),  # a function typed against vframe.lora.ops:LoRAKernel
     "tool_parser": ("tool-call parser", "vframe.entrypoints.openai.tool_parsers:ToolParser"),
+    "executor": ("executor", "vframe.core.interfaces:Executor"),
 }
 KINDS: tuple[str, ...] = tuple(_KINDS)
 

@@ -254,7 +254,8 @@ def test_openapi_spec_states_the_constraints(server: Server):
     completion = spec["CompletionRequest"]["properties"]
     prompt_shapes = completion["prompt"]["anyOf"]
     assert [s.get("minLength", s.get("minItems")) for s in prompt_shapes] == [1, 1, 1, 1]
-    assert completion["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1}
+    assert completion["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 0}  # 0 only with echo
+    assert completion["prompt_embeds"]["type"] == "null"
     assert (completion["echo"]["type"], completion["echo"]["default"]) == ("boolean", False)
     assert completion["suffix"]["type"] == "null"
     assert completion["logit_bias"]["anyOf"][0] == {

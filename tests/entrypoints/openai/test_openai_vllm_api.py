@@ -1,5 +1,6 @@
 """The rest of vLLM's server surface on /v1/completions: echo (text and prompt
-logprobs), best_of, suffix refused; the shared ``server`` (float32, greedy exact)."""
+logprobs; with max_tokens=0 the prompt alone), best_of, suffix and prompt_embeds
+refused; the shared ``server`` (float32, greedy exact)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,39 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_first(client: opena
     got = logprobs.token_logprobs[1 : len(prompt_ids)]
     assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(got, expected)), (got, expected)
     assert all(len(top) in (1, 2) for top in logprobs.top_logprobs[1:])  # the token itself and the top 1
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone_and_its_logprobs(server: Server, client: openai.OpenAI):
+    kwargs = dict(model=MODEL, prompt=PROMPT, temperature=0, echo=True, logprobs=1)
+    alone = client.completions.create(max_tokens=0, **kwargs)
+    generated = client.completions.create(max_tokens=2, **kwargs)
+    [choice] = alone.choices
+    assert choice.text == PROMPT == "The capital of France is"
+    assert choice.logprobs.tokens == ["The", " capital", " of", " France", " is"]
+    assert choice.logprobs.token_logprobs[0] is None
+    # the prompt's logprobs are those echo gives before generated tokens
+    assert choice.logprobs.token_logprobs == generated.choices[0].logprobs.token_logprobs[:5]
+    assert choice.logprobs.top_logprobs == generated.choices[0].logprobs.top_logprobs[:5]
+    assert (alone.usage.prompt_tokens, alone.usage.completion_tokens) == (5, 0)
+    # without logprobs, several prompts, and streamed: the prompts alone too
+    two = client.completions.create(model=MODEL, prompt=[PROMPT, "Hello"], max_tokens=0, echo=True)
+    assert [c.text for c in two.choices] == [PROMPT, "Hello"] and two.usage.completion_tokens == 0
+    body = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "stream": True}
+    events = _events(server.post("/v1/completions", json=body))
+    assert "".join(e["choices"][0]["text"] for e in events) == PROMPT
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_prompt_embeds_are_refused_naming_the_field(client: openai.OpenAI):
+    # vLLM's prompt-embeds client example sends an empty prompt and the embeddings in extra_body
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL, prompt="", max_tokens=5, extra_body={"prompt_embeds": "AAAA"})
+    body = error.value.body
+    assert body["param"] == "prompt_embeds"
+    assert body["message"].startswith(
+        "prompt_embeds: prompt_embeds is not supported yet: vframe's engine takes prompts as text or token ids; "
+        "send the prompt's text or token ids in prompt instead"
+    )
 
 
 def test_best_of_returns_the_n_completions_with_the_highest_cumulative_logprob(client: openai.OpenAI):

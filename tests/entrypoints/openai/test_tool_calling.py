@@ -196,6 +196,27 @@ def test_auto_stream_adds_up_to_the_parsed_reply():
     ]
 
 
+def test_forced_calls_allow_only_the_declared_properties_as_vllm_does():
+    loose = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+            "extra": {"type": "object", "additionalProperties": True},
+            "fixed": {"const": {"type": "object"}},
+        },
+    }
+    tools = [{"type": "function", "function": {"name": "f", "parameters": loose}}]
+    request = ChatCompletionRequest(messages=QUESTION, tools=tools, tool_choice="required")
+    [variant] = ToolChoice.of(request, ToolCallingConfig()).structured_outputs().json["items"]["anyOf"]
+    parameters = variant["properties"]["parameters"]
+    assert parameters["additionalProperties"] is False
+    assert parameters["properties"]["where"]["additionalProperties"] is False
+    assert parameters["properties"]["extra"]["additionalProperties"] is True  # said explicitly: kept
+    assert parameters["properties"]["fixed"] == {"const": {"type": "object"}}  # a value, not a schema
+    assert "additionalProperties" not in loose  # the request's tools are not changed
+
+
 def test_required_decodes_vllms_array_of_names_and_parameters():
     request = ChatCompletionRequest(messages=QUESTION, tools=[TIME], tool_choice="required", parallel_tool_calls=False)
     constraint = ToolChoice.of(request, ToolCallingConfig()).structured_outputs()

@@ -58,6 +58,13 @@ class SamplingSetup:
             params._logits_processor_factories = resolve_logits_processors(params.logits_processors, self.context)
         self.compile_structured_output(params)
 
+    def restore(self, params: SamplingParams) -> None:
+        """Rebuild the plugin objects ``prepare`` attached, in a worker process that
+        received ``params`` without them (``vframe/executor/transport.py``)."""
+        if params.logits_processors and not params._logits_processor_factories:
+            params._logits_processor_factories = resolve_logits_processors(params.logits_processors, self.context)
+        self.compile_structured_output(params)
+
     def compile_structured_output(self, params: SamplingParams) -> None:
         """Compile ``params.structured_outputs`` into ``params._grammar`` unless done
         already. Thread-safe: a server calls it in a worker thread before the request

@@ -25,6 +25,7 @@ from vframe.core.sample.prompt_logprobs import compute_prompt_logprobs
 from vframe.core.worker.input_batch import InputBatch
 from vframe.core.worker.kv_token_check import KVTokenCheck
 from vframe.errors import ConfigError, PluginError
+from vframe.layers.parallel import broadcast_from_first, get_tp_size
 from vframe.plugins import get_registry
 
 if TYPE_CHECKING:
@@ -154,6 +155,13 @@ class TorchModelRunner(ModelRunner):
         self.hf_config = load_hf_config(self.resolved, hf_overrides)
         arch = architecture(self.resolved, hf_overrides)
         model_cls = get_registry("model").load(arch)
+        tp_size = get_tp_size()
+        if tp_size > 1 and not getattr(model_cls, "supports_tensor_parallel", False):
+            raise ConfigError(
+                f"{arch} ({model_cls.__module__}.{model_cls.__qualname__}) does not split over "
+                f"tensor-parallel ranks (it does not declare supports_tensor_parallel); use "
+                f"tensor_parallel_size=1 (got {tp_size})"
+            )
         # A converted GGUF's config names float32, the dtype of its dequantized copy.
         checkpoint_dtype = None if self.resolved.gguf_file else _checkpoint_dtype(self.hf_config)
         self.dtype = resolve_dtype(self.config.model.dtype, checkpoint_dtype, self.device)
@@ -382,6 +390,9 @@ class TorchModelRunner(ModelRunner):
         sampling_metadata = batch.sampling_metadata(inputs.sampled_req_ids, logits.shape[-1])
         assert self.sampler is not None, "the engine calls set_plugin_context before the first step"
         sampler_output = self.sampler(logits, sampling_metadata)
+        # Every rank samples from the same gathered logits; rank 0's draw is the one
+        # every rank records, whatever each one's random state.
+        broadcast_from_first(sampler_output.sampled_token_ids, get_tp_size())
         sampled = sampler_output.sampled_token_ids.tolist()
         self._collect_row_failures(inputs.sampled_req_ids, sampler_output, sampling_metadata, output)
         halted = output.failed.keys() | output.stopped

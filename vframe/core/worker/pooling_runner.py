@@ -73,6 +73,12 @@ def resolve_runner(runner: str, task: str | None, model: Any, architecture: str)
 class PoolingRunner:
     def __init__(self, engine: LLMEngine) -> None:
         runner = engine.model_runner
+        if runner is None:
+            raise ConfigError(
+                f"runner='pooling' runs the model in the engine's process; with "
+                f"tensor_parallel_size={engine.config.parallel.tensor_parallel_size} it runs in workers. "
+                "Use tensor_parallel_size=1 for pooling"
+            )
         missing = [a for a in ("model", "kv_caches", "attn_metadata_builder", "block_size") if not hasattr(runner, a)]
         if missing:
             raise ConfigError(

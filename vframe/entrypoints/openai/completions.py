@@ -3,12 +3,13 @@
 Choice ``i * n + j`` is the ``j``-th sequence of the ``i``-th prompt, as in OpenAI's API.
 With ``echo`` each choice's text starts with its prompt (streamed: in its first chunk),
 and with ``logprobs`` too its logprobs start with the prompt tokens' (the first one
-``null``), as vLLM answers.
+``null``), as vLLM answers; ``echo`` with ``max_tokens=0`` answers the prompt alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -95,6 +96,7 @@ class _Run:
         self.prompts = prompts
         self.num_prompts = len(prompts)
         self.echoed = echoed  # per prompt, its text when echo is on
+        self.echo_only = request.echo_only  # the one token the engine generated is not answered
         self.tokenizer = tokenizer
         self.created = int(time.time())
         # per prompt, its tokens' logprobs (echo with logprobs), filled by the engine as it prefills
@@ -118,6 +120,8 @@ class _Run:
                 for completion in output.outputs:
                     choices[i * n + completion.index].add(completion)
         echoes = {index: self._echo(index // n) for index in choices}
+        if self.echo_only:
+            choices = {index: _without_output(choice) for index, choice in choices.items()}
         response = CompletionResponse(
             id=self.request_id,
             created=self.created,
@@ -149,6 +153,8 @@ class _Run:
                     chunk_choices = []
                     for completion in output.outputs:
                         index = i * n + completion.index
+                        if self.echo_only:
+                            completion = _without_output(completion)
                         num_tokens += len(completion.token_ids)
                         if not (completion.text or completion.finish_reason or completion.logprobs):
                             continue
@@ -215,6 +221,13 @@ class _Run:
             result.text_offset.append(text_offset)
             text_offset += len(token)
         return result
+
+
+def _without_output(output: CompletionOutput | Choice) -> CompletionOutput | Choice:
+    """``output`` with its generated text, tokens and logprobs dropped (echo alone)."""
+    if isinstance(output, Choice):
+        return dataclasses.replace(output, text_parts=[], num_tokens=0, logprobs=[])
+    return dataclasses.replace(output, text="", token_ids=[], logprobs=None)
 
 
 def _pairs(completion: CompletionOutput) -> list:

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from vframe.entrypoints.chat_utils import tool_call_arguments
 from vframe.entrypoints.openai.chat_template import template_kwargs
 from vframe.entrypoints.openai.errors import APIError
 from vframe.entrypoints.openai.protocol import ChatMessage
 from vframe.entrypoints.openai.template_sandbox import TemplateRenderError, TemplateSandbox, TemplateTimeoutError
+from vframe.errors import InvalidRequestError
 
 T = TypeVar("T")
 NUM_WORKERS = 2
@@ -151,30 +152,15 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     if message.tool_calls:
         calls = []
         for j, call in enumerate(message.tool_calls):
-            arguments = call.function.arguments
-            if isinstance(arguments, str):
-                arguments = _json_object(arguments)
-                if arguments is None:
-                    field = f"messages.{index}.tool_calls.{j}.function.arguments"
-                    raise APIError.bad_request(
-                        f"{field} must be a JSON object, as a string; got {call.function.arguments[:40]!r}",
-                        param=field,
-                    )
+            field = f"messages.{index}.tool_calls.{j}.function.arguments"
+            try:
+                arguments = tool_call_arguments(call.function.arguments, field)
+            except InvalidRequestError as e:
+                raise APIError.bad_request(str(e), param=field) from e
             function = {"name": call.function.name, "arguments": arguments}
             calls.append({"id": call.id, "type": call.type, "function": function})
         rendered["tool_calls"] = calls
     return rendered
-
-
-def _json_object(text: str) -> dict[str, Any] | None:
-    """The object ``text`` holds ("" is ``{}``, as vLLM reads it), or None."""
-    if not text.strip():
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _rejected(error: Exception) -> APIError:

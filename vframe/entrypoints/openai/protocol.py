@@ -298,10 +298,14 @@ class UsageInfo(_Response):
 
 
 class CompletionRequest(_GenerationRequest):
+    # before prompt, so that a body with prompt_embeds (and an empty prompt) is refused naming it first
+    prompt_embeds: None = Field(None, description="not supported yet (only null): prompts are text or token ids")
     prompt: NonEmptyText | _NonEmpty[list[NonEmptyText]] | _NonEmpty[TokenIds] | _NonEmpty[list[_NonEmpty[TokenIds]]] = (
         Field(description="a text, a list of texts, a list of token ids, or a list of those; none of them empty")
     )
-    max_tokens: int | None = Field(16, ge=1, description="tokens to generate; null = up to the context length")
+    max_tokens: int | None = Field(
+        16, ge=0, description="tokens to generate; null = up to the context length; 0 only with echo (the prompt alone)"
+    )
     logprobs: int | None = Field(None, ge=0, le=20, description="also return the top-k logprobs of each token")
     echo: bool = Field(
         False, description="prepend the prompt to each choice's text (with logprobs: the prompt tokens' logprobs too)"
@@ -323,6 +327,16 @@ class CompletionRequest(_GenerationRequest):
         _check_union(value, ok, "a string, a list of strings, a list of token ids or a list of those")
         if not value or (isinstance(value, list) and not all(value)):
             raise ValueError("the prompt is empty: give a non-empty text or token ids")
+        return value
+
+    @field_validator("prompt_embeds", mode="before")
+    @classmethod
+    def _no_prompt_embeds(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(
+                "prompt_embeds is not supported yet: vframe's engine takes prompts as text or token ids; "
+                "send the prompt's text or token ids in prompt instead"
+            )
         return value
 
     @field_validator("suffix", mode="before")
@@ -349,13 +363,25 @@ class CompletionRequest(_GenerationRequest):
                 "all are done; use stream=false or best_of=n",
                 param="best_of",
             )
-        params = self._sampling_params(self.max_tokens, self.logprobs, defaults)
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError.bad_request(
+                "max_tokens must be at least 1, got 0 (0 is allowed only with echo=true, which returns the "
+                "prompt alone)",
+                param="max_tokens",
+            )
+        # echo alone: the engine prefills the prompt (for its logprobs) and one token, which is dropped
+        params = self._sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, defaults)
         changes: dict[str, Any] = {}
         if best_of is not None and best_of > self.n:
             changes |= {"best_of": best_of, "output_kind": "final"}
         if self.echo and self.logprobs is not None:
             changes["prompt_logprobs"] = self.logprobs
         return dataclasses.replace(params, **changes) if changes else params
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens=0``: each choice is its prompt (and its logprobs), as vLLM answers."""
+        return self.echo and self.max_tokens == 0
 
 
 class CompletionLogprobs(_Response):

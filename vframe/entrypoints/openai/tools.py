@@ -47,6 +47,22 @@ from vframe.errors import ConfigError
 Mode = Literal["none", "auto", "required", "named"]
 AUTO_FLAGS = "--enable-auto-tool-choice and --tool-call-parser"
 _NO_PARAMETERS = {"type": "object", "properties": {}}
+_JSON_VALUES = {"const", "enum", "default", "examples"}  # keywords whose values are data, not schemas
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of ``schema`` in which every object schema that does not say
+    ``additionalProperties`` gets ``false``: a forced call holds the properties its
+    tool declares and no others, as in vLLM (whose default backend, xgrammar, reads
+    schemas so). Clients such as LangChain send pydantic tools without the keyword."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: value if key in _JSON_VALUES else closed_objects(value) for key, value in schema.items()}
+    if schema.get("type") == "object" and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
 @dataclass(frozen=True)
@@ -147,7 +163,7 @@ class ToolChoice:
         """The JSON schema the reply must follow (required and named), else None."""
         if self.mode == "named":
             tool = next(t for t in self.tools if t.function.name == self.function_name)
-            return StructuredOutputsParams(json=tool.function.parameters or _NO_PARAMETERS)
+            return StructuredOutputsParams(json=closed_objects(tool.function.parameters or _NO_PARAMETERS))
         if self.mode == "required":
             return StructuredOutputsParams(json=self._required_schema())
         return None
@@ -158,7 +174,7 @@ class ToolChoice:
         defs: dict[str, Any] = {}
         variants = []
         for i, tool in enumerate(self.tools):
-            parameters = dict(tool.function.parameters or _NO_PARAMETERS)
+            parameters = closed_objects(tool.function.parameters or _NO_PARAMETERS)
             for def_name, schema in parameters.pop("$defs", {}).items():
                 if defs.setdefault(def_name, schema) != schema:
                     raise APIError.bad_request(

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import math
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,16 +42,54 @@ def load_hf_config(resolved: ResolvedModel, hf_overrides: dict[str, Any] | None 
 
 
 def iterate_weights(resolved: ResolvedModel) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for every tensor of every safetensors file, memory-mapped."""
-    from safetensors import SafetensorError, safe_open
+    """``(hf_name, tensor)`` for every tensor of every safetensors file.
 
+    Each tensor is a view of the memory-mapped file, not a copy: the file's pages
+    are read when a weight loader copies from them, so a tensor-parallel rank that
+    keeps rows ``[a, b)`` of a matrix reads those rows' pages only, and no rank holds
+    a whole checkpoint tensor beside its parameters. (The mapping is private:
+    nothing can write to the file through it.)"""
     for path in resolved.weight_files:
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except (SafetensorError, OSError) as e:
+            yield from _mapped_tensors(path)
+        except (ValueError, KeyError, OSError) as e:
             raise ModelLoadError(f"{path}: corrupt safetensors file ({e})") from e
+
+
+# safetensors dtype names (its format's header) -> torch
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _mapped_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one safetensors file as views of its mapping. The format: an
+    8-byte little-endian header size, a JSON header ``name -> {dtype, shape,
+    data_offsets}`` (offsets into the bytes after the header), then the data."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    header_size = int.from_bytes(mapped[:8], "little")
+    if not 0 < header_size <= len(mapped) - 8:
+        raise ValueError(f"header size {header_size} does not fit a file of {len(mapped)} bytes")
+    header = json.loads(mapped[8 : 8 + header_size])
+    data_start = 8 + header_size
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} has dtype {entry['dtype']!r}, which vframe does not read")
+        begin, end = entry["data_offsets"]
+        shape = entry["shape"]
+        count = math.prod(shape)
+        if end - begin != count * dtype.itemsize or data_start + end > len(mapped):
+            raise ValueError(f"tensor {name!r}: data_offsets {entry['data_offsets']} do not hold shape {shape}")
+        if count == 0:
+            yield name, torch.empty(shape, dtype=dtype)
+            continue
+        yield name, torch.frombuffer(mapped, dtype=dtype, count=count, offset=data_start + begin).view(shape)
 
 
 def load_tokenizer(resolved: ResolvedModel, tokenizer_override: str | None = None) -> Any:

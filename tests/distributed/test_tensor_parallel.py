@@ -1,0 +1,200 @@
+"""Tensor parallelism on the CPU: worker processes (gloo) give the tokens one
+process gives, for Llama, Mixtral and DeepSeek (MLA), under prefix caching,
+chunked prefill and preemption; bad sizes are refused by name; a killed worker
+fails the engine at once and leaves no process behind."""
+
+from __future__ import annotations
+
+import operator
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from parity import assert_engine_matches_transformers, prompts_of_lengths  # noqa: E402
+from test_llama import save_tiny_llama  # noqa: E402
+
+from vframe import LLM, SamplingParams  # noqa: E402
+from vframe.errors import ConfigError, ExecutorDeadError, InvalidRequestError, PluginError  # noqa: E402
+
+# 8 heads over 4 KV heads split by 2 and by 4; a vocabulary of 97 leaves padding rows
+# on the last rank of either.
+TINY_TP = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, vocab_size=97)
+
+
+def worker_pids(parent: int | None = None) -> list[int]:
+    """Live processes started as ``python -m vframe.executor.multiproc`` (children
+    of ``parent`` when given)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if b"vframe.executor.multiproc" not in cmdline or " Z " in stat[stat.rindex(")"):][:4]:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if parent is None or ppid == parent:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-tp")
+    return path, save_tiny_llama(path, **TINY_TP)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_llama_split_over_ranks_matches_transformers(tiny_llama, tp: int) -> None:
+    path, hf_model = tiny_llama
+    prompts = prompts_of_lengths(97, [5, 23, 37, 12], shared_prefix=4)
+    before = worker_pids(os.getpid())
+    llm = assert_engine_matches_transformers(path, hf_model, prompts, num_blocks=14, tensor_parallel_size=tp)
+    assert len(set(worker_pids(os.getpid())) - set(before)) == tp
+    llm.shutdown()
+    assert worker_pids(os.getpid()) == before
+
+
+def test_mixtral_experts_split_over_two_ranks_match_transformers(tmp_path: Path) -> None:
+    from test_mixtral import PROMPT_LENGTHS, VOCAB, tiny_hf_mixtral
+
+    hf_model = tiny_hf_mixtral()
+    hf_model.save_pretrained(str(tmp_path))
+    prompts = prompts_of_lengths(VOCAB, PROMPT_LENGTHS, shared_prefix=4)
+    assert_engine_matches_transformers(tmp_path, hf_model, prompts, num_blocks=14, tensor_parallel_size=2).shutdown()
+
+
+def test_deepseek_v3_mla_split_over_two_ranks_matches_transformers(tmp_path: Path) -> None:
+    from test_deepseek import NUM_BLOCKS, V3_CONFIG, VOCAB, save_tiny
+    from transformers import DeepseekV3ForCausalLM
+
+    hf_model = save_tiny(DeepseekV3ForCausalLM, V3_CONFIG, tmp_path)
+    prompts = prompts_of_lengths(VOCAB, [5, 23, 37, 12], shared_prefix=4)
+    llm = assert_engine_matches_transformers(
+        tmp_path, hf_model, prompts, num_blocks=NUM_BLOCKS, tensor_parallel_size=2
+    )
+    llm.shutdown()
+
+
+# --------------------------------------------------------------------------- #
+# The seed example: SmolLM2 over 3 ranks (its 9 heads and 3 KV heads split by 3)
+# --------------------------------------------------------------------------- #
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "The future of AI is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def smollm_tp3():
+    llm = LLM(tensor_parallel_size=3, dtype="float32", seed=0, enable_prefix_caching=True)
+    yield llm
+    llm.shutdown()
+
+
+def test_seed_example_over_three_ranks_equals_one_rank(smollm_tp3, llm_fp32) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=12, seed=1234)
+    for params in (greedy, seeded):
+        ours = [o.outputs[0].token_ids for o in smollm_tp3.generate(PROMPTS, params, use_tqdm=False)]
+        one_rank = [o.outputs[0].token_ids for o in llm_fp32.generate(PROMPTS, params, use_tqdm=False)]
+        assert ours == one_rank
+    long_prompt = "Answer in one word. Question: which city is the capital of France? Answer:"
+    first, again = (smollm_tp3.generate(long_prompt, greedy, use_tqdm=False)[0] for _ in range(2))
+    assert again.num_cached_tokens == 16  # its first block came from the prefix cache, on every rank
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert first.outputs[0].text == llm_fp32.generate(long_prompt, greedy, use_tqdm=False)[0].outputs[0].text
+
+
+def test_grammars_and_logits_processors_are_rebuilt_on_every_rank(smollm_tp3) -> None:
+    from vframe.sampling_params import StructuredOutputsParams
+
+    choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = smollm_tp3.generate("Is Paris in France? Answer yes or no:", choice, use_tqdm=False)[0]
+    assert out.outputs[0].text in ("yes", "no")
+
+    def local(token_ids, logits):  # a closure: it cannot be pickled for the workers
+        return logits
+
+    with pytest.raises(InvalidRequestError, match=r"^SamplingParams.logits_processors cannot be sent to the "
+                       r"tensor-parallel workers \(Can't pickle local object"):
+        smollm_tp3.generate("Hello", SamplingParams(logits_processors=[local]), use_tqdm=False)
+
+    # A processor that reaches the workers and fails there fails its request alone, on every rank alike.
+    bad = SamplingParams(temperature=0, max_tokens=4, logits_processors=[operator.itemgetter(0)])
+    good = SamplingParams(temperature=0, max_tokens=4)
+    outs = smollm_tp3.generate(["Hello", "The capital of France is"], [bad, good], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert "itemgetter expected 1 argument, got 2" in str(outs[0].outputs[0].error)
+    assert outs[1].outputs[0].finish_reason == "length"
+    assert outs[1].outputs[0].text == " Paris.\n\n"  # as SmolLM2 on one rank says it
+
+
+def test_heads_that_do_not_split_are_refused_by_name() -> None:
+    before = worker_pids(os.getpid())  # other tests' engines may be alive
+    with pytest.raises(ConfigError) as error:
+        LLM(tensor_parallel_size=2, dtype="float32")
+    assert str(error.value) == (
+        "num_attention_heads=9 does not split evenly over tensor_parallel_size=2; "
+        "use a tensor_parallel_size that divides it"
+    )
+    assert worker_pids(os.getpid()) == before
+
+
+def test_models_and_runners_that_do_not_split_are_refused_by_name(minilm_dir, tiny_llama) -> None:
+    with pytest.raises(ConfigError) as error:
+        LLM(str(minilm_dir), tensor_parallel_size=2)
+    assert str(error.value) == (
+        "BertModel (vframe.models.bert.BertModel) does not split over tensor-parallel ranks (it does not "
+        "declare supports_tensor_parallel); use tensor_parallel_size=1 (got 2)"
+    )
+    path, _ = tiny_llama
+    with pytest.raises(ConfigError, match=r"^runner='pooling' runs the model in the engine's process; with "
+                       r"tensor_parallel_size=2 it runs in workers. Use tensor_parallel_size=1 for pooling$"):
+        LLM(str(path), runner="pooling", tensor_parallel_size=2, skip_tokenizer_init=True)
+
+
+def test_executor_names_are_checked(tiny_llama) -> None:
+    path, _ = tiny_llama
+    with pytest.raises(ConfigError, match=r"^distributed_executor_backend='uni' runs one rank in this process, not "
+                       r"tensor_parallel_size=2; use 'mp' \(one process per rank on this machine\) or 'ray'$"):
+        LLM(str(path), tensor_parallel_size=2, distributed_executor_backend="uni", skip_tokenizer_init=True)
+    with pytest.raises(PluginError, match="unknown executor 'mpi'"):
+        LLM(str(path), tensor_parallel_size=2, distributed_executor_backend="mpi", skip_tokenizer_init=True)
+    with pytest.raises(ConfigError, match=r"^pipeline_parallel_size=2: pipeline parallelism is not built yet"):
+        LLM(str(path), pipeline_parallel_size=2, skip_tokenizer_init=True)
+
+
+# --------------------------------------------------------------------------- #
+# A worker that dies
+# --------------------------------------------------------------------------- #
+
+
+def test_a_killed_worker_fails_the_engine_at_once_and_leaves_nothing(tiny_llama) -> None:
+    path, _ = tiny_llama
+    before = worker_pids(os.getpid())  # other tests' engines may be alive
+    llm = LLM(str(path), tensor_parallel_size=2, skip_tokenizer_init=True, dtype="float32")
+    assert len(set(worker_pids(os.getpid())) - set(before)) == 2
+    prompt = [{"prompt_token_ids": [1, 2, 3]}]
+    params = SamplingParams(max_tokens=4, detokenize=False)
+    assert len(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+    rank1 = llm.llm_engine.executor.pids[1]
+    os.kill(rank1, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(ExecutorDeadError) as error:
+        llm.generate(prompt, params, use_tqdm=False)
+    assert time.monotonic() - start < 10
+    assert str(error.value) == (
+        f"tensor-parallel worker rank 1 (pid {rank1}) was killed by signal SIGKILL; "
+        "the engine stopped every worker and cannot run more steps"
+    )
+    assert worker_pids(os.getpid()) == before
+    with pytest.raises(ExecutorDeadError):  # and stays dead, saying why
+        llm.generate(prompt, params, use_tqdm=False)
