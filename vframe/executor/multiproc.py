@@ -35,26 +35,18 @@ import weakref
 from typing import Any
 
 from vframe.core.config import EngineConfig
-from vframe.core.interfaces import Executor
-from vframe.core.sampling_params import SamplingParams
-from vframe.errors import ExecutorDeadError
 from vframe.executor import transport
-from vframe.executor.worker import RanksOutOfStep, combine_replies, describe, error_reply, prepare_model_files
+from vframe.executor.remote import DESYNC_TIMEOUT_S, RemoteRanksExecutor
+from vframe.executor.worker import describe, error_reply
 
 logger = logging.getLogger(__name__)
 
-# How long ranks that have answered wait for the others once one of them failed:
-# past it, the ones still running are stuck in a collective their peer left.
-DESYNC_TIMEOUT_S = 30.0
 _JOIN_TIMEOUT_S = 5.0
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RemoteRanksExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.world_size = config.parallel.tensor_parallel_size
-        self._dead: ExecutorDeadError | None = None
-        prepare_model_files(config)
         self._tmpdir = tempfile.mkdtemp(prefix="vframe-tp-")
         init_method = f"file://{os.path.join(self._tmpdir, 'rendezvous')}"
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -84,16 +76,10 @@ class MultiprocExecutor(Executor):
 
     # ------------------------------------------------------------------ #
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        if self._dead is not None:
-            raise self._dead
-        try:
-            message = transport.dumps((method, args))
-        except Exception as e:  # noqa: BLE001 - something in the call does not pickle
-            raise RuntimeError(f"cannot send {method}() to the tensor-parallel workers: {e}") from e
+    def _call(self, payload: bytes) -> list[Any]:
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send_bytes(message)
+                conn.send_bytes(payload)
             except OSError:
                 self._die(self._exit_message(rank) or f"the pipe to tensor-parallel rank {rank} is closed")
         return self._gather()
@@ -103,9 +89,6 @@ class MultiprocExecutor(Executor):
         over the inherited file descriptor ``fd``. A subclass may wrap it (pin each
         rank to its cores or NUMA node with ``taskset`` / ``numactl``, say)."""
         return [sys.executable, "-m", "vframe.executor.multiproc", str(fd)]
-
-    def check_request(self, params: SamplingParams) -> None:
-        transport.check_sendable(params)
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -142,11 +125,7 @@ class MultiprocExecutor(Executor):
                     f"tensor-parallel rank {rank} failed ({describe(error)}) while ranks {stuck} did not answer "
                     f"within {DESYNC_TIMEOUT_S:.0f} s: the ranks are out of step"
                 )
-        try:
-            return combine_replies([replies[rank] for rank in range(self.world_size)])
-        except RanksOutOfStep as e:
-            self._die(str(e))
-            raise AssertionError("unreachable") from e
+        return self._combine([replies[rank] for rank in range(self.world_size)])
 
     def _exit_message(self, rank: int) -> str | None:
         proc = self._procs[rank]
@@ -156,13 +135,6 @@ class MultiprocExecutor(Executor):
             return None
         how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         return f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}"
-
-    def _die(self, why: str) -> None:
-        self._dead = ExecutorDeadError(f"{why}; the engine stopped every worker and cannot run more steps")
-        logger.error("%s", self._dead)
-        self.shutdown()
-        raise self._dead
-
 
 def _stop_workers(
     procs: list[subprocess.Popen[bytes]],

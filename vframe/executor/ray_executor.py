@@ -24,19 +24,10 @@ import time
 from typing import Any
 
 from vframe.core.config import EngineConfig
-from vframe.core.interfaces import Executor
-from vframe.core.sampling_params import SamplingParams
-from vframe.errors import ConfigError, ExecutorDeadError
+from vframe.errors import ConfigError
 from vframe.executor import transport
-from vframe.executor.multiproc import DESYNC_TIMEOUT_S
-from vframe.executor.worker import (
-    RanksOutOfStep,
-    collective_backend,
-    combine_replies,
-    error_reply,
-    prepare_model_files,
-    start_rank,
-)
+from vframe.executor.remote import DESYNC_TIMEOUT_S, RemoteRanksExecutor
+from vframe.executor.worker import collective_backend, error_reply, start_rank
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +69,8 @@ class RayWorker:
             return error_reply(e)
 
 
-class RayExecutor(Executor):
+class RayExecutor(RemoteRanksExecutor):
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
         try:
             import ray
             from ray.util.placement_group import placement_group, remove_placement_group
@@ -89,11 +79,9 @@ class RayExecutor(Executor):
             raise ConfigError(
                 "distributed_executor_backend='ray' needs Ray: pip install 'vframe[ray]'"
             ) from None
+        super().__init__(config)
         self._ray = ray
         self._remove_placement_group = remove_placement_group
-        self.world_size = config.parallel.tensor_parallel_size
-        self._dead: ExecutorDeadError | None = None
-        prepare_model_files(config)
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
         on_gpu = collective_backend(config) == "nccl"
@@ -132,14 +120,8 @@ class RayExecutor(Executor):
             self.shutdown()
             raise
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        if self._dead is not None:
-            raise self._dead
-        payload = transport.dumps((method, args))
+    def _call(self, payload: bytes) -> list[Any]:
         return self._gather([actor.call.remote(payload) for actor in self._actors])
-
-    def check_request(self, params: SamplingParams) -> None:
-        transport.check_sendable(params)
 
     def shutdown(self) -> None:
         actors, self._actors = getattr(self, "_actors", []), []
@@ -166,19 +148,9 @@ class RayExecutor(Executor):
             try:
                 reply = transport.loads(ray.get(ready[0]))
             except ray.exceptions.RayActorError as e:
-                first_line = str(e).strip().splitlines()[0]
-                self._die(f"tensor-parallel rank {rank_of[ready[0]]} (pid {self.pids[rank_of[ready[0]]]}): its Ray actor died ({first_line})")
+                rank, first_line = rank_of[ready[0]], str(e).strip().splitlines()[0]
+                self._die(f"tensor-parallel rank {rank} (pid {self.pids[rank]}): its Ray actor died ({first_line})")
             replies[rank_of[ready[0]]] = reply
             if reply[0] == "error" and failed_at is None:
                 failed_at = time.monotonic()
-        try:
-            return combine_replies([replies[rank] for rank in range(len(refs))])
-        except RanksOutOfStep as e:
-            self._die(str(e))
-        raise AssertionError("unreachable")
-
-    def _die(self, why: str) -> None:
-        self._dead = ExecutorDeadError(f"{why}; the engine stopped every worker and cannot run more steps")
-        logger.error("%s", self._dead)
-        self.shutdown()
-        raise self._dead
+        return self._combine([replies[rank] for rank in range(len(refs))])

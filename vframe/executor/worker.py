@@ -89,20 +89,9 @@ def start_rank(config: EngineConfig, rank: int, init_method: str, local_rank: in
     return Worker(config, rank, remote=True)
 
 
-def prepare_model_files(config: EngineConfig) -> None:
-    """Convert a GGUF once, in the driver, before the ranks would race to do it."""
-    from vframe.models.loader import resolve_model
-
-    resolve_model(config.model.model, convert_weights=config.quantization.quantization != "gguf")
-
-
 # --------------------------------------------------------------------------- #
 # replies
 # --------------------------------------------------------------------------- #
-
-
-class RanksOutOfStep(Exception):
-    """Some ranks failed a call that others completed: their states differ now."""
 
 
 def error_reply(error: BaseException) -> bytes:
@@ -120,20 +109,3 @@ def error_reply(error: BaseException) -> bytes:
 
 def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
-
-
-def combine_replies(replies: list[tuple[str, Any]]) -> list[Any]:
-    """Every rank's ``("ok", result)`` or ``("error", exception)``, in rank order
-    -> the results. Every rank failed: rank 0's exception is raised (the ranks
-    agree; the engine goes on). Some failed: ``RanksOutOfStep``."""
-    errors = {rank: value for rank, (status, value) in enumerate(replies) if status == "error"}
-    if not errors:
-        return [value for _, value in replies]
-    if len(errors) == len(replies):
-        raise errors[0]
-    rank, error = min(errors.items())
-    succeeded = sorted(set(range(len(replies))) - errors.keys())
-    raise RanksOutOfStep(
-        f"tensor-parallel rank {rank} failed ({describe(error)}) while ranks {succeeded} succeeded: "
-        "the ranks are out of step"
-    )
