@@ -6,7 +6,7 @@ rank on this machine (the default at ``tensor_parallel_size > 1``).
 
 The driver keeps the scheduler and the KV cache manager; every step it sends
 the scheduler output to each rank over that rank's ``multiprocessing`` pipe
-and waits for the replies, watching every worker's process sentinel at the same
+and waits for the replies, watching every worker's process (a pidfd) at the same
 time, so a worker that dies (killed, out of memory, a crash in C++) is seen at
 once. The ranks exchange activations through torch.distributed only.
 
@@ -136,6 +136,7 @@ class MultiprocExecutor(RemoteRanksExecutor):
         how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         return f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}"
 
+
 def _stop_workers(
     procs: list[subprocess.Popen[bytes]],
     conns: list[multiprocessing.connection.Connection],
@@ -179,9 +180,10 @@ def _worker_main(conn: multiprocessing.connection.Connection) -> None:
 
     try:
         config, rank, init_method = transport.loads(conn.recv_bytes())
-        worker = start_rank(config, rank, init_method, local_rank=rank)
     except (EOFError, OSError):
         return  # the driver is gone already
+    try:
+        worker = start_rank(config, rank, init_method, local_rank=rank)
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which fails the engine's start
         conn.send_bytes(error_reply(e))
         return
@@ -197,7 +199,10 @@ def _worker_main(conn: multiprocessing.connection.Connection) -> None:
             reply = transport.dumps(("ok", worker.call(method, args)))
         except BaseException as e:  # noqa: BLE001 - the driver decides what a failure means
             reply = error_reply(e)
-        conn.send_bytes(reply)
+        try:
+            conn.send_bytes(reply)
+        except OSError:
+            break  # the driver is gone
     from vframe.distributed.parallel_state import destroy_tensor_parallel
 
     destroy_tensor_parallel()
