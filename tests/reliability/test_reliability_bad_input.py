@@ -196,7 +196,7 @@ def chat_cases() -> list[Case]:
         case("messages-empty", messages=[]),
         case("messages-string", messages="hi"),
         case("messages-missing", messages=MISSING),
-        case("role-unknown", messages=[{"role": "wizard", "content": "hi"}]),
+        case("role-not-a-string", messages=[{"role": 5, "content": "hi"}]),
         case("role-missing", messages=[{"content": "hi"}]),
         case("content-int", messages=[{"role": "user", "content": 5}]),
         case("content-image", messages=[{"role": "user", "content": [

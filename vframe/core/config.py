@@ -320,6 +320,24 @@ class SamplerSection(BaseModel):
     model_config = _STRICT
 
     sampler: str = Field("default", description="sampler registry name")
+    logits_processors: list[Any] = Field(
+        default_factory=list,
+        description="vLLM v1 batch-level logits processors, engine-wide: LogitsProcessor subclasses or "
+        "'module:Class' / 'module.Class' names (comma-separated on the command line); each is built once "
+        "in the process that samples as cls(vllm_config=the EngineConfig, device, is_pin_memory)",
+    )
+
+    @field_validator("logits_processors", mode="before")
+    @classmethod
+    def _importable_processors(cls, v: Any) -> Any:
+        if isinstance(v, str):  # a flag or VFRAME_LOGITS_PROCESSORS: comma-separated names
+            v = [name.strip() for name in v.split(",") if name.strip()]
+        if isinstance(v, (list, tuple)) and v:
+            from vframe.core.sample.batch_processors import load_processor_class
+
+            for spec in v:
+                load_processor_class(spec)  # a bad name or class fails here, not in the runner
+        return list(v) if isinstance(v, tuple) else v
 
 
 class QuantizationSection(BaseModel):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,9 +28,18 @@ from vframe.entrypoints.chat_utils import tool_call_arguments
 from vframe.errors import InvalidRequestError
 from vframe.lora.request import LoRARequest
 
+if TYPE_CHECKING:
+    from vframe.entrypoints.openai.metrics import ServerMetrics
+    from vframe.v1.metrics.reader import Metric
+
 logger = logging.getLogger(__name__)
 
 Message = dict[str, Any]
+# The server's series that LLM.get_metrics() leaves out: LLM.generate hears of a
+# request only when it finishes (so no first-token time) and serves no HTTP.
+_NOT_MEASURED_OFFLINE = frozenset(
+    {"vframe:http_requests", "vframe:time_to_first_token_seconds", "vframe:time_per_output_token_seconds"}
+)
 
 
 class LLM:
@@ -46,6 +56,7 @@ class LLM:
         if model is not None:
             kwargs["model"] = model
         self.llm_engine = LLMEngine(EngineConfig.from_sources(config_file=config_file, **kwargs))
+        self._metrics: ServerMetrics | None = None  # the series of get_metrics(), made on first use
         # Plugins hear vframe_engine_shutdown when the LLM is dropped or at exit.
         self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
 
@@ -355,6 +366,7 @@ class LLM:
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         order: dict[str, int] = {}
+        arrival = time.perf_counter()
         try:
             for i, (prompt, params, prio, lora) in enumerate(items):
                 order[engine.add_request(None, prompt, params, priority=prio, lora_request=lora)] = i
@@ -368,6 +380,7 @@ class LLM:
                 for out in engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
+                        self._record_finished(out, arrival)
                         if bar is not None:
                             bar.update(1)
         except BaseException:
@@ -415,6 +428,33 @@ class LLM:
 
     def get_stats(self) -> dict[str, float]:
         return self.llm_engine.get_stats()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's ``LLM.get_metrics()``: ``vframe.v1.metrics.reader`` ``Counter``,
+        ``Gauge`` and ``Histogram`` objects under the server's ``/metrics`` names
+        (``vframe:generation_tokens``, ``vframe:num_requests_running`` ...). Counters
+        count the requests this ``LLM`` ran to completion (``generate``, ``chat``);
+        gauges are the engine's state now."""
+        from vframe.v1.metrics.reader import get_metrics_snapshot
+
+        return get_metrics_snapshot(self._server_metrics().registry, exclude=_NOT_MEASURED_OFFLINE)
+
+    def _server_metrics(self) -> ServerMetrics:
+        if self._metrics is None:
+            from vframe.entrypoints.openai.metrics import ServerMetrics
+
+            self._metrics = ServerMetrics(self.llm_engine.get_stats)
+        return self._metrics
+
+    def _record_finished(self, output: RequestOutput, arrival: float) -> None:
+        """Count a finished request as the server counts one (``arrival``: when ``generate`` added it)."""
+        metrics = self._server_metrics()
+        metrics.prompt_tokens.inc(len(output.prompt_token_ids))
+        metrics.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+        for completion in output.outputs:
+            reason = completion.finish_reason or "abort"
+            metrics.requests_finished.labels(getattr(reason, "value", reason)).inc()  # FinishReason or str
+        metrics.e2e.observe(time.perf_counter() - arrival)
 
 
 def _template_message(index: int, message: Message) -> Message:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from vframe.core.outputs import RequestError
+from vframe.core.sample.batch_processors import BatchLogitsProcessors
 from vframe.core.sample.logits_processors import RequestLogitsProcessors
 from vframe.core.sample.metadata import PenaltyInputs, SamplingMetadata
 from vframe.core.sample.penalties import PenaltyCounts
@@ -54,6 +55,9 @@ class RequestSamplingState:
         )
         self.penalty_row: int | None = None  # in SamplingBatch.penalty_counts, given on first use
         self.allowed_mask: torch.Tensor | None = None  # [V] bool, built on first use
+        # The output tokens as one list that grows each step, for batch-level logits
+        # processors (vLLM hands them a live list); made on first use.
+        self._live_output: list[int] | None = None
         self.needs_processing = bool(
             self.has_penalties
             or params.logit_bias
@@ -71,6 +75,11 @@ class RequestSamplingState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def live_output_token_ids(self) -> list[int]:
+        if self._live_output is None:
+            self._live_output = self.output_token_ids
+        return self._live_output
 
     def banned_token_ids(self) -> list[int]:
         """End-of-sequence ids before ``min_tokens``; the last token of each bad word
@@ -91,9 +100,10 @@ class RequestSamplingState:
 class SamplingBatch:
     """Builds each step's ``SamplingMetadata`` and records the sampled tokens."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, batch_processors: BatchLogitsProcessors | None = None) -> None:
         self.device = device
         self.penalty_counts: PenaltyCounts | None = None  # allocated with the first penalty
+        self.batch_processors = batch_processors  # engine-wide ones (LLM(logits_processors=...))
 
     def remove(self, state: RequestSamplingState) -> None:
         if state.penalty_row is not None and self.penalty_counts is not None:
@@ -124,6 +134,10 @@ class SamplingBatch:
         md.max_num_logprobs = max(asked) if asked else None
         if any(s.needs_processing for s in states):
             self._add_processing(md, states, vocab_size)
+        if self.batch_processors is not None:
+            self.batch_processors.update(states)
+            md.batch_logits_processors = self.batch_processors.non_argmax_invariant
+            md.argmax_invariant_logits_processors = self.batch_processors.argmax_invariant
         return md
 
     def _replay_draws(self, state: RequestSamplingState, vocab_size: int) -> None:
@@ -219,6 +233,8 @@ class SamplingBatch:
         refused: dict[int, RequestError] = {}
         for row, (state, token_id) in enumerate(zip(states, sampled)):
             state.token_ids.append(token_id)
+            if state._live_output is not None:
+                state._live_output.append(token_id)
             if state.needs_processing:
                 if state.grammar is not None:
                     try:

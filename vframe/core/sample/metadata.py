@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from vframe.core.sample.batch_processors import LogitsProcessor
 
 
 @dataclass
@@ -84,6 +88,11 @@ class SamplingMetadata:
         logits_processors: ``(row, fn)`` per row with logits processors:
             ``fn(logits [V] float32) -> logits [V]`` runs that request's
             processors in order (it may modify the row in place).
+        batch_logits_processors: the engine-wide ``LogitsProcessor`` objects
+            that may change the argmax; ``apply(logits [B, V])`` runs before
+            every other rewrite (``vframe/core/sample/batch_processors.py``).
+        argmax_invariant_logits_processors: the engine-wide ones that do not;
+            they run on the random rows' logits after temperature.
     """
 
     temperature: torch.Tensor  # [B] float32; greedy rows hold 1.0
@@ -106,12 +115,16 @@ class SamplingMetadata:
     penalties: PenaltyInputs | None = None
     # (row, fn): fn(logits [V]) -> logits [V] runs the request's own logits processors.
     logits_processors: list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = field(default_factory=list)
+    # Engine-wide vLLM v1 LogitsProcessor objects: apply(logits [B, V]) -> [B, V].
+    batch_logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    argmax_invariant_logits_processors: list[LogitsProcessor] = field(default_factory=list)
 
     @property
     def needs_processing(self) -> bool:
         """Whether anything rewrites the logits before temperature and sampling."""
         return bool(
             self.banned_token_ids
+            or self.batch_logits_processors
             or self.logits_processors
             or self.logit_bias is not None
             or self.allowed_token_mask is not None

@@ -5,11 +5,13 @@ Order of operations on the logits ``[B, V]``::
     raw logits ──► logprobs (if asked; vLLM reports the model's raw distribution)
          │
          ▼  (only the parts some row of the batch uses)
-    request logits processors ─► logit_bias ─► allowed_token_ids ─► banned tokens
+    engine-wide batch logits processors (LLM(logits_processors=...), not argmax-invariant)
+    ─► request logits processors ─► logit_bias ─► allowed_token_ids ─► banned tokens
     (min_tokens, bad_words) ─► structured-output bitmask ─► penalties
          │
          ├─ argmax                                                   (greedy rows)
-         └─ / temperature ─► min_p ─► top_k ─► top_p ─► sample        (random rows)
+         └─ / temperature ─► argmax-invariant batch processors ─► min_p ─► top_k
+              ─► top_p ─► sample                                     (random rows)
 
 Random rows sample with the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``,
 which draws from ``p`` without a cumulative sum; seeded rows draw ``q`` from
@@ -22,6 +24,7 @@ import torch
 
 from vframe.core.interfaces import Sampler
 from vframe.core.outputs import RequestError, SamplerOutput
+from vframe.core.sample.batch_processors import apply_processors
 from vframe.core.sample.metadata import SamplingMetadata
 from vframe.core.sample.penalties import apply_penalties
 
@@ -54,6 +57,8 @@ class DefaultSampler(Sampler):
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         logits = logits / md.temperature.unsqueeze(1)
+        if md.argmax_invariant_logits_processors:
+            logits = apply_processors(md.argmax_invariant_logits_processors, logits)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
         if md.top_k is not None or md.top_p is not None:
@@ -95,6 +100,8 @@ def process_logits(
     tensor) fails its own row, recorded in ``failed_rows``; without that dict
     the exception propagates."""
     neg_inf = float("-inf")
+    if md.batch_logits_processors:
+        logits = apply_processors(md.batch_logits_processors, logits)
     for row, fn in md.logits_processors:
         try:
             new = fn(logits[row])

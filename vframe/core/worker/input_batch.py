@@ -9,6 +9,7 @@ import torch
 
 from vframe.core.interfaces import CommonAttentionMetadata
 from vframe.core.outputs import NewRequestData, RequestError, SchedulerOutput
+from vframe.core.sample.batch_processors import BatchLogitsProcessors
 from vframe.core.sample.batch_state import RequestSamplingState, SamplingBatch
 from vframe.core.sample.metadata import SamplingMetadata
 from vframe.core.sampling_params import SamplingParams
@@ -44,11 +45,13 @@ class InputBatch:
     """Holds per-request state across steps and turns a ``SchedulerOutput``
     into flat tensors with vectorized numpy (no loop per token)."""
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, block_size: int, device: torch.device, batch_processors: BatchLogitsProcessors | None = None
+    ) -> None:
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampling = SamplingBatch(device)
+        self.sampling = SamplingBatch(device, batch_processors)
 
     def update(self, so: SchedulerOutput) -> dict[str, RequestError]:
         """Apply the scheduler's decision. A new request whose sampling state cannot
@@ -72,6 +75,8 @@ class InputBatch:
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         sp: SamplingParams = new.sampling_params  # type: ignore[assignment]
+        if self.sampling.batch_processors is not None:
+            self.sampling.batch_processors.validate(sp)  # LogitsProcessor.validate_params
         token_ids = list(new.all_token_ids)
         num_prompt_tokens = len(new.prompt_token_ids)
         return CachedRequestState(

@@ -20,6 +20,7 @@ from vframe.core.interfaces import AttentionBackend, ModelRunner, Sampler
 from vframe.core.kv_cache_spec import KVCacheSpec, bytes_per_block, full_attention_specs
 from vframe.core.outputs import ModelRunnerOutput, RequestError, SamplerOutput, SchedulerOutput
 from vframe.core.plugin_context import PluginContext, takes_context
+from vframe.core.sample.batch_processors import BatchLogitsProcessors
 from vframe.core.sample.metadata import SamplingMetadata
 from vframe.core.sample.prompt_logprobs import compute_prompt_logprobs
 from vframe.core.worker.input_batch import InputBatch
@@ -125,7 +126,9 @@ class TorchModelRunner(ModelRunner):
         # class is looked up now so that an unknown name fails before the model loads.
         self.sampler: Sampler | None = sampler
         self._sampler_cls = get_registry("sampler").load(config.sampler.sampler) if sampler is None else None
-        self.input_batch = InputBatch(self.block_size, self.device)
+        # Engine-wide batch logits processors are built here, in the process that samples.
+        batch_processors = BatchLogitsProcessors(config, self.device) if config.sampler.logits_processors else None
+        self.input_batch = InputBatch(self.block_size, self.device, batch_processors)
         self.kv_caches: list[torch.Tensor] = []
         self._kv_cache_specs: list[KVCacheSpec] | None = None
         self.lora_manager: LoRAManager | None = None  # built by load_model with enable_lora

@@ -4,7 +4,9 @@ A stream starts with one ``{"role": "assistant", "content": ""}`` delta per
 choice, then content and tool-call deltas (``tools.py``); the last delta of a
 choice carries its ``finish_reason``; with ``stream_options.include_usage`` a
 final chunk with no choices carries the usage (and, with
-``continuous_usage_stats``, every chunk the usage so far).
+``continuous_usage_stats``, every chunk the usage so far). With vLLM's
+``return_token_ids`` the role chunks carry ``prompt_token_ids`` and every choice its
+``token_ids``; ``prompt_logprobs`` (not streamed) are on the response.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from vframe.entrypoints.openai.serving import (
     Choice,
     Generation,
     ServingContext,
+    clamped_prompt_logprobs,
     finite,
     respond,
     sse,
@@ -57,10 +60,10 @@ async def create_chat_completion(
     calls_schema = tool_choice.structured_outputs()
     if calls_schema is not None:
         if params.structured_outputs is not None:
+            field = request.constraint_field
             raise APIError.bad_request(
-                f"response_format cannot be combined with tool_choice {tool_choice.mode}: both constrain the reply; "
-                "drop one",
-                param="response_format",
+                f"{field} cannot be combined with tool_choice {tool_choice.mode}: both constrain the reply; drop one",
+                param=field,
             )
         params.structured_outputs = calls_schema
     prompt = await ctx.prompts.chat(
@@ -71,12 +74,13 @@ async def create_chat_completion(
         request.chat_template,
         tool_choice.template_tools,
     )
+    prompt = ctx.truncate(prompt, params)
     explicit = request.requested_max_tokens is not None
     ctx.check_length(prompt, params.max_tokens, explicit, "messages")
-    await ctx.prepare(params, "messages", "tools" if calls_schema is not None else "response_format")
+    await ctx.prepare(params, "messages", "tools" if calls_schema is not None else request.constraint_field)
     request_id = ctx.new_id("chatcmpl")
     generation = await ctx.start(request_id, [prompt], params, request.priority, "messages", arrival, lora_request)
-    run = _Run(request, model, request_id, generation, tool_choice)
+    run = _Run(request, model, request_id, generation, tool_choice, prompt.token_ids)
     return await respond(raw_request, generation, run, request.stream)
 
 
@@ -85,9 +89,11 @@ class _Run:
 
     def __init__(
         self, request: ChatCompletionRequest, model: str, request_id: str, generation: Generation,
-        tool_choice: ToolChoice,
+        tool_choice: ToolChoice, prompt_token_ids: list[int],
     ) -> None:
         self.request = request
+        # vLLM's extras, when asked for: the prompt's token ids (return_token_ids)
+        self.prompt_token_ids = prompt_token_ids if request.return_token_ids else None
         self.tool_choice = tool_choice
         self.model = model
         self.request_id = request_id
@@ -97,8 +103,11 @@ class _Run:
 
     async def collect(self) -> Response:
         choices = {j: Choice() for j in range(self.request.n)}
+        prompt_logprobs = None
         async with contextlib.aclosing(self.generation.outputs()) as outputs:
             async for _, output in outputs:
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs = output.prompt_logprobs
                 for completion in output.outputs:
                     choices[completion.index].add(completion)
         answers = []
@@ -111,6 +120,7 @@ class _Run:
                     logprobs=self._logprobs(choice.logprobs),
                     finish_reason=reply.finish_reason or "abort",  # none: the server aborted it
                     stop_reason=choice.stop_reason,
+                    token_ids=self._token_ids(choice.token_ids),
                 )
             )
         response = ChatCompletionResponse(
@@ -119,6 +129,8 @@ class _Run:
             model=self.model,
             choices=answers,
             usage=self.generation.usage(sum(c.num_tokens for c in choices.values())),
+            prompt_logprobs=clamped_prompt_logprobs(prompt_logprobs),
+            prompt_token_ids=self.prompt_token_ids,
         )
         return JSONResponse(response.model_dump())
 
@@ -130,7 +142,9 @@ class _Run:
             # one choice per chunk, as vLLM streams (clients that read choices[0] see every delta)
             for j in range(self.request.n):
                 role = ChatChunkChoice(index=j, delta=ChatDelta(role="assistant", content=""))
-                yield sse(self._chunk([role], num_tokens))
+                chunk = self._chunk([role], num_tokens)
+                chunk.prompt_token_ids = self.prompt_token_ids
+                yield sse(chunk)
             async with contextlib.aclosing(self.generation.outputs()) as outputs:
                 async for _, output in outputs:
                     chunk_choices = []
@@ -143,7 +157,8 @@ class _Run:
                             unfinished.discard(completion.index)
                             rest, more_calls, finish_reason = reply.finish(finish_reason)
                             content, tool_calls = content + rest, tool_calls + more_calls
-                        if not (content or tool_calls or finish_reason or completion.logprobs):
+                        asked_ids = self.request.return_token_ids and completion.token_ids
+                        if not (content or tool_calls or finish_reason or completion.logprobs or asked_ids):
                             continue
                         pairs = zip(completion.token_ids, completion.logprobs or [])
                         chunk_choices.append(
@@ -156,6 +171,7 @@ class _Run:
                                 logprobs=self._logprobs(pairs),
                                 finish_reason=finish_reason,
                                 stop_reason=completion.stop_reason,
+                                token_ids=self._token_ids(completion.token_ids),
                             )
                         )
                     for choice in chunk_choices:
@@ -182,6 +198,9 @@ class _Run:
         return ChatCompletionChunk(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
+
+    def _token_ids(self, token_ids: list[int]) -> list[int] | None:
+        return list(token_ids) if self.request.return_token_ids else None
 
     def _logprobs(self, pairs: Iterable[tuple[int, dict[int, Logprob]]]) -> ChatLogprobs | None:
         if self.top_k is None:

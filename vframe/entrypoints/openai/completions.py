@@ -4,6 +4,8 @@ Choice ``i * n + j`` is the ``j``-th sequence of the ``i``-th prompt, as in Open
 With ``echo`` each choice's text starts with its prompt (streamed: in its first chunk),
 and with ``logprobs`` too its logprobs start with the prompt tokens' (the first one
 ``null``), as vLLM answers; ``echo`` with ``max_tokens=0`` answers the prompt alone.
+vLLM's ``return_token_ids`` and ``prompt_logprobs`` put ``token_ids``, ``prompt_token_ids``
+(streamed: in a choice's first chunk) and ``prompt_logprobs`` on each choice.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from vframe.entrypoints.openai.serving import (
     Choice,
     Generation,
     ServingContext,
+    clamped_prompt_logprobs,
     finite,
     respond,
     sse,
@@ -47,11 +50,11 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
         params = request.to_sampling_params(ctx.generation_defaults)
     except REQUEST_ERRORS as e:
         raise APIError.from_request_error(e, "prompt") from e
-    prompts = await _prompts(ctx, request.prompt)
+    prompts = [ctx.truncate(prompt, params) for prompt in await _prompts(ctx, request.prompt)]
     explicit = "max_tokens" in request.model_fields_set
     for prompt in prompts:
         ctx.check_length(prompt, params.max_tokens, explicit, "prompt")
-    await ctx.prepare(params, "prompt")
+    await ctx.prepare(params, "prompt", request.constraint_field)
     request_id = ctx.new_id("cmpl")
     generation = await ctx.start(request_id, prompts, params, request.priority, "prompt", arrival, lora_request)
     echoed = [_prompt_text(ctx, prompt) for prompt in prompts] if request.echo else None
@@ -133,6 +136,7 @@ class _Run:
                     logprobs=self._logprobs(echoes[index][1] + choice.logprobs, 0),
                     finish_reason=choice.finish_reason or "abort",  # none: the server aborted it
                     stop_reason=choice.stop_reason,
+                    **self._extras(index // n, choice.token_ids),
                 )
                 for index, choice in sorted(choices.items())
             ],
@@ -156,9 +160,11 @@ class _Run:
                         if self.echo_only:
                             completion = _without_output(completion)
                         num_tokens += len(completion.token_ids)
-                        if not (completion.text or completion.finish_reason or completion.logprobs):
+                        asked_ids = self.request.return_token_ids and completion.token_ids
+                        if not (completion.text or completion.finish_reason or completion.logprobs or asked_ids):
                             continue
-                        echo_text, echo_pairs = self._echo(i) if index not in offsets else ("", [])
+                        first = index not in offsets
+                        echo_text, echo_pairs = self._echo(i) if first else ("", [])
                         offset = offsets.get(index, 0)
                         text = echo_text + completion.text
                         logprobs = self._logprobs(echo_pairs + _pairs(completion), offset)
@@ -172,6 +178,7 @@ class _Run:
                                 logprobs=logprobs,
                                 finish_reason=completion.finish_reason,
                                 stop_reason=completion.stop_reason,
+                                **self._extras(i, completion.token_ids, with_prompt=first),
                             )
                         )
                     usage = self._usage(num_tokens) if self.request.include_continuous_usage else None
@@ -186,6 +193,18 @@ class _Run:
             if self.request.include_usage:
                 yield sse(self._chunk([], usage=self._usage(num_tokens)))
         yield SSE_DONE
+
+    def _extras(self, prompt_index: int, token_ids: list[int], with_prompt: bool = True) -> dict[str, Any]:
+        """vLLM's extra choice fields the request asked for: its token ids (return_token_ids)
+        and its prompt's logprobs (prompt_logprobs, never streamed)."""
+        extras: dict[str, Any] = {}
+        if self.request.return_token_ids:
+            extras["token_ids"] = list(token_ids)
+            if with_prompt:
+                extras["prompt_token_ids"] = self.prompts[prompt_index].token_ids
+        if self.request.prompt_logprobs is not None:
+            extras["prompt_logprobs"] = clamped_prompt_logprobs(self.prompt_logprobs.get(prompt_index))
+        return extras
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
         return CompletionResponse(
@@ -226,7 +245,7 @@ class _Run:
 def _without_output(output: CompletionOutput | Choice) -> CompletionOutput | Choice:
     """``output`` with its generated text, tokens and logprobs dropped (echo alone)."""
     if isinstance(output, Choice):
-        return dataclasses.replace(output, text_parts=[], num_tokens=0, logprobs=[])
+        return dataclasses.replace(output, text_parts=[], token_ids=[], logprobs=[])
     return dataclasses.replace(output, text="", token_ids=[], logprobs=None)
 
 

@@ -69,7 +69,7 @@ class APIError(Exception):
     def from_invalid_request(cls, error: Exception, prompt_field: str) -> APIError:
         """Map the engine's message to the API field it is about."""
         message = str(error) or type(error).__name__
-        match = re.match(r"SamplingParams\.(\w+)=", message)
+        match = re.match(r"SamplingParams\.(\w+)\b", message)
         if match:
             param: str | None = match.group(1)
         elif message.startswith("structured_outputs"):  # the engine's name of response_format

@@ -4,7 +4,9 @@ Requests reject unknown fields, as OpenAI's API does, so that a misspelled
 parameter is an error rather than silently ignored; a few fields that clients
 send but that change nothing here (``user``, ``store``, ``metadata`` ...) are
 accepted. vLLM's extensions (``top_k``, ``min_p``, ``ignore_eos``,
-``stop_token_ids`` ...) are accepted with vLLM's meanings.
+``stop_token_ids``, ``prompt_logprobs``, ``return_token_ids``, ``structured_outputs``,
+``guided_*`` ...) are accepted with vLLM's meanings; vLLM's extra response fields
+(``token_ids``, ``prompt_token_ids``, ``prompt_logprobs``) appear only when asked for.
 
 Types are strict: ``"max_tokens": "8"`` or ``"stream": "false"`` is a 400, not
 coerced (an integer is still a valid float: ``"temperature": 1``). A string
@@ -28,6 +30,7 @@ from pydantic_core import PydanticCustomError
 
 from vframe.core.sampling_params import SamplingParams, StructuredOutputsParams
 from vframe.entrypoints.openai.errors import APIError
+from vframe.errors import InvalidRequestError
 
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
 _T = TypeVar("_T")
@@ -91,6 +94,31 @@ _SURROGATE = re.compile("[\\ud800-\\udfff]")
 
 class _Response(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
+
+
+class PromptLogprob(_Response):
+    """vLLM's ``Logprob`` of one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def _on_request(description: str) -> Any:
+    """A vLLM extra response field, left out of an answer unless the request asked for it
+    (return_token_ids, prompt_logprobs), so that other answers keep OpenAI's shape."""
+    return Field(None, description=description, exclude_if=lambda value: value is None)
+
+
+_PROMPT_LOGPROBS_HELP = (
+    "vLLM extension, with prompt_logprobs: per prompt token, token id -> its logprob, rank and text "
+    "(the prompt token and the k most likely); null for the first token"
+)
+_TOKEN_IDS_HELP = "vLLM extension, with return_token_ids: the generated token ids (streamed: this chunk's)"
+_PROMPT_TOKEN_IDS_HELP = "vLLM extension, with return_token_ids: the prompt's token ids (streamed: in the first chunk)"
 
 
 # --------------------------------------------------------------------------- #
@@ -157,6 +185,37 @@ LogitBias = Annotated[
 ]
 
 
+class StructuredOutputsBody(_Request):
+    """vLLM's ``structured_outputs`` request field: exactly one constraint (vframe's ``StructuredOutputsParams``)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (object or string)")
+    regex: NonEmptyText | None = None
+    choice: _NonEmpty[list[str]] | None = Field(None, description="the output is exactly one of these")
+    grammar: NonEmptyText | None = Field(None, description="a Lark or GBNF grammar")
+    json_object: bool | None = Field(None, description="true: any JSON object")
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def to_params(self) -> StructuredOutputsParams:
+        try:
+            return StructuredOutputsParams(
+                json=self.json_,
+                regex=self.regex,
+                choice=self.choice,
+                grammar=self.grammar,
+                json_object=self.json_object,
+                disable_any_whitespace=self.disable_any_whitespace,
+                disable_additional_properties=self.disable_additional_properties,
+            )
+        except InvalidRequestError as e:
+            message = str(e).replace("StructuredOutputsParams", "structured_outputs", 1)
+            raise APIError.bad_request(message, param="structured_outputs") from e
+
+
+# vLLM's older request fields for structured output, each one kind of StructuredOutputsParams
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
 class LogitsProcessorRef(_Request):
     name: str = Field(min_length=1, description="a name registered in the logits_processor plugin registry")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="constructor arguments")
@@ -189,6 +248,34 @@ class _GenerationRequest(_Body):
     skip_special_tokens: bool = Field(True, description="vLLM extension")
     spaces_between_special_tokens: bool = Field(True, description="vLLM extension")
     priority: int = Field(0, description="vLLM extension: non-zero needs --scheduling-policy priority")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20,
+        description="vLLM extension: also return the logprobs of every prompt token (its own and the k most "
+        "likely); not with stream=true",
+    )
+    return_token_ids: bool | None = Field(
+        None, description="vLLM extension: also return the prompt's and each choice's token ids"
+    )
+    bad_words: list[NonEmptyText] | None = Field(
+        None, description="vLLM extension: words never generated (at the start of the text or after a space)"
+    )
+    allowed_token_ids: _NonEmpty[TokenIds] | None = Field(
+        None, description="vLLM extension: only these token ids are generated"
+    )
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1,
+        description="vLLM extension: keep only the last k prompt tokens (k >= 1, at most the context length); "
+        "-1: the last max_model_len",
+    )
+    structured_outputs: StructuredOutputsBody | None = Field(
+        None, description="vLLM extension: one of json, regex, choice, grammar, json_object"
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older name of structured_outputs.json")
+    guided_regex: NonEmptyText | None = Field(None, description="vLLM's older name of structured_outputs.regex")
+    guided_choice: _NonEmpty[list[str]] | None = Field(
+        None, description="vLLM's older name of structured_outputs.choice"
+    )
+    guided_grammar: NonEmptyText | None = Field(None, description="vLLM's older name of structured_outputs.grammar")
     logits_processors: list[Annotated[str, Field(min_length=1)] | LogitsProcessorRef] | None = Field(
         None,
         description="vLLM extension: logits processors by name, registered by the server's plugins in the "
@@ -211,9 +298,53 @@ class _GenerationRequest(_Body):
         )
         return _check_union(value, ok, "a string or a list of strings")
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_not_zero(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be >= 1 (keep that many last prompt tokens) or -1 (the last max_model_len)")
+        return value
+
     def _check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError.bad_request("stream_options is only allowed with stream=true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError.bad_request(
+                "prompt_logprobs are not available with stream=true (as in vLLM); use stream=false",
+                param="prompt_logprobs",
+            )
+
+    @property
+    def constraint_field(self) -> str:
+        """The field that constrains the output (structured output), named in its errors."""
+        return next(iter(self._constraint_fields()), "response_format")
+
+    def _constraint_fields(self) -> list[str]:
+        fields = []
+        if self.response_format is not None and self.response_format.type != "text":
+            fields.append("response_format")
+        if self.structured_outputs is not None:
+            fields.append("structured_outputs")
+        return fields + [name for name in _GUIDED if getattr(self, name) is not None]
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one output constraint of ``response_format``, ``structured_outputs`` or a ``guided_*`` field."""
+        fields = self._constraint_fields()
+        if len(fields) > 1:
+            raise APIError.bad_request(
+                f"{fields[0]} and {fields[1]} both constrain the output; give only one of them",
+                param=fields[1],
+            )
+        if not fields:
+            return None
+        field = fields[0]
+        if field == "response_format":
+            assert self.response_format is not None
+            return self.response_format.to_structured()
+        if field == "structured_outputs":
+            assert self.structured_outputs is not None
+            return self.structured_outputs.to_params()
+        return StructuredOutputsParams(**{_GUIDED[field]: getattr(self, field)})
 
     def _logits_processors(self) -> list[str | tuple[str, dict[str, Any]]] | None:
         if not self.logits_processors:
@@ -261,8 +392,12 @@ class _GenerationRequest(_Body):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias,
-            structured_outputs=self.response_format.to_structured() if self.response_format else None,
+            structured_outputs=self._structured_outputs(),
             logits_processors=self._logits_processors(),
+            prompt_logprobs=self.prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids,
             output_kind="delta",
         )
 
@@ -375,7 +510,7 @@ class CompletionRequest(_GenerationRequest):
         if best_of is not None and best_of > self.n:
             changes |= {"best_of": best_of, "output_kind": "final"}
         if self.echo and self.logprobs is not None:
-            changes["prompt_logprobs"] = self.logprobs
+            changes["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return dataclasses.replace(params, **changes) if changes else params
 
     @property
@@ -397,6 +532,9 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = Field(None, description="vLLM extension: the stop string or token id")
+    token_ids: list[int] | None = _on_request(_TOKEN_IDS_HELP)
+    prompt_logprobs: PromptLogprobs | None = _on_request(_PROMPT_LOGPROBS_HELP)
+    prompt_token_ids: list[int] | None = _on_request(_PROMPT_TOKEN_IDS_HELP)
 
 
 class CompletionResponse(_Response):
@@ -444,7 +582,9 @@ class ChatMessage(_Echoed):
     """One message. Only text content is supported; other fields a client may
     echo back (``refusal``, ``audio`` ...) are accepted and ignored."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: NonEmptyText = Field(
+        description="system, developer, user, assistant, tool, or any other role the chat template renders (as vLLM)"
+    )
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = Field(None, description="an assistant message's calls")
@@ -580,6 +720,7 @@ class ChatCompletionChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = _on_request(_TOKEN_IDS_HELP)
 
 
 class ChatCompletionResponse(_Response):
@@ -590,6 +731,8 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = _on_request(_PROMPT_LOGPROBS_HELP)
+    prompt_token_ids: list[int] | None = _on_request(_PROMPT_TOKEN_IDS_HELP)
 
 
 class DeltaFunctionCall(_Response):
@@ -618,6 +761,7 @@ class ChatChunkChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = _on_request(_TOKEN_IDS_HELP)
 
 
 class ChatCompletionChunk(_Response):
@@ -628,6 +772,7 @@ class ChatCompletionChunk(_Response):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = _on_request(_PROMPT_TOKEN_IDS_HELP)
 
 
 # --------------------------------------------------------------------------- #

@@ -30,10 +30,18 @@ from vframe.entrypoints.openai.errors import REQUEST_ERRORS, APIError, error_bod
 from vframe.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from vframe.entrypoints.openai.models import ServingModels
 from vframe.entrypoints.openai.prompts import Prompt, PromptBuilder
-from vframe.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
+from vframe.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs, PromptTokenUsageInfo, UsageInfo
 from vframe.entrypoints.openai.tools import ToolCallingConfig
 from vframe.errors import ConfigError, PluginError
 from vframe.lora.request import LoRARequest
+
+# How a compile error names the request field the constraint came from: (pattern of the
+# engine's name, the field's). A guided_* field holds the constraint itself.
+_GUIDED_PATTERN = r"^(response_format\.json_schema|structured_outputs(\.\w+)?)\b"
+_CONSTRAINT_NAMES = {
+    "tools": (r"^(response_format\.json_schema|structured_outputs)\b", "tools (the JSON schema of the calls)"),
+    "structured_outputs": (r"^response_format\.json_schema\b", "structured_outputs.json"),
+}
 
 # Compiling a response_format grammar (llguidance, bounded by its parser limits)
 # longer than this is refused; the compile then ends in its worker thread.
@@ -77,8 +85,9 @@ class ServingContext:
         self, params: SamplingParams, prompt_field: str, constraint_field: str = "response_format"
     ) -> None:
         """Compile the request's output constraint into ``params`` in a worker thread, with
-        a time bound. ``constraint_field``: the field it came from (``response_format``, or
-        ``tools`` for a tool_choice that forces calls), named in errors."""
+        a time bound. ``constraint_field``: the field it came from (``response_format``,
+        ``structured_outputs``, a ``guided_*`` field, or ``tools`` for a tool_choice
+        that forces calls), named in errors."""
         if params.structured_outputs is None:
             return
         try:
@@ -93,9 +102,26 @@ class ServingContext:
             error = APIError.from_request_error(e, "response_format")
             if constraint_field == "response_format" or error.param != "response_format":
                 raise error from e
-            name = f"{constraint_field} (the JSON schema of the calls)"
-            message = re.sub(r"^(response_format\.json_schema|structured_outputs)\b", name, error.message)
+            pattern, name = _CONSTRAINT_NAMES.get(constraint_field, (_GUIDED_PATTERN, constraint_field))
+            message = re.sub(pattern, name, error.message)
             raise APIError.bad_request(message, param=constraint_field) from e
+
+    def truncate(self, prompt: Prompt, params: SamplingParams) -> Prompt:
+        """``prompt`` cut to its last ``truncate_prompt_tokens`` tokens (vLLM's rule), so that
+        the length check, usage and returned prompt token ids see what the engine runs."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        if keep > self.max_model_len:
+            raise APIError.bad_request(
+                f"truncate_prompt_tokens={keep} is greater than this model's maximum context length "
+                f"({self.max_model_len}); give at most {self.max_model_len}, or -1 for the context length",
+                param="truncate_prompt_tokens",
+            )
+        keep = self.max_model_len if keep == -1 else keep
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        return Prompt(None, prompt.token_ids[-keep:])
 
     def check_length(self, prompt: Prompt, max_tokens: int | None, explicit: bool, prompt_field: str) -> None:
         """OpenAI's rule: the prompt plus an explicitly requested ``max_tokens``
@@ -321,14 +347,14 @@ class Choice:
     """One sequence's accumulated output, gathered from delta outputs."""
 
     text_parts: list[str] = field(default_factory=list)
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, dict[int, Logprob]]] = field(default_factory=list)  # (token id, entry)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
     def add(self, completion: CompletionOutput) -> None:
         self.text_parts.append(completion.text)
-        self.num_tokens += len(completion.token_ids)
+        self.token_ids.extend(completion.token_ids)
         if completion.logprobs is not None:
             self.logprobs.extend(zip(completion.token_ids, completion.logprobs))
         if completion.finish_reason is not None:
@@ -339,10 +365,27 @@ class Choice:
     def text(self) -> str:
         return "".join(self.text_parts)
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
 
 def finite(logprob: float) -> float:
     """JSON has no -inf: an impossible token gets vLLM's floor instead."""
     return max(logprob, -9999.0)
+
+
+def clamped_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """A request output's prompt logprobs as vLLM answers them (``-inf`` clamped)."""
+    if entries is None:
+        return None
+    return [
+        None if entry is None else {
+            token_id: PromptLogprob(logprob=finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
