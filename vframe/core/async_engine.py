@@ -245,14 +245,28 @@ class AsyncLLMEngine:
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort every request still running (their streams raise ``RequestAbortedError``),
         stop the engine thread and wait for it."""
+        self._begin_shutdown()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout_s)
+            self._check_stopped(timeout_s)
+
+    def shutdown_blocking(self, timeout_s: float = 10.0) -> None:
+        """``shutdown`` for a caller that cannot await (vLLM's ``AsyncLLM.shutdown()``
+        is synchronous): the caller's thread waits for the engine thread."""
+        self._begin_shutdown()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._check_stopped(timeout_s)
+
+    def _begin_shutdown(self) -> None:
         self.abort_all("the engine shut down")
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout_s)
-            if self._thread.is_alive():
-                logger.warning("the engine thread did not stop within %.0f s", timeout_s)
+
+    def _check_stopped(self, timeout_s: float) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            logger.warning("the engine thread did not stop within %.0f s", timeout_s)
 
     # ------------------------------------------------------------------ #
     # requests (event loop side)

@@ -114,4 +114,11 @@ EngineArgs = dataclasses.make_dataclass(
     },
 )
 
-__all__ = ["EngineArgs"]
+
+
+class AsyncEngineArgs(EngineArgs):  # type: ignore[misc, valid-type]
+    """vLLM's ``AsyncEngineArgs``: the same engine keywords, for ``AsyncLLM.from_engine_args``
+    (``vframe.v1.engine.async_llm``)."""
+
+
+__all__ = ["AsyncEngineArgs", "EngineArgs"]
