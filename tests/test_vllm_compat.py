@@ -736,3 +736,18 @@ def test_each_llm_keyword_row_of_compatibility_md_holds(names, status):
         with pytest.raises(ConfigError) as error:
             EngineConfig.from_sources(env={}, **{name: value})
         assert str(error.value) == message
+
+
+# --------------------------------------------------------------------------- #
+# vLLM's tests/entrypoints/llm/test_prompt_validation.py, with the model changed
+# --------------------------------------------------------------------------- #
+
+
+def test_empty_prompt(llm_fp32):
+    with pytest.raises(ValueError, match="decoder prompt cannot be empty"):
+        llm_fp32.generate([""])
+
+
+def test_out_of_vocab_token(llm_fp32):
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm_fp32.generate({"prompt_token_ids": [999999]})

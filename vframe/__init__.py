@@ -37,6 +37,8 @@ _LAZY = {
     "EngineConfig": "vframe.core.config",
     "LLMEngine": "vframe.core.engine",
     "EngineArgs": "vframe.engine.arg_utils",
+    "AsyncEngineArgs": "vframe.engine.arg_utils",
+    "AsyncLLMEngine": "vframe.engine.async_llm_engine",
     "PromptType": "vframe.core.inputs",
     "TextPrompt": "vframe.core.inputs",
     "TokensPrompt": "vframe.core.inputs",

@@ -91,7 +91,7 @@ def test_leaving_the_stream_early_aborts_and_frees_kv_blocks(llm_engine: LLMEngi
 
 def test_bad_request_raises_and_the_engine_keeps_serving(llm_engine: LLMEngine):
     async def body(engine):
-        with pytest.raises(InvalidRequestError, match="the prompt is empty"):
+        with pytest.raises(InvalidRequestError, match="the decoder prompt cannot be empty"):
             await engine.add_request("bad", "", SamplingParams(output_kind="delta"))
         with pytest.raises(InvalidRequestError, match=r"prompt token ids out of range \[0, 49152\)"):
             await engine.add_request("bad", [5, 99999], SamplingParams(output_kind="delta"))

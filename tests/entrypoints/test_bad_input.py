@@ -19,10 +19,11 @@ def drain(engine: LLMEngine) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [
-        ("", None, "the prompt is empty"),
-        ({"prompt_token_ids": []}, None, "the prompt is empty"),
+        ("", None, "^the decoder prompt cannot be empty: give at least one token$"),
+        ({"prompt_token_ids": []}, None, "^the decoder prompt cannot be empty"),
         ("word " * 1100, None, r"the prompt \(1101 tokens\) is too long: max_model_len is 1024"),
-        ({"prompt_token_ids": [1, 99999]}, None, r"prompt token ids out of range \[0, 49152\): \[99999\]"),
+        ({"prompt_token_ids": [1, 99999]}, None,
+         r"^token id 99999 is out of vocabulary: prompt token ids out of range \[0, 49152\): \[99999\]$"),
         (3.5, None, "prompt must be a string, a list of token ids or a dict, got float"),
     ],
 )

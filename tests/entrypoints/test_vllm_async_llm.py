@@ -91,3 +91,11 @@ def test_a_shut_down_engine_refuses_requests() -> None:
                 pass
 
     asyncio.run(run())
+
+
+def test_vllms_older_names_are_the_same_objects() -> None:
+    import vframe
+    from vframe.engine.async_llm_engine import AsyncLLMEngine
+
+    assert vframe.AsyncLLMEngine is AsyncLLMEngine is AsyncLLM
+    assert vframe.AsyncEngineArgs is AsyncEngineArgs

@@ -372,11 +372,12 @@ class LLMEngine:
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
         """Checks the prompt and returns the request's resolved ``max_tokens``."""
         if not token_ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
+            raise InvalidRequestError("the decoder prompt cannot be empty: give at least one token")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}"
+                f"token id {bad[0]} is out of vocabulary: prompt token ids out of range [0, {self.vocab_size}): "
+                f"{bad[:5]}"
             )
         room = self.max_model_len - len(token_ids)
         if room < 1:

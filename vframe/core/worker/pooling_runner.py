@@ -139,10 +139,13 @@ class PoolingRunner:
             keep = engine.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             ids = ids[-keep:]
         if not ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
+            raise InvalidRequestError("the decoder prompt cannot be empty: give at least one token")
         bad = [t for t in ids if not 0 <= t < engine.vocab_size]
         if bad:
-            raise InvalidRequestError(f"prompt token ids out of range [0, {engine.vocab_size}): {bad[:5]}")
+            raise InvalidRequestError(
+                f"token id {bad[0]} is out of vocabulary: prompt token ids out of range [0, {engine.vocab_size}): "
+                f"{bad[:5]}"
+            )
         if len(ids) > engine.max_model_len:
             raise InvalidRequestError(
                 f"the prompt ({len(ids)} tokens) is longer than max_model_len={engine.max_model_len}; "

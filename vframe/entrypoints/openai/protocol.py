@@ -461,7 +461,7 @@ class CompletionRequest(_GenerationRequest):
         )
         _check_union(value, ok, "a string, a list of strings, a list of token ids or a list of those")
         if not value or (isinstance(value, list) and not all(value)):
-            raise ValueError("the prompt is empty: give a non-empty text or token ids")
+            raise ValueError("the decoder prompt cannot be empty: give a non-empty text or token ids")
         return value
 
     @field_validator("prompt_embeds", mode="before")
