@@ -59,3 +59,17 @@ def test_prompt_logprobs_with_chunked_prefill_and_n(hf_smollm, prompt_ids):
 def test_requests_without_prompt_logprobs_get_none(llm_fp32):
     [out] = llm_fp32.generate("Hello there", SamplingParams(max_tokens=1), use_tqdm=False)
     assert out.prompt_logprobs is None
+
+
+def test_detokenize_false_leaves_every_decoded_token_none(llm_fp32):
+    params = SamplingParams(max_tokens=2, temperature=0, logprobs=1, prompt_logprobs=1, detokenize=False)
+    out = llm_fp32.generate("The capital of France is", params, use_tqdm=False)[0]
+    assert out.prompt_logprobs[0] is None
+    prompt_entries = [lp for position in out.prompt_logprobs[1:] for lp in position.values()]
+    sampled_entries = [lp for position in out.outputs[0].logprobs for lp in position.values()]
+    assert len(prompt_entries) >= 4 and len(sampled_entries) >= 2
+    assert {lp.decoded_token for lp in prompt_entries + sampled_entries} == {None}
+    # ... and detokenize=True fills them, prompt and sampled alike
+    detokenized = SamplingParams(max_tokens=2, temperature=0, logprobs=1, prompt_logprobs=1)
+    out = llm_fp32.generate("The capital of France is", detokenized, use_tqdm=False)[0]
+    assert out.prompt_logprobs[1][out.prompt_token_ids[1]].decoded_token == " capital"

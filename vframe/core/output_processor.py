@@ -182,9 +182,11 @@ class OutputProcessor:
 
     def _add_prompt_logprobs(self, parent: ParentRequest, chunk: PromptLogprobsChunk) -> None:
         # Positions already filled (by a sibling, or before a preemption) stay as they are.
+        # As for sampled tokens, detokenize=False leaves decoded_token None (vLLM does).
+        tokenizer = self.tokenizer if parent.sampling_params.detokenize else None
         for j, (ids, lps, rank) in enumerate(zip(chunk.token_ids, chunk.logprobs, chunk.ranks)):
             if parent.prompt_logprobs[chunk.start + j] is None:
-                parent.prompt_logprobs[chunk.start + j] = logprob_entry(ids, lps, rank, self.tokenizer)
+                parent.prompt_logprobs[chunk.start + j] = logprob_entry(ids, lps, rank, tokenizer)
 
     def _make_output(self, parent: ParentRequest) -> RequestOutput | None:
         finished = parent.num_finished == len(parent.children)
