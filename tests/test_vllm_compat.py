@@ -264,6 +264,7 @@ def test_flexible_argument_parser_is_where_vllm_has_it():
         ({"generation_config": "vllm"}, "model", "generation_config", "vllm"),
         ({"enable_prompt_embeds": False}, "model", "enable_prompt_embeds", False),
         ({"kv_cache_dtype": "auto"}, "cache", "kv_cache_dtype", "auto"),
+        ({"kv_cache_dtype": "fp8"}, "cache", "kv_cache_dtype", "fp8"),
         ({"cpu_offload_gb": 0}, "cache", "cpu_offload_gb", 0.0),
         ({"swap_space": 2}, "cache", "swap_space", 2.0),
         ({"max_logprobs": 5}, "model", "max_logprobs", 5),
@@ -279,9 +280,9 @@ def test_vllm_keywords_are_accepted(kwargs, section, field, stored):
     ("kwargs", "message"),
     [
         (
-            {"kv_cache_dtype": "fp8"},
-            "kv_cache_dtype='fp8' is not supported: the KV cache holds the model's dtype "
-            "(no FP8 KV cache yet); use 'auto'",
+            {"kv_cache_dtype": "fp8_inc"},
+            "kv_cache_dtype='fp8_inc' is not supported; use one of 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2' "
+            "('auto' caches the model's dtype, the fp8 ones float8 K/V)",
         ),
         (
             {"revision": "main"},

@@ -4,6 +4,10 @@ The KV cache of one layer is ``[2, num_blocks, block_size, KVH, D]`` (keys,
 then values); multi-head latent attention layers are ``torch_mla.py``'s. A token's slot is ``block_id * block_size + offset``, so the
 flattened view ``[num_blocks * block_size, KVH, D]`` is indexed by slot.
 
+The cache holds the model's dtype or, with ``kv_cache_dtype="fp8"``
+(``fp8_e4m3``, ``fp8_e5m2``), float8: keys and values are rounded to it when
+written (scale 1.0, saturating) and upcast to the model's dtype when read.
+
 A step mixes prefills and decodes. Every request with one query token (a
 decode) is served by one batched call: its keys and values are gathered through
 the block table into a padded ``[B_dec, KVH, max_len, D]`` tensor and a mask
@@ -16,6 +20,7 @@ own ``scaled_dot_product_attention`` call::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +34,7 @@ from vframe.core.interfaces import (
     CommonAttentionMetadata,
     MLAAttentionImpl,
 )
+from vframe.core.kv_cache_spec import is_fp8
 
 
 @dataclass
@@ -209,8 +215,8 @@ class TorchAttentionImpl(AttentionImpl):
             # GQA as `group` query rows per KV head: query head h reads KV head
             # h // group, so [n, H, D] -> [n, KVH, group, D] and K/V are not repeated.
             q = query.index_select(0, dec.token_idx).view(n, self.num_kv_heads, group, self.head_size)
-            k = gather_blocks(kv_cache[0], dec).view(kv_shape).transpose(1, 2)  # [n, KVH, L, D]
-            v = gather_blocks(kv_cache[1], dec).view(kv_shape).transpose(1, 2)
+            k = gather_blocks(kv_cache[0], dec, query.dtype).view(kv_shape).transpose(1, 2)  # [n, KVH, L, D]
+            v = gather_blocks(kv_cache[1], dec, query.dtype).view(kv_shape).transpose(1, 2)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=dec.mask, scale=self.scale)
             output.index_copy_(0, dec.token_idx, out.reshape(n, self.num_heads, self.head_size))
         return output
@@ -226,9 +232,51 @@ def write_kv_cache(
     n = slot_mapping.shape[0]
     key_cache = kv_cache[0].view(-1, *key.shape[1:])
     value_cache = kv_cache[1].view(-1, *value.shape[1:])
-    key_cache.index_copy_(0, slot_mapping, key[:n])
-    value_cache.index_copy_(0, slot_mapping, value[:n])
+    store_rows(key_cache, slot_mapping, key[:n])
+    store_rows(value_cache, slot_mapping, value[:n])
     return key_cache, value_cache
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to the cache's ``dtype``; a float8 cache saturates at the
+    format's largest finite value, as vLLM's cache kernels do (scale 1.0)."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as attention reads it back from a cache of ``cache_dtype``: this step's
+    own keys are attended with the very rounding of the cached ones, so a result
+    does not depend on whether a token came from the cache or the step."""
+    return upcast(to_cache_dtype(x, cache_dtype), x.dtype) if is_fp8(cache_dtype) else x
+
+
+def upcast(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache ``rows`` in the model's ``dtype``. Float8 goes through a 256-entry
+    table: on CPU (torch 2.13) that is 6x faster than ``.to`` for e4m3."""
+    if not is_fp8(rows.dtype):
+        return rows.to(dtype)
+    table = _upcast_table(rows.dtype, dtype, rows.device)
+    return table.index_select(0, rows.view(torch.uint8).flatten().int()).view(rows.shape)
+
+
+@functools.cache
+def _upcast_table(cache_dtype: torch.dtype, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)  # [256], every float8 bit pattern
+    return codes.view(cache_dtype).to(dtype).to(device)  # exact: NaN codes stay NaN
+
+
+def store_rows(
+    cache_rows: torch.Tensor,  # [num_slots, ...]
+    slot_mapping: torch.Tensor,  # [n] int64
+    rows: torch.Tensor,  # [n, ...] in the model's dtype
+) -> None:
+    rows = to_cache_dtype(rows, cache_rows.dtype)
+    if is_fp8(cache_rows.dtype):  # torch 2.13 has no CPU index_copy_ for float8: copy the bytes
+        cache_rows, rows = cache_rows.view(torch.uint8), rows.view(torch.uint8)
+    cache_rows.index_copy_(0, slot_mapping, rows)
 
 
 def attend_prefills(
@@ -246,12 +294,13 @@ def attend_prefills(
     for span in prefills:
         q = query[span.query_start : span.query_end].transpose(0, 1)[None]  # [1, H, Q, D]
         if span.slots is None:
-            k = key[span.query_start : span.query_end].transpose(0, 1)[None]  # [1, KVH, Q, D]
-            v = value[span.query_start : span.query_end].transpose(0, 1)[None]
+            k = as_cached(key[span.query_start : span.query_end], key_cache.dtype)
+            v = as_cached(value[span.query_start : span.query_end], value_cache.dtype)
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, KVH, Q, D]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            k = key_cache.index_select(0, span.slots).transpose(0, 1)[None]  # [1, KVH, S, D]
-            v = value_cache.index_select(0, span.slots).transpose(0, 1)[None]
+            k = upcast(key_cache.index_select(0, span.slots), query.dtype).transpose(0, 1)[None]  # [1, KVH, S, D]
+            v = upcast(value_cache.index_select(0, span.slots), query.dtype).transpose(0, 1)[None]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=span.attn_mask, scale=scale, enable_gqa=True)
         output[span.query_start : span.query_end] = out[0].transpose(0, 1)  # [Q, H, D]
 
@@ -259,8 +308,9 @@ def attend_prefills(
 def gather_blocks(
     cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]: one layer's keys or values
     dec: DecodeGroup,
-) -> torch.Tensor:  # [n * max_blocks, block_size, KVH, D], zero wherever nothing was written
-    blocks = cache.index_select(0, dec.block_ids)
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [n * max_blocks, block_size, KVH, D] in dtype, zero wherever nothing was written
+    blocks = upcast(cache.index_select(0, dec.block_ids), dtype)
     blocks.view(-1, *cache.shape[2:]).index_fill_(0, dec.unwritten_rows, 0)
     return blocks
 
@@ -297,7 +347,9 @@ class TorchAttentionBackend(AttentionBackend):
         device: str,
         block_size: int,
         use_mla: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> list[str]:
+        # Every kv_cache_dtype the config accepts: float8 rows are stored and upcast here.
         reasons = []
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             reasons.append(f"the torch backend supports float32, bfloat16 and float16, not {dtype}")

@@ -8,6 +8,9 @@ is multi-query attention with a single key "head" of ``R + P`` whose first
 
     query [T, H, R + P] . cache[s] [R + P]  ->  softmax over s  ->  weights . cache[s, :R]  ->  [T, H, R]
 
+A float8 cache (``kv_cache_dtype="fp8"``) holds the latent rounded to float8,
+upcast when read, exactly as ``torch_attn.py`` treats keys and values.
+
 The step plan (prefill spans, length-sorted decode groups, masks, gathered
 block ids) is the torch backend's ``TorchAttentionMetadata``: the same
 positions and slots, only the row a slot holds is different.
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vframe.backends.torch_attn import TorchAttentionMetadata, gather_blocks
+from vframe.backends.torch_attn import TorchAttentionMetadata, as_cached, gather_blocks, store_rows, upcast
 from vframe.core.interfaces import CommonAttentionMetadata, MLAAttentionImpl
 
 
@@ -38,18 +41,18 @@ class TorchMLAImpl(MLAAttentionImpl):
         rank = self.kv_lora_rank
         n = meta.num_actual_tokens
         slots = kv_cache.view(-1, self.latent_size)  # [num_slots, R + P]
-        slots.index_copy_(0, meta.slot_mapping, latent[:n])
+        store_rows(slots, meta.slot_mapping, latent[:n])
 
         output = query.new_zeros(query.shape[0], self.num_heads, rank)  # padding rows past n stay zero
         for span in meta.prefills:
             q = query[span.query_start : span.query_end].transpose(0, 1)[None]  # [1, H, Q, R + P]
             if span.slots is None:
-                k = latent[span.query_start : span.query_end][None, None]  # [1, 1, Q, R + P]
+                k = as_cached(latent[span.query_start : span.query_end], slots.dtype)[None, None]  # [1, 1, Q, R + P]
                 out = F.scaled_dot_product_attention(
                     q, k, k[..., :rank], is_causal=True, scale=self.scale, enable_gqa=True
                 )
             else:
-                k = slots.index_select(0, span.slots)[None, None]  # [1, 1, S, R + P]
+                k = upcast(slots.index_select(0, span.slots), query.dtype)[None, None]  # [1, 1, S, R + P]
                 out = F.scaled_dot_product_attention(
                     q, k, k[..., :rank], attn_mask=span.attn_mask, scale=self.scale, enable_gqa=True
                 )
@@ -59,7 +62,7 @@ class TorchMLAImpl(MLAAttentionImpl):
             count, max_len = dec.mask.shape[0], dec.mask.shape[-1]
             # All H query heads share the one latent "head": [n, 1, H, R + P].
             q = query.index_select(0, dec.token_idx)[:, None]
-            k = gather_blocks(kv_cache, dec).view(count, 1, max_len, self.latent_size)  # [n, 1, L, R + P]
+            k = gather_blocks(kv_cache, dec, query.dtype).view(count, 1, max_len, self.latent_size)  # [n, 1, L, R + P]
             out = F.scaled_dot_product_attention(q, k, k[..., :rank], attn_mask=dec.mask, scale=self.scale)
             output.index_copy_(0, dec.token_idx, out[:, 0])  # [n, H, R]
         return output

@@ -183,6 +183,10 @@ class ModelSection(BaseModel):
         return v
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""vLLM's ``kv_cache_dtype`` values vframe serves (``vframe.core.kv_cache_spec.kv_cache_torch_dtype``)."""
+
+
 class CacheSection(BaseModel):
     model_config = _STRICT
 
@@ -192,7 +196,11 @@ class CacheSection(BaseModel):
         0.9, gt=0.0, le=1.0, description="on CUDA: fraction of free GPU memory for the KV cache"
     )
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
-    kv_cache_dtype: str = Field("auto", description="only auto: the KV cache holds the model's dtype")
+    kv_cache_dtype: str = Field(
+        "auto",
+        description="auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e4m3 or fp8_e5m2: K/V stored as float8, "
+        "scale 1.0, on the torch attention backend",
+    )
     cpu_offload_gb: float = Field(0.0, ge=0.0, description="only 0: weights stay on the device")
     prefix_caching_hash_algo: Literal["builtin", "sha256"] = Field(
         "builtin", description="block hash: Python's builtin (fast) or sha256 (collision-resistant)"
@@ -215,10 +223,11 @@ class CacheSection(BaseModel):
     @field_validator("kv_cache_dtype")
     @classmethod
     def _kv_cache_dtype(cls, v: str) -> str:
-        if v != "auto":
+        if v not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype={v!r} is not supported: the KV cache holds the model's dtype "
-                "(no FP8 KV cache yet); use 'auto'"
+                f"kv_cache_dtype={v!r} is not supported; use one of "
+                + ", ".join(map(repr, KV_CACHE_DTYPES))
+                + " ('auto' caches the model's dtype, the fp8 ones float8 K/V)"
             )
         return v
 

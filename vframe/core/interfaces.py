@@ -287,6 +287,7 @@ class AttentionBackend(ABC):
         device: str,
         block_size: int,
         use_mla: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> list[str]:
         """Every reason this backend cannot serve the configuration; empty if it can.
 
@@ -301,11 +302,18 @@ class AttentionBackend(ABC):
         - ``block_size``: ``int``, tokens per KV block.
         - ``use_mla``: ``bool``, the model caches a multi-head latent
           (DeepSeek-V2/V3 MLA): its config has a ``kv_lora_rank``.
+        - ``kv_cache_dtype``: ``str``, vLLM's name of what the cache holds:
+          ``"auto"`` (``dtype``) or ``"fp8"``/``"fp8_e4m3"``/``"fp8_e5m2"``
+          (float8 K/V, scale 1.0; the spec's ``dtype`` is then a float8 type).
+          Passed only when not ``"auto"``: a backend whose method does not take
+          it is refused an fp8 cache. This default refuses every fp8 cache.
 
         Return one sentence per problem, naming the value and what would work
         (``"head_size 80 is not supported; use 64, 128 or 256"``); the runner
         raises ``ConfigError`` with all of them."""
-        return []
+        from vframe.core.kv_cache_spec import refuse_fp8_kv_cache
+
+        return refuse_fp8_kv_cache(cls.name, kv_cache_dtype)
 
     @classmethod
     def check_available(cls) -> list[str]:
@@ -822,9 +830,11 @@ class ModelArchitecture(ABC):
 
     def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
         """What each layer caches per token, one ``vframe.core.kv_cache_spec``
-        spec per entry of ``kv_caches``, in order (plugin API 1.3; optional): the
-        runner sizes the cache from these bytes and shapes each layer's tensor
-        with the backend's ``get_kv_cache_shape_for_spec``. Without it every
+        spec per entry of ``kv_caches``, in order (plugin API 1.3; optional),
+        each holding ``dtype``: what the cache stores, the model's dtype or with
+        ``kv_cache_dtype="fp8..."`` a float8 type. The runner sizes the cache
+        from these bytes and shapes each layer's tensor with the backend's
+        ``get_kv_cache_shape_for_spec``. Without it every
         layer gets a ``FullAttentionSpec`` of the config's kv-heads and head size.
         A multi-head latent attention layer (DeepSeek) returns an
         ``MLAAttentionSpec`` and builds the backend's ``get_mla_impl_cls()``."""

@@ -10,6 +10,11 @@ and allocates it. Three kinds exist:
 - ``MLAAttentionSpec``: multi-head latent attention (DeepSeek-V2/V3): one shared
   vector of ``kv_lora_rank + qk_rope_head_dim`` per token, no per-head K or V.
 
+A spec's ``dtype`` is what the cache holds: the model's dtype with
+``kv_cache_dtype="auto"``, a float8 type with ``"fp8"``/``"fp8_e4m3"``/``"fp8_e5m2"``
+(half a bf16 cache's bytes, so twice the blocks in one budget). The backend
+stores rows rounded to it and reads them back in the model's dtype.
+
 Every layer is paged with the same block size and the same block table: layers
 with equal specs form one group (``group_layers``), and a block id addresses a
 block in every layer's cache. A model may mix kinds (MLA and full layers,
@@ -21,6 +26,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+# vLLM's names: "fp8" is e4m3 (the "fn" variant: finite, max 448), as on
+# NVIDIA and Intel hardware. Scales are 1.0 (see is_fp8).
+_FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type the cache holds for the config's ``kv_cache_dtype``
+    (validated by ``CacheSection``): ``"auto"`` is the model's dtype."""
+    return model_dtype if kv_cache_dtype == "auto" else _FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a cache of ``dtype`` stores float8 rows: written saturated to the
+    format's finite range with per-tensor scale 1.0 (vLLM's k_scale = v_scale =
+    1.0 when a checkpoint carries no calibrated scales), read back by upcasting."""
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def refuse_fp8_kv_cache(backend: str, kv_cache_dtype: str) -> list[str]:
+    """``validate_configuration``'s reason for a backend that stores no float8 cache."""
+    if kv_cache_dtype == "auto":
+        return []
+    return [
+        f"the {backend} backend has no FP8 KV cache (kv_cache_dtype={kv_cache_dtype!r}); "
+        "use kv_cache_dtype='auto', or attention_backend='torch' which serves it"
+    ]
 
 
 @dataclass(frozen=True)
@@ -50,7 +87,7 @@ class FullAttentionSpec(KVCacheSpec):
 
     Attributes:
         block_size: ``int``, tokens per block (the engine's ``block_size``).
-        dtype: ``torch.dtype`` the cache holds (the model's compute dtype).
+        dtype: ``torch.dtype`` the cache holds (the model's dtype, or float8).
         num_kv_heads: ``int``, key/value heads of this layer on this rank.
         head_size: ``int``, elements of one head's key (and value).
     """

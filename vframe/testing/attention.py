@@ -54,6 +54,7 @@ from vframe.core.interfaces import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from vframe.core.kv_cache_spec import is_fp8, kv_cache_torch_dtype
 
 if TYPE_CHECKING:
     from vframe.core.config import EngineConfig
@@ -116,10 +117,15 @@ def check_attention_backend(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     quick: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """Run the attention conformance cases on ``backend`` (a registry name or
     the class); raise ``AssertionError`` naming the case, the dtype and the
     error against the tolerance at the first output that is wrong.
+
+    ``kv_cache_dtype`` (``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``): the cache
+    holds float8 and the reference attends the keys and values rounded to it
+    (saturated, scale 1.0), with ``dtype``'s tolerance.
 
     Every head size in ``HEAD_SIZES`` and block size in ``BLOCK_SIZES`` (or,
     when it accepts none of those, ``LARGE_BLOCK_SIZES``) that
@@ -145,10 +151,12 @@ def check_attention_backend(
     if reasons := cls.check_available():
         raise unittest.SkipTest(f"attention backend {cls.name!r} is not available here: {'; '.join(reasons)}")
     device = torch.device(device)
-    configs, refusals = accepted_configurations(cls, dtype, device, quick)
+    configs, refusals = accepted_configurations(cls, dtype, device, quick, kv_cache_dtype)
     if not configs:
         raise AssertionError(
-            f"attention backend {cls.name!r} refuses every configuration tried for {dtype} on "
+            f"attention backend {cls.name!r} refuses every configuration tried for {dtype} "
+            + ("" if kv_cache_dtype == "auto" else f"(kv_cache_dtype={kv_cache_dtype!r}) ")
+            + "on "
             f"{device.type}: " + "; ".join(refusals)
         )
     cases = [c for c in CASES if c.name in QUICK_CASES] if quick else list(CASES)
@@ -156,23 +164,28 @@ def check_attention_backend(
         for head_size, block_size in configs:
             builder = cls.get_metadata_builder_cls()(_engine_config(cls, dtype, device, block_size), device)
             for case in cases:
-                _run_case(cls, builder, case, head_size, block_size, dtype, device)
+                _run_case(cls, builder, case, head_size, block_size, dtype, device, kv_cache_dtype)
 
 
 def accepted_configurations(
-    cls: type[AttentionBackend], dtype: torch.dtype, device: torch.device, quick: bool = False
+    cls: type[AttentionBackend],
+    dtype: torch.dtype,
+    device: torch.device,
+    quick: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[list[tuple[int, int]], list[str]]:
     """``(head_size, block_size)`` pairs the backend accepts (``quick``: at
     most one), and the reasons it gave for the others."""
     accepted: list[tuple[int, int]] = []
     refusals: list[str] = []
+    options = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # as the runner asks
     for block_sizes in (BLOCK_SIZES, LARGE_BLOCK_SIZES):
         if accepted:
             break
         for head_size in HEAD_SIZES:
             for block_size in block_sizes:
                 reasons = cls.validate_configuration(
-                    head_size=head_size, dtype=dtype, device=device.type, block_size=block_size
+                    head_size=head_size, dtype=dtype, device=device.type, block_size=block_size, **options
                 )
                 if reasons:
                     refusals.append(f"head_size={head_size}, block_size={block_size}: {'; '.join(reasons)}")
@@ -231,6 +244,8 @@ class _Layer:
     query: list[torch.Tensor]  # per request [L, H, D], every position it will ever run
     key: list[torch.Tensor]  # per request [L, KVH, D]
     value: list[torch.Tensor]
+    cached_key: list[torch.Tensor]  # key as the cache holds it: rounded to its dtype
+    cached_value: list[torch.Tensor]
 
 
 def _run_case(
@@ -241,9 +256,11 @@ def _run_case(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     label = (
-        f"attention backend {cls.name!r}, case {case.name!r} ({dtype}, head_size={head_size}, "
+        f"attention backend {cls.name!r}, case {case.name!r} ({dtype}, {_kv_label(kv_cache_dtype)}"
+        f"head_size={head_size}, "
         f"block_size={block_size}, H={case.num_heads}, KVH={case.num_kv_heads})"
     )
     gen = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{head_size}/{block_size}".encode()))
@@ -269,16 +286,23 @@ def _run_case(
     def rand(n: int, heads: int) -> torch.Tensor:  # [n, heads, D] in dtype, on device
         return torch.randn(n, heads, head_size, generator=gen).to(dtype).to(device)
 
-    layers = [
-        _Layer(
-            impl=impl,
-            kv_cache=torch.full(cache_shape, float("nan"), dtype=dtype, device=device),
-            query=[rand(n, case.num_heads) for n in lengths],
-            key=[rand(n, case.num_kv_heads) for n in lengths],
-            value=[rand(n, case.num_kv_heads) for n in lengths],
+    cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
+    layers = []
+    for impl in impls:
+        query = [rand(n, case.num_heads) for n in lengths]
+        key = [rand(n, case.num_kv_heads) for n in lengths]
+        value = [rand(n, case.num_kv_heads) for n in lengths]
+        layers.append(
+            _Layer(
+                impl=impl,
+                kv_cache=torch.full(cache_shape, float("nan"), dtype=cache_dtype, device=device),
+                query=query,
+                key=key,
+                value=value,
+                cached_key=[_rounded(k, cache_dtype) for k in key],
+                cached_value=[_rounded(v, cache_dtype) for v in value],
+            )
         )
-        for impl in impls
-    ]
 
     block_ids: list[list[int]] = [[] for _ in lengths]
     num_computed = [0] * len(lengths)
@@ -302,7 +326,11 @@ def _run_case(
                 [_reference(layer, r, a, b, scale, case.sliding_window) for r, (a, b) in zip(order, spans)]
             )
             if standard:  # a wrong write explains wrong outputs: say so first
-                _assert_cache_written(layer.kv_cache, k, v, common.slot_mapping, written, f"{where}, layer {i}")
+                cached_k = torch.cat([layer.cached_key[r][a:b] for r, (a, b) in zip(order, spans)])
+                cached_v = torch.cat([layer.cached_value[r][a:b] for r, (a, b) in zip(order, spans)])
+                _assert_cache_written(
+                    layer.kv_cache, cached_k, cached_v, common.slot_mapping, written, f"{where}, layer {i}"
+                )
             _assert_close(out, expected, q.shape, dtype, device, f"{where}, layer {i}", common)
         for r in order:
             num_computed[r] += step[r]
@@ -347,8 +375,22 @@ def _reference(
 ) -> torch.Tensor:  # [end - start, H, D] float32, on the CPU
     """Positions ``start .. end-1`` of request ``r`` over its keys ``0 .. end-1``."""
     return reference_attention(
-        layer.query[r][start:end], layer.key[r][:end], layer.value[r][:end], scale, sliding_window
+        layer.query[r][start:end], layer.cached_key[r][:end], layer.cached_value[r][:end], scale, sliding_window
     )
+
+
+def _kv_label(kv_cache_dtype: str) -> str:
+    """A case label's cache part: empty for ``"auto"``, so labels read as before."""
+    return "" if kv_cache_dtype == "auto" else f"kv_cache_dtype={kv_cache_dtype!r}, "
+
+
+def _rounded(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``cache_dtype`` holds it, in ``cache_dtype``: float8
+    saturates at its largest finite value (vLLM's cache write, scale 1.0)."""
+    if not is_fp8(cache_dtype):
+        return x.to(cache_dtype)
+    limit = torch.finfo(cache_dtype).max
+    return x.float().clamp(-limit, limit).to(cache_dtype)
 
 
 def reference_attention(
@@ -432,14 +474,14 @@ def _assert_cache_written(
     for which, name, new in ((0, "key", key), (1, "value", value)):
         cache = kv_cache[which].reshape(-1, num_kv_heads, head_size)  # [num_slots, KVH, D]
         stored = cache.index_select(0, slot_mapping)
-        same = (stored == new).flatten(1).all(-1)  # [T]
+        same = (stored.float() == new.float()).flatten(1).all(-1)  # [T]; float8 has no CPU ==
         if not same.all():
             t = int((~same).nonzero()[0, 0])
             raise AssertionError(
                 f"{where}: the {name} of token {t} is not at its slot {int(slot_mapping[t])} "
                 "(slot_mapping), or not stored exactly"
             )
-        stray = ~written & ~cache.isnan().flatten(1).all(-1)
+        stray = ~written & ~cache.float().isnan().flatten(1).all(-1)
         if stray.any():
             raise AssertionError(
                 f"{where}: {name}s were written to slots that no slot_mapping named, "

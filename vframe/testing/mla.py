@@ -24,7 +24,7 @@ import zlib
 import torch
 
 from vframe.core.interfaces import AttentionBackend, AttentionMetadataBuilder
-from vframe.core.kv_cache_spec import MLAAttentionSpec
+from vframe.core.kv_cache_spec import MLAAttentionSpec, kv_cache_torch_dtype
 from vframe.testing.attention import (
     ATTENTION_TOLERANCES,
     BLOCK_SIZES,
@@ -35,7 +35,9 @@ from vframe.testing.attention import (
     _common_metadata,
     _engine_config,
     _intra_op_threads,
+    _kv_label,
     _load,
+    _rounded,
     reference_attention,
 )
 
@@ -51,22 +53,26 @@ def check_mla_backend(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     quick: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """Run the MLA conformance cases on ``backend``; raise ``AssertionError``
     naming the case and the error at the first wrong output. A backend that
     refuses ``use_mla=True`` in ``validate_configuration`` for every block size
     fails; ``quick``: the tiny latent, the first accepted block size and the
-    quick cases only."""
+    quick cases only. ``kv_cache_dtype``: as for ``check_attention_backend``,
+    the reference attends the latent rounded to the float8 cache."""
     cls = _load(backend)
     if reasons := cls.check_available():
         raise unittest.SkipTest(f"attention backend {cls.name!r} is not available here: {'; '.join(reasons)}")
     device = torch.device(device)
     block_sizes = []
     refusals = []
+    options = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # as the runner asks
     for rank, rope in LATENT_SIZES[:1] if quick else LATENT_SIZES:
         for block_size in BLOCK_SIZES:
             reasons = cls.validate_configuration(
-                head_size=rank + rope, dtype=dtype, device=device.type, block_size=block_size, use_mla=True
+                head_size=rank + rope, dtype=dtype, device=device.type, block_size=block_size, use_mla=True,
+                **options,
             )
             if reasons:
                 refusals.append(f"block_size={block_size}: {'; '.join(reasons)}")
@@ -81,7 +87,7 @@ def check_mla_backend(
         for rank, rope, block_size in block_sizes:
             builder = cls.get_metadata_builder_cls()(_engine_config(cls, dtype, device, block_size), device)
             for case in cases:
-                _run_mla_case(cls, builder, case, rank, rope, block_size, dtype, device)
+                _run_mla_case(cls, builder, case, rank, rope, block_size, dtype, device, kv_cache_dtype)
 
 
 def _run_mla_case(
@@ -93,9 +99,11 @@ def _run_mla_case(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     label = (
-        f"attention backend {cls.name!r}, MLA case {case.name!r} ({dtype}, kv_lora_rank={rank}, "
+        f"attention backend {cls.name!r}, MLA case {case.name!r} ({dtype}, {_kv_label(kv_cache_dtype)}"
+        f"kv_lora_rank={rank}, "
         f"qk_rope_head_dim={rope}, block_size={block_size}, H={case.num_heads})"
     )
     gen = torch.Generator().manual_seed(zlib.crc32(f"mla/{case.name}/{rank}/{block_size}".encode()))
@@ -105,11 +113,15 @@ def _run_mla_case(
     pad_block = free_blocks.pop()
     latent_size = rank + rope
     scale = case.scale if case.scale is not None else (latent_size // 3) ** -0.5
-    spec = MLAAttentionSpec(block_size, dtype, rank, rope)
-    kv_cache = torch.full(cls.get_kv_cache_shape_for_spec(spec, num_blocks), float("nan"), dtype=dtype, device=device)
+    cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
+    spec = MLAAttentionSpec(block_size, cache_dtype, rank, rope)
+    kv_cache = torch.full(
+        cls.get_kv_cache_shape_for_spec(spec, num_blocks), float("nan"), dtype=cache_dtype, device=device
+    )
     impl = cls.get_mla_impl_cls()(case.num_heads, rank, rope, scale)
     query = [torch.randn(n, case.num_heads, latent_size, generator=gen).to(dtype).to(device) for n in lengths]
     latent = [torch.randn(n, latent_size, generator=gen).to(dtype).to(device) for n in lengths]
+    cached = [_rounded(c, cache_dtype) for c in latent]  # what the reference attends
 
     block_ids: list[list[int]] = [[] for _ in lengths]
     num_computed = [0] * len(lengths)
@@ -125,7 +137,7 @@ def _run_mla_case(
         out = impl.forward(q, c, kv_cache, builder.build(common))
         expected = torch.cat(
             [
-                reference_attention(query[r][a:b], latent[r][:b, None], latent[r][:b, None, :rank], scale)
+                reference_attention(query[r][a:b], cached[r][:b, None], cached[r][:b, None, :rank], scale)
                 for r, a, b in spans
             ]
         )  # [T, H, R]

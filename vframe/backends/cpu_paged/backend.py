@@ -31,6 +31,7 @@ from vframe.core.interfaces import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from vframe.core.kv_cache_spec import refuse_fp8_kv_cache
 
 
 @dataclass
@@ -109,10 +110,12 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         device: str,
         block_size: int,
         use_mla: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> list[str]:
         reasons = super().validate_configuration(
             head_size=head_size, dtype=dtype, device=device, block_size=block_size, use_mla=use_mla
         )
+        reasons += refuse_fp8_kv_cache("cpu_paged", kv_cache_dtype)
         if device != "cpu":
             reasons.append(f"the cpu_paged backend runs on the CPU only, not on {device}")
         if use_mla:

@@ -34,6 +34,7 @@ from vframe.core.interfaces import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from vframe.core.kv_cache_spec import refuse_fp8_kv_cache
 
 PAGE_MULTIPLE = 256  # flash-attn's paged kernels: block_size % 256 == 0
 MAX_HEAD_SIZE = 256
@@ -158,8 +159,9 @@ class FlashAttentionBackend(AttentionBackend):
         device: str,
         block_size: int,
         use_mla: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> list[str]:
-        reasons = []
+        reasons = refuse_fp8_kv_cache("flash_attn", kv_cache_dtype)
         if device != "cuda":
             reasons.append(f"the flash_attn backend runs on device 'cuda', not {device!r}")
         if dtype not in (torch.float16, torch.bfloat16):

@@ -47,6 +47,7 @@ from vframe.core.interfaces import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from vframe.core.kv_cache_spec import refuse_fp8_kv_cache
 
 Q_BLOCK_SIZE = 128  # query tokens per BlockMask row tile
 BLOCK_SIZES = (16, 32, 64, 128)  # FlexAttention's KV tiles are one cache block: at least 16
@@ -221,8 +222,9 @@ class FlexAttentionBackend(AttentionBackend):
         device: str,
         block_size: int,
         use_mla: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> list[str]:
-        reasons = []
+        reasons = refuse_fp8_kv_cache("flex", kv_cache_dtype)
         if use_mla:
             reasons.append("the flex backend has no multi-head latent attention (MLA) path; use 'torch' or 'triton'")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -36,6 +36,7 @@ from vframe.core.interfaces import (
     CommonAttentionMetadata,
     MLAAttentionImpl,
 )
+from vframe.core.kv_cache_spec import refuse_fp8_kv_cache
 
 PREFILL_BLOCK_Q = 16  # query tokens per program when some request has more than one
 BLOCK_SIZES = (4, 8, 16, 32, 64, 128, 256)
@@ -182,8 +183,9 @@ class TritonAttentionBackend(AttentionBackend):
         device: str,
         block_size: int,
         use_mla: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> list[str]:
-        reasons = []
+        reasons = refuse_fp8_kv_cache("triton", kv_cache_dtype)
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             reasons.append(f"the triton backend supports float32, bfloat16 and float16, not {dtype}")
         if use_mla:  # head_size: the latent's kv_lora_rank + qk_rope_head_dim

@@ -6,18 +6,25 @@ the output head runs only on the rows that are sampled (``logits_indices``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
 import time
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vframe.core.config import EngineConfig
 from vframe.core.interfaces import AttentionBackend, ModelRunner, Sampler
-from vframe.core.kv_cache_spec import KVCacheSpec, bytes_per_block, full_attention_specs
+from vframe.core.kv_cache_spec import (
+    KVCacheSpec,
+    bytes_per_block,
+    full_attention_specs,
+    kv_cache_torch_dtype,
+    refuse_fp8_kv_cache,
+)
 from vframe.core.outputs import ModelRunnerOutput, RequestError, SamplerOutput, SchedulerOutput
 from vframe.core.plugin_context import PluginContext, takes_context
 from vframe.core.sample.batch_processors import BatchLogitsProcessors
@@ -237,12 +244,19 @@ class TorchModelRunner(ModelRunner):
         )
 
     def _attention_refusals(self, backend: type[AttentionBackend]) -> list[str]:
+        options: dict[str, Any] = {}
+        if (kv_cache_dtype := self.config.cache.kv_cache_dtype) != "auto":
+            # A backend written before kv_cache_dtype existed cannot be asked: it stores no fp8.
+            if "kv_cache_dtype" not in inspect.signature(backend.validate_configuration).parameters:
+                return backend.check_available() + refuse_fp8_kv_cache(backend.name, kv_cache_dtype)
+            options["kv_cache_dtype"] = kv_cache_dtype
         return backend.check_available() + backend.validate_configuration(
             head_size=self.head_size,
             dtype=self.dtype,
             device=self.device.type,
             block_size=self.block_size,
             use_mla=self.use_mla,
+            **options,
         )
 
     @property
@@ -269,6 +283,12 @@ class TorchModelRunner(ModelRunner):
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """What the KV cache holds: the model's dtype, or float8 with ``kv_cache_dtype="fp8..."``
+        (the model still computes in its dtype)."""
+        return kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.dtype)
+
+    @property
     def max_position_embeddings(self) -> int:
         return self.hf_config.max_position_embeddings
 
@@ -285,10 +305,10 @@ class TorchModelRunner(ModelRunner):
         if self._kv_cache_specs is None:
             declared = getattr(self.model, "get_kv_cache_specs", None)
             if declared is not None:
-                self._kv_cache_specs = list(declared(self.block_size, self.dtype))
+                self._kv_cache_specs = list(declared(self.block_size, self.kv_cache_dtype))
             else:
                 self._kv_cache_specs = full_attention_specs(
-                    self.num_layers, self.num_kv_heads, self.head_size, self.block_size, self.dtype,
+                    self.num_layers, self.num_kv_heads, self.head_size, self.block_size, self.kv_cache_dtype,
                     getattr(self.hf_config, "sliding_window", None),
                 )
         return self._kv_cache_specs
