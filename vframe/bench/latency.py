@@ -25,8 +25,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from vframe.bench.peers import add_backend_args, check_peer, run_vllm_peer
-from vframe.bench.throughput import load_hf, model_workload_prompts, peer_device_dtype, workload_prompts
+from vframe.bench.peers import add_backend_args, run_backends, run_vllm_peer
+from vframe.bench.throughput import load_hf, model_workload_prompts, workload_prompts
 from vframe.bench.vllm_peer import timed_request
 from vframe.errors import ConfigError
 
@@ -176,18 +176,7 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         raise ConfigError(
             f"--num-iters {args.num_iters} --input-len {args.input_len}: both must be at least 1"
         )
-    # Checked first: a missing vLLM is found before the other engines run.
-    peer_python = check_peer(args) if "vllm" in args.backend else ""
-    device, dtype = peer_device_dtype(engine_kwargs)
-    results: list[LatencyResult] = []
-    for backend in args.backend:
-        if backend == "vframe":
-            results.append(run_vframe(args, dict(engine_kwargs)))
-        elif backend == "hf":
-            results.append(run_hf(args, dtype, device))
-        else:
-            results.append(run_vllm(args, peer_python, dtype))
-        print_result(results[-1])
+    results = run_backends(args, engine_kwargs, run_vframe, run_hf, run_vllm, print_result)
     for peer in results[1:] if results[0].backend == "vframe" else []:
         ours = results[0]
         print(

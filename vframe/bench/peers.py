@@ -18,14 +18,16 @@ import json
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from vframe.errors import VFrameError
 
 BACKENDS = ("vframe", "hf", "vllm")
 PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
 _LOG_TAIL_LINES = 40
+R = TypeVar("R")  # a workload's result
 
 
 class PeerError(VFrameError):
@@ -88,6 +90,44 @@ def check_peer(args: argparse.Namespace) -> str:
     """``check_peer_python`` and ``--peer-ld-preload``'s files, before any engine runs."""
     peer_env(args.threads, args.peer_ld_preload)
     return check_peer_python(args.peer_python)
+
+
+def peer_device_dtype(engine_kwargs: dict[str, Any]) -> tuple[str, str]:
+    """The device and dtype a peer runs in: those vframe runs in (``--device``, ``--dtype``,
+    else its defaults)."""
+    import torch
+
+    from vframe.core.worker.model_runner import default_dtype_name
+
+    device = engine_kwargs.get("device") or "auto"
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, engine_kwargs.get("dtype") or default_dtype_name(device)
+
+
+def run_backends(
+    args: argparse.Namespace,
+    engine_kwargs: dict[str, Any],
+    run_vframe: Callable[[argparse.Namespace, dict[str, Any]], R],
+    run_hf: Callable[[argparse.Namespace, str, str], R],
+    run_vllm: Callable[[argparse.Namespace, str, str], R],
+    print_result: Callable[[R], None],
+) -> list[R]:
+    """Run the workload on each ``--backend`` in order with its runner, printing each
+    result as it comes; the peers run in vframe's device and dtype."""
+    # Checked first: a missing vLLM is found before minutes of the other engines.
+    peer_python = check_peer(args) if "vllm" in args.backend else ""
+    device, dtype = peer_device_dtype(engine_kwargs)
+    results: list[R] = []
+    for backend in args.backend:
+        if backend == "vframe":
+            results.append(run_vframe(args, dict(engine_kwargs)))
+        elif backend == "hf":
+            results.append(run_hf(args, dtype, device))
+        else:
+            results.append(run_vllm(args, peer_python, dtype))
+        print_result(results[-1])
+    return results
 
 
 def peer_env(threads: int, ld_preload: str | None = None) -> dict[str, str]:

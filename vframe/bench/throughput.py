@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from vframe.bench.peers import add_backend_args, check_peer, run_vllm_peer
+from vframe.bench.peers import add_backend_args, run_backends, run_vllm_peer
 
 
 @dataclass
@@ -84,19 +84,6 @@ def model_workload_prompts(args: argparse.Namespace) -> list[list[int]]:
 
     resolved = resolve_model(args.model)
     return workload_prompts(args, load_tokenizer(resolved), load_hf_config(resolved).vocab_size)
-
-
-def peer_device_dtype(engine_kwargs: dict[str, Any]) -> tuple[str, str]:
-    """The device and dtype a peer runs in: those vframe runs in (``--device``, ``--dtype``,
-    else its defaults)."""
-    import torch
-
-    from vframe.core.worker.model_runner import default_dtype_name
-
-    device = engine_kwargs.get("device") or "auto"
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return device, engine_kwargs.get("dtype") or default_dtype_name(device)
 
 
 def run_vframe(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Result:
@@ -214,18 +201,7 @@ def run_vllm(args: argparse.Namespace, peer_python: str, dtype_name: str) -> Res
 
 
 def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
-    # Checked first: a missing vLLM is found before minutes of the other engines.
-    peer_python = check_peer(args) if "vllm" in args.backend else ""
-    device, dtype = peer_device_dtype(engine_kwargs)
-    results: list[Result] = []
-    for backend in args.backend:
-        if backend == "vframe":
-            results.append(run_vframe(args, dict(engine_kwargs)))
-        elif backend == "hf":
-            results.append(run_hf(args, dtype, device))
-        else:
-            results.append(run_vllm(args, peer_python, dtype))
-        print_result(results[-1])
+    results = run_backends(args, engine_kwargs, run_vframe, run_hf, run_vllm, print_result)
     for peer in results[1:] if results[0].backend == "vframe" else []:
         print(f"vframe / {peer.backend} output tokens/s: {results[0].output_tps / peer.output_tps:.2f}x")
     if args.output_json:

@@ -82,7 +82,7 @@ class LLMEngine:
             raise
         # The rank-0 runner when it lives in this process; None when the ranks are workers.
         self.model_runner: ModelRunner | None = self.executor.driver_runner
-        self.runner_type = _resolve_runner(config, self.runner_info, self.model_runner)
+        self.runner_type = _resolve_runner(config, self.runner_info)
         self._lora_of_request: dict[str, int] = {}  # in-flight request id -> its adapter
         self.tokenizer = None
         if not config.model.skip_tokenizer_init:
@@ -483,12 +483,11 @@ class LLMEngine:
         self.executor.shutdown()
 
 
-def _resolve_runner(config: EngineConfig, info: RunnerInfo, model_runner: ModelRunner | None) -> str:
+def _resolve_runner(config: EngineConfig, info: RunnerInfo) -> str:
     from vframe.core.worker.pooling_runner import resolve_runner
 
     architectures = getattr(info.hf_config, "architectures", None) or ["the model"]
-    model = getattr(model_runner, "model", None)
-    return resolve_runner(config.model.runner, config.model.task, model, architectures[0])
+    return resolve_runner(config.model.runner, config.model.task, info, architectures[0])
 
 
 def _merged_stats(scheduler: Scheduler, kv_cache_manager: KVCacheManager) -> dict[str, float]:

@@ -48,7 +48,8 @@ _POOLING_TASKS = {"embed", "embedding", "encode"}
 
 def resolve_runner(runner: str, task: str | None, model: Any, architecture: str) -> str:
     """``"generate"`` or ``"pooling"`` from the ``runner`` and ``task`` settings
-    and the loaded model (``auto``: pooling for an encoder-only model)."""
+    and the loaded model, or anything that says its ``uses_kv_cache`` (the engine
+    passes its ``RunnerInfo``) (``auto``: pooling for an encoder-only model)."""
     if task not in (None, "auto"):
         if task not in _POOLING_TASKS | {"generate"}:
             raise ConfigError(
