@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml $(wildcard contrib/*/pyproject.toml)
 	# The cpu_paged attention backend's C++ operator, compiled once per machine (docs/architecture.md);
 	# without a compiler the engine falls back to the torch backend, so a failure here is not fatal.
 	$(PY) -m vframe.backends.cpu_paged.build || echo "cpu_paged not built: attention_backend=auto will use torch"
+	$(PY) -m vframe.quant.kernels.builtin || echo "woq_cpu not built: quantized layers will use other kernels"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -45,7 +45,9 @@ from vframe.plugins import register_plugin, reset_plugins, unregister_plugin
 PLUGINS_MD = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
 
 # One complete worked example per kind of plugin (issue 10).
-EXPECTED_EXAMPLES = {"attention_backend", "model", "scheduling_policy", "logits_processor", "quantizer", "executor"}
+EXPECTED_EXAMPLES = {
+    "attention_backend", "model", "scheduling_policy", "logits_processor", "quantizer", "executor", "quant_kernel",
+}
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,})(?P<info>[^`]*)$")
 

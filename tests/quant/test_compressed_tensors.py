@@ -93,12 +93,11 @@ def test_packed_weight_is_the_unpacked_integers_times_the_scales(
     )
     layer = ReplicatedLinear(in_features, out_features, bias=False, quant_config=config, prefix="x.down_proj")
     load(layer, packed.tensors)
-    layer.quant_method.process_weights_after_loading(layer)
-
     assert isinstance(layer.quant_method, PackedMethod)
     assert tuple(layer.weight_packed.shape) == (out_features, in_features * bits // 32)
     if not symmetric:
         assert int(packed.zeros[0].min()) == -(2 ** (bits - 1))  # the lowest zero point is exercised
+    layer.quant_method.process_weights_after_loading(layer)
     w_deq = layer.quant_method.dequantize_weight(layer)
     assert torch.equal(w_deq.double(), packed.weight())  # exact: a bf16 scale times a small integer
     x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(3))
@@ -121,7 +120,7 @@ def test_bfloat16_on_cpu_takes_torch_s_int4_kernel(strategy: str, group_size: in
 
     out = layer(x)
 
-    assert hasattr(layer, "int4_weight") and out.dtype == torch.bfloat16
+    assert layer.quant_method.kernel.name == "int4_cpu" and out.dtype == torch.bfloat16
     reference = x.double() @ packed.weight().T
     # bfloat16 scales, zeros and output: a few 2**-8
     assert float((out.double() - reference).abs().max()) <= 2**-6 * float(reference.abs().max())
@@ -169,7 +168,7 @@ def test_w8a8_quantizes_each_token_to_int8() -> None:
 
     out = layer(x)
 
-    assert layer.weight.dtype == torch.int8
+    assert layer.quant_method.kernel.name == "int8_dynamic"
     x_scale = x.abs().amax(dim=1, keepdim=True) / 127
     x_int = torch.round(x / x_scale).double()
     expected = (x_int @ packed.q.double().T) * x_scale.double() * packed.scales.double().T
@@ -281,7 +280,7 @@ def test_a_w4a16_llama_generates_what_transformers_does_with_the_dequantized_wei
     ))
     llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
     qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv.quant_method, PackedMethod) and qkv.weight_packed.dtype == torch.int32
+    assert isinstance(qkv.quant_method, PackedMethod) and qkv.quant_method.kernel.name == "woq_cpu"
 
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
     assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)

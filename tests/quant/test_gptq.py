@@ -56,12 +56,11 @@ def test_dequantized_weight_is_the_packed_integers_times_the_scales(
         param.weight_loader(param, tensor)
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(2))
     layer.bias.weight_loader(layer.bias, bias)
-    layer.quant_method.process_weights_after_loading(layer)
-
     expected_groups = 1 if group_size == -1 else -(-in_features // group_size)
     assert tuple(layer.qweight.shape) == (in_features * bits // 32, out_features)
     assert tuple(layer.qzeros.shape) == (expected_groups, out_features * bits // 32)
     assert tuple(layer.scales.shape) == (expected_groups, out_features)
+    layer.quant_method.process_weights_after_loading(layer)
     if not sym:
         assert int(packed.zeros[:, 0].min()) == 0  # the v1 borrow case is exercised
     w_deq = layer.quant_method.dequantize_weight(layer)
@@ -120,9 +119,9 @@ def test_row_parallel_ranks_with_act_order_keep_every_group() -> None:
 
 
 @pytest.mark.parametrize(
-    ("group_size", "desc_act", "uses_int4_kernel"), [(128, False, True), (-1, False, True), (64, True, False)]
+    ("group_size", "desc_act", "uses_int4_kernel"), [(128, False, True), (-1, False, True), (64, True, True)]
 )
-def test_bfloat16_on_cpu_takes_torch_s_int4_kernel_when_inputs_are_in_order(
+def test_bfloat16_on_cpu_takes_torch_s_int4_kernel_act_order_by_sorting_the_inputs(
     group_size: int, desc_act: bool, uses_int4_kernel: bool
 ) -> None:
     in_features, out_features = 384, 48  # 3 groups of 128; the kernel takes groups of 128 (of 128 for -1)
@@ -137,7 +136,7 @@ def test_bfloat16_on_cpu_takes_torch_s_int4_kernel_when_inputs_are_in_order(
 
     out = layer(x)
 
-    assert hasattr(layer, "int4_weight") == uses_int4_kernel
+    assert (layer.quant_method.kernel.name == "int4_cpu") == uses_int4_kernel
     assert out.dtype == torch.bfloat16
     reference = x.double() @ packed.weight().T
     # bfloat16 scales and zeros (8 bits) and output: a few 2**-8
@@ -223,7 +222,7 @@ def test_a_gptq_llama_generates_what_transformers_does_with_the_dequantized_weig
     ))
     llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
     qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv.quant_method, GPTQLinearMethod) and qkv.qweight.dtype == torch.int32
+    assert isinstance(qkv.quant_method, GPTQLinearMethod) and qkv.quant_method.kernel.name == "reference"  # q, k, v: each its own act order
 
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
     assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)

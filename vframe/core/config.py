@@ -358,6 +358,12 @@ class QuantizationSection(BaseModel):
         "quantization_config.quant_method if it has one, else unquantized",
     )
 
+    quant_kernel: str | None = Field(
+        None,
+        description="quant_kernel registry name that runs every integer-quantized layer (GPTQ, AWQ, "
+        "compressed-tensors int4/int8); None: per layer, the highest-priority kernel that can",
+    )
+
     @field_validator("quantization")
     @classmethod
     def _auto_is_none(cls, v: str | None) -> str | None:

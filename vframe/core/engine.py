@@ -59,6 +59,7 @@ def _check_registry_names(config: EngineConfig) -> None:
         "sampler": config.sampler.sampler,
         "attention_backend": config.attention.attention_backend,
         "quantizer": config.quantization.quantization,
+        "quant_kernel": config.quantization.quant_kernel,
         "lora_kernel": config.lora.lora_kernel if config.lora.enable_lora else None,
     }
     for kind, name in names.items():

@@ -73,6 +73,14 @@ def vframe_register_quantizers(register: RegisterFn) -> None:
 
 
 @hookimpl
+def vframe_register_quant_kernels(register: RegisterFn) -> None:
+    register("int4_cpu", "vframe.quant.kernels.builtin:TorchInt4CpuKernel")
+    register("woq_cpu", "vframe.quant.kernels.builtin:WoqCpuKernel")
+    register("int8_dynamic", "vframe.quant.kernels.builtin:Int8DynamicKernel")
+    register("reference", "vframe.quant.kernels.builtin:ReferenceKernel")
+
+
+@hookimpl
 def vframe_register_lora_kernels(register: RegisterFn) -> None:
     register("torch", "vframe.lora.ops:add_lora")
 

@@ -192,6 +192,15 @@ def vframe_engine_shutdown(engine: LLMEngine, engine_view: EngineView) -> None:
     """Called once when the engine shuts down; release files and connections here."""
 
 
+@hookspec
+def vframe_register_quant_kernels(register: RegisterFn) -> None:
+    """Register ``vframe.quant.kernels.QuantLinearKernel`` subclasses: the matmuls
+    of the integer quantization formats (GPTQ, AWQ, compressed-tensors int4 / int8),
+    chosen per layer by ``priority`` and ``can_implement``, or named by the
+    ``quant_kernel`` setting (built-in: ``int4_cpu``, ``woq_cpu``, ``int8_dynamic``,
+    ``reference``). Checked with ``vframe.testing.check_quant_kernel``. Since plugin API 1.8."""
+
+
 # hook name -> registry kind it fills
 REGISTRATION_HOOKS: dict[str, str] = {
     "vframe_register_models": "model",
@@ -207,6 +216,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "vframe_register_lora_kernels": "lora_kernel",
     "vframe_register_tool_parsers": "tool_parser",
     "vframe_register_executors": "executor",
+    "vframe_register_quant_kernels": "quant_kernel",
 }
 
 LIFECYCLE_HOOKS: tuple[str, ...] = (

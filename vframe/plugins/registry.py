@@ -33,6 +33,7 @@ Kind = Literal[
     "lora_kernel",
     "tool_parser",
     "executor",
+    "quant_kernel",
 ]
 
 BUILTIN = "builtin"
@@ -55,6 +56,7 @@ _KINDS: dict[str, tuple[str, str | None]] = {
     "lora_kernel": ("LoRA kernel", None),  # a function typed against vframe.lora.ops:LoRAKernel
     "tool_parser": ("tool-call parser", "vframe.entrypoints.openai.tool_parsers:ToolParser"),
     "executor": ("executor", "vframe.core.interfaces:Executor"),
+    "quant_kernel": ("quantized linear kernel", "vframe.quant.kernels:QuantLinearKernel"),
 }
 KINDS: tuple[str, ...] = tuple(_KINDS)
 

@@ -13,8 +13,8 @@ Inside a word, value slot ``j`` (bits ``4j .. 4j+3``) holds output ``8c + ORDER[
 with ``ORDER = [0, 2, 4, 6, 1, 3, 5, 7]`` (AutoAWQ's ``AWQ_ORDER``, which its
 GEMM kernel reads back with ``AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]``).
 
-Kernels: bfloat16 on the CPU takes torch's int4 kernel (``int4_cpu``) where the
-sizes fit; everything else the reference, dequantize then ``F.linear``.
+After loading, the weight is an ``IntWeight`` and runs on a quant kernel
+(``vframe.quant.kernels``; the checkpoint tensors are dropped).
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vframe.errors import ConfigError
 from vframe.layers.linear import LinearBase
-from vframe.quant import int4_cpu
-from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight
+from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight
+from vframe.quant.kernels import IntWeight
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
 BITS = 4
@@ -95,8 +94,11 @@ class AWQConfig(QuantizationConfig):
         return AWQLinearMethod(self)
 
 
-class AWQLinearMethod(LinearMethodBase):
+class AWQLinearMethod(IntKernelMethod):
+    checkpoint_params = ("qweight", "qzeros", "scales")
+
     def __init__(self, config: AWQConfig) -> None:
+        super().__init__(config.quant_kernel)
         self.config = config
 
     def create_weights(
@@ -119,7 +121,6 @@ class AWQLinearMethod(LinearMethodBase):
         )
         out = sum(output_partition_sizes)
         num_groups = input_size_per_partition // group_size
-        self.int4_kernel_group_size: int | None = None  # set after loading when the int4 kernel applies
         tensors = {
             "qweight": torch.empty(input_size_per_partition, out // pack, dtype=torch.int32),  # [in, out / 8]
             "qzeros": torch.empty(num_groups, out // pack, dtype=torch.int32),  # [groups, out / 8]
@@ -129,31 +130,11 @@ class AWQLinearMethod(LinearMethodBase):
         for name, tensor in tensors.items():
             register_weight(layer, name, tensor, {"input_dim": 0, "output_dim": 1})
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if layer.qweight.device.type == "cpu":
-            self.int4_kernel_group_size = int4_cpu.kernel_group_size(layer, self.config.group_size)
-        if self.int4_kernel_group_size is not None:
-            q, zeros = _unpack_awq(layer.qweight).T, _unpack_awq(layer.qzeros)  # [out, in], [groups, out]
-            weight, scales_and_zeros = int4_cpu.pack(
-                q, layer.scales, zeros, self.config.group_size, self.int4_kernel_group_size
-            )
-            layer.register_buffer("int4_weight", weight, persistent=False)
-            layer.register_buffer("int4_scales_and_zeros", scales_and_zeros, persistent=False)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.int4_kernel_group_size is not None and int4_cpu.applies(x):
-            return int4_cpu.matmul(
-                x, layer.int4_weight, layer.int4_scales_and_zeros, self.int4_kernel_group_size, bias
-            )
-        return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
-
-    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
-        q = _unpack_awq(layer.qweight)  # [in, out]
-        zeros = _unpack_awq(layer.qzeros)  # [groups, out]
-        group_size = self.config.group_size
-        scales = layer.scales.repeat_interleave(group_size, dim=0)  # [in, out]
-        zeros = zeros.repeat_interleave(group_size, dim=0)
-        return (scales * (q - zeros).float()).T
+    def int_weight(self, layer: nn.Module) -> IntWeight:
+        q, zeros = _unpack_awq(layer.qweight).T, _unpack_awq(layer.qzeros)  # [out, in], [groups, out]
+        offsets = layer.scales * ((1 << (BITS - 1)) - zeros)  # [groups, out]
+        return IntWeight(BITS, q.to(torch.uint8), layer.scales.T.contiguous(), offsets.T.contiguous(),
+                         self.config.group_size)
 
 
 def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:  # [rows, out / 8] -> [rows, out] int32

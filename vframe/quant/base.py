@@ -129,6 +129,52 @@ class EmbeddingMethodBase(LinearMethodBase):
         """Rows ``input_ids`` of the weight ``dequantize_weight`` returns."""
 
 
+class IntKernelMethod(LinearMethodBase):
+    """An integer format whose layers run on a quant kernel (``vframe.quant.kernels``,
+    plugin API 1.8): after loading, ``int_weight`` turns the checkpoint tensors into
+    an ``IntWeight``, the chosen kernel keeps what it needs, and the checkpoint
+    parameters named in ``checkpoint_params`` are dropped (the kernel's buffers are
+    the layer's weight from then on). ``apply`` and ``dequantize_weight`` are the kernel's."""
+
+    checkpoint_params: tuple[str, ...] = ()
+    activations: str = "float"  # vframe.quant.kernels.WEIGHT_ONLY; INT8_PER_TOKEN for W8A8
+
+    def __init__(self, kernel_name: str | None = None) -> None:
+        self.kernel_name = kernel_name  # the quant_kernel setting; None: by priority
+        self.kernel: Any = None
+
+    @abstractmethod
+    def int_weight(self, layer: nn.Module) -> Any:  # vframe.quant.kernels.IntWeight
+        """The loaded layer's weight as an ``IntWeight`` ([out, in] integers, this rank's)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        from vframe.quant.kernels import QuantLinearSpec, choose_kernel
+
+        weight = self.int_weight(layer)
+        out_features, in_features = weight.q.shape
+        spec = QuantLinearSpec(
+            bits=weight.bits, group_size=weight.group_size, symmetric=weight.offsets is None,
+            act_order=weight.g_idx is not None,
+            equal_groups=weight.equal_groups(), activations=self.activations, in_features=in_features,
+            out_features=out_features, dtype=layer.params_dtype, device=weight.q.device,
+            layer=layer.prefix or type(layer).__name__,
+        )
+        self.kernel = choose_kernel(spec, self.kernel_name)
+        self.kernel.prepare(layer, weight)
+        for name in self.checkpoint_params:
+            if name in layer._parameters:
+                delattr(layer, name)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernel.apply(layer, x, bias)
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        # Before processing, the checkpoint tensors' weight; after, the kernel's.
+        if self.kernel is None:
+            return self.int_weight(layer).dequantize()
+        return self.kernel.dequantize_weight(layer)
+
+
 class UnquantizedLinearMethod(LinearMethodBase):
     """The default: one ``[out, in]`` weight in the model's dtype, ``F.linear``."""
 
@@ -173,6 +219,9 @@ class QuantizationConfig(ABC):
 
     reference_tolerance: ClassVar[float] = 1e-5
     weight_tolerance: ClassVar[float] = 0.0
+    # The quant_kernel setting (a registry name; None: by priority), set by the engine
+    # after from_config; formats whose layers run on quant kernels pass it to them.
+    quant_kernel: str | None = None
 
     @classmethod
     @abstractmethod

@@ -43,14 +43,13 @@ from torch import nn
 
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
-from vframe.quant import int4_cpu
-from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight
+from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight
 from vframe.quant.fp8 import FP8_DTYPE, BlockFp8Method, _per_shard_loader, block_structure
+from vframe.quant.kernels import INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
 # vframe's fused layers and the checkpoint modules they hold (their names in targets / ignore).
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-INT8_MAX = 127
 
 
 @dataclass(frozen=True)
@@ -136,7 +135,9 @@ class CompressedTensorsConfig(QuantizationConfig):
             return None
         if scheme.strategy == "block":
             return BlockFp8Method(scheme.block, "weight_scale")
-        return PackedMethod(scheme) if scheme.format == "pack-quantized" else NaiveMethod(scheme)
+        if scheme.format == "pack-quantized":
+            return PackedMethod(scheme, self.quant_kernel)
+        return Int8Method(scheme, self.quant_kernel) if scheme.type == "int" else NaiveMethod(scheme)
 
     def _scheme_of(self, name: str) -> Scheme | None:
         """The scheme of checkpoint module ``name``: ignored first, then the most
@@ -224,10 +225,13 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Sch
     )
 
 
-class PackedMethod(LinearMethodBase):
+class PackedMethod(IntKernelMethod):
     """pack-quantized int4 / int8 weights, group or channel scales."""
 
-    def __init__(self, scheme: Scheme) -> None:
+    checkpoint_params = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+
+    def __init__(self, scheme: Scheme, kernel_name: str | None = None) -> None:
+        super().__init__(kernel_name)
         self.scheme = scheme
 
     def create_weights(
@@ -260,7 +264,6 @@ class PackedMethod(LinearMethodBase):
             num_groups, group_input_dim = -(-input_size_per_partition // s.group_size), 1
             self.group_size = s.group_size
         out = sum(output_partition_sizes)
-        self.int4_kernel_group_size: int | None = None
         register_weight(layer, "weight_packed", torch.empty(out, input_size_per_partition // pack, dtype=torch.int32),
                   {"output_dim": 0, "input_dim": 1})  # [out, in / pack]
         # float32 holds fp16 and bf16 checkpoint scales exactly.
@@ -272,39 +275,18 @@ class PackedMethod(LinearMethodBase):
         register_weight(layer, "weight_shape", torch.empty(2, dtype=torch.int64),
                   {"output_dim": None, "weight_loader": _weight_shape_loader(layer)})
 
-    def _ints(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored (offset) integers [out, in] and zero points [out, groups], both in [0, 2**bits)."""
+    def int_weight(self, layer: nn.Module) -> IntWeight:
         bits = self.scheme.num_bits
-        q = unpack_int32(layer.weight_packed, bits, dim=1)
-        if self.scheme.symmetric:
-            return q, torch.full_like(layer.weight_scale, 1 << (bits - 1), dtype=torch.int32)
-        return q, unpack_int32(layer.weight_zero_point, bits, dim=0)
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if self.scheme.num_bits == 4 and layer.weight_packed.device.type == "cpu":
-            self.int4_kernel_group_size = int4_cpu.kernel_group_size(layer, self.group_size)
-        if self.int4_kernel_group_size is not None:
-            q, zeros = self._ints(layer)
-            weight, scales_and_zeros = int4_cpu.pack(
-                q, layer.weight_scale.T, zeros.T, self.group_size, self.int4_kernel_group_size
-            )
-            layer.register_buffer("int4_weight", weight, persistent=False)
-            layer.register_buffer("int4_scales_and_zeros", scales_and_zeros, persistent=False)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.int4_kernel_group_size is not None and int4_cpu.applies(x):
-            return int4_cpu.matmul(x, layer.int4_weight, layer.int4_scales_and_zeros, self.int4_kernel_group_size, bias)
-        return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
-
-    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
-        q, zeros = self._ints(layer)
-        inputs = q.shape[1]
-        scales = layer.weight_scale.repeat_interleave(self.group_size, dim=1)[:, :inputs]  # [out, in]
-        return scales * (q - zeros.repeat_interleave(self.group_size, dim=1)[:, :inputs]).float()
+        q = unpack_int32(layer.weight_packed, bits, dim=1)  # [out, in], offset by 2**(bits - 1) when symmetric
+        offsets = None
+        if not self.scheme.symmetric:
+            zeros = unpack_int32(layer.weight_zero_point, bits, dim=0)  # [out, groups]
+            offsets = layer.weight_scale * ((1 << (bits - 1)) - zeros)
+        return IntWeight(bits, q.to(torch.uint8), layer.weight_scale, offsets, self.group_size)
 
 
 class NaiveMethod(LinearMethodBase):
-    """int8 (W8A8, dynamic per-token activations) or FP8 weights stored as they are."""
+    """FP8 weights stored as they are (activations stay in the model's dtype)."""
 
     def __init__(self, scheme: Scheme) -> None:
         self.scheme = scheme
@@ -333,41 +315,42 @@ class NaiveMethod(LinearMethodBase):
                       {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        scale = layer.weight_scale
-        if self.scheme.strategy == "tensor":
-            sizes = torch.tensor(layer.output_partition_sizes, device=scale.device)
-            scale = scale.repeat_interleave(sizes)
-        layer.weight_scale = nn.Parameter(scale.reshape(-1), requires_grad=False)  # [out] float32
+        layer.weight_scale = nn.Parameter(_row_scales(layer, self.scheme), requires_grad=False)  # [out] float32
         if self.scheme.activations == "fp8-static":
             layer.input_scale = None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.scheme.activations == "int8-token":
-            return _int8_linear(x, layer.weight, layer.weight_scale, bias)
         return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
         return layer.weight.float() * layer.weight_scale[:, None]
 
 
-def _int8_linear(
-    x: torch.Tensor,  # [T, in]
-    weight: torch.Tensor,  # [out, in] int8
-    weight_scale: torch.Tensor,  # [out] float32
-    bias: torch.Tensor | None,
-) -> torch.Tensor:  # [T, out], x's dtype
-    """Dynamic per-token int8: each token scaled by its own max |x| / 127, an
-    integer matmul, then both scales."""
-    x_scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX  # [T, 1]
-    xq = torch.round(x.float() / x_scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)  # [T, in]
-    tokens, inputs = xq.shape
-    # torch._int_mm on a GPU needs more than 16 rows and sizes that 8 divides; the CPU takes any.
-    if x.device.type == "cpu" or (tokens > 16 and inputs % 8 == 0 and weight.shape[0] % 8 == 0):
-        acc = torch._int_mm(xq, weight.T).float()  # [T, out] exact int32
-    else:
-        acc = xq.float() @ weight.float().T
-    out = (acc * x_scale * weight_scale).to(x.dtype)
-    return out if bias is None else out + bias
+class Int8Method(IntKernelMethod):
+    """int-quantized int8 weights (channel or tensor scales), with dynamic per-token
+    int8 activations (W8A8) or weight-only; run on a quant kernel."""
+
+    checkpoint_params = ("weight", "weight_scale")
+
+    def __init__(self, scheme: Scheme, kernel_name: str | None = None) -> None:
+        super().__init__(kernel_name)
+        self.scheme = scheme
+        self.activations = INT8_PER_TOKEN if scheme.activations == "int8-token" else WEIGHT_ONLY
+
+    create_weights = NaiveMethod.create_weights  # the same checkpoint tensors, int8
+
+    def int_weight(self, layer: nn.Module) -> IntWeight:
+        q = (layer.weight.to(torch.int16) + 128).to(torch.uint8)  # [out, in], offset by 128
+        return IntWeight(8, q, _row_scales(layer, self.scheme)[:, None], None, layer.input_size_per_partition)
+
+
+def _row_scales(layer: nn.Module, scheme: Scheme) -> torch.Tensor:  # [out] float32
+    """One weight scale per output row: per-tensor scales repeated over their shard's rows."""
+    scale = layer.weight_scale
+    if scheme.strategy == "tensor":
+        sizes = torch.tensor(layer.output_partition_sizes, device=scale.device)
+        scale = scale.repeat_interleave(sizes)
+    return scale.reshape(-1)
 
 
 def _weight_shape_loader(layer: LinearBase):

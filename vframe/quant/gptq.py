@@ -20,9 +20,10 @@ zeros as they are). AutoGPTQ wrote ``zero - 1`` value by value, the same
 words for every zero point above 0. ``sym`` changes no tensor: a symmetric
 checkpoint stores the zero point ``2**(bits - 1)`` everywhere.
 
-Kernels: 4 bit with inputs in order, bfloat16 on the CPU, takes torch's int4
-kernel (``int4_cpu``) where the sizes fit; everything else the reference,
-dequantize the whole weight then ``F.linear``.
+After loading, the weight is an ``IntWeight`` (act order kept as ``g_idx``) and
+runs on a quant kernel (``vframe.quant.kernels``; the checkpoint tensors are
+dropped): on the CPU, torch's int4 kernel (bfloat16) or vframe's weight-only
+kernel (4 and 8 bit, act order by sorting the inputs), else the reference.
 """
 
 from __future__ import annotations
@@ -31,13 +32,12 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
-from vframe.quant import int4_cpu
-from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight
+from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight
+from vframe.quant.kernels import IntWeight
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
 _FORMATS = ("gptq", "gptq_v2")
@@ -114,8 +114,11 @@ class GPTQConfig(QuantizationConfig):
         return GPTQLinearMethod(self) if isinstance(layer, LinearBase) else None
 
 
-class GPTQLinearMethod(LinearMethodBase):
+class GPTQLinearMethod(IntKernelMethod):
+    checkpoint_params = ("qweight", "qzeros", "scales", "g_idx")
+
     def __init__(self, config: GPTQConfig) -> None:
+        super().__init__(config.quant_kernel)
         self.config = config
 
     def create_weights(
@@ -151,7 +154,6 @@ class GPTQLinearMethod(LinearMethodBase):
                 )
             num_groups, group_input_dim = math.ceil(input_size_per_partition / group_size), 0
         self.groups_follow_inputs = split_inputs and group_input_dim == 0
-        self.int4_kernel_group_size: int | None = None  # set after loading when the int4 kernel applies
 
         register_weight(
             layer,
@@ -191,46 +193,25 @@ class GPTQLinearMethod(LinearMethodBase):
                 f"{layer.prefix or type(layer).__name__}: g_idx names groups outside 0 .. {layer.scales.shape[0] - 1}; "
                 f"does quantization_config.desc_act={self.config.desc_act} match the checkpoint?"
             )
-        self.int4_kernel_group_size = self._int4_kernel_group_size(layer)
-        if self.int4_kernel_group_size is not None:
-            q = unpack_int32(layer.qweight, 4, dim=0).T  # [out, in]
-            zeros = unpack_int32(_v2_zeros(layer.qzeros, 4, self.config.checkpoint_format), 4, dim=1)  # [G, out]
-            group_size = self._group_size(layer)
-            weight, scales_and_zeros = int4_cpu.pack(q, layer.scales, zeros, group_size, self.int4_kernel_group_size)
-            layer.register_buffer("int4_weight", weight, persistent=False)
-            layer.register_buffer("int4_scales_and_zeros", scales_and_zeros, persistent=False)
+        super().process_weights_after_loading(layer)
 
-    def _group_size(self, layer: nn.Module) -> int:
-        return layer.input_size_per_partition if self.config.group_size == -1 else self.config.group_size
-
-    def _int4_kernel_group_size(self, layer: nn.Module) -> int | None:
-        """torch's int4 CPU kernel takes 4 bits with groups of consecutive inputs
-        (no act order, or an act-order checkpoint whose g_idx is in order)."""
-        if self.config.bits != 4 or layer.qweight.device.type != "cpu":
-            return None
-        in_order = torch.arange(layer.input_size_per_partition) // self._group_size(layer)
-        if not bool((layer.g_idx == in_order).all()):
-            return None
-        return int4_cpu.kernel_group_size(layer, self._group_size(layer))
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.int4_kernel_group_size is not None and int4_cpu.applies(x):
-            return int4_cpu.matmul(
-                x, layer.int4_weight, layer.int4_scales_and_zeros, self.int4_kernel_group_size, bias
-            )
-        return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
-
-    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
+    def int_weight(self, layer: nn.Module) -> IntWeight:
         bits = self.config.bits
-        q = unpack_int32(layer.qweight, bits, dim=0)  # [in, out]
+        q = unpack_int32(layer.qweight, bits, dim=0).T  # [out, in]
         zeros = unpack_int32(_v2_zeros(layer.qzeros, bits, self.config.checkpoint_format), bits, dim=1)  # [G, out]
-        sizes = layer.output_partition_sizes
-        parts = []
-        shards = zip(layer.g_idx.long(), q.split(sizes, 1), zeros.split(sizes, 1), layer.scales.split(sizes, 1))
-        for g_idx, shard_q, shard_zeros, shard_scales in shards:  # one fused shard at a time
-            # [in, shard out]: each input's group's scale and zero point
-            parts.append(shard_scales.index_select(0, g_idx) * (shard_q - shard_zeros.index_select(0, g_idx)))
-        return torch.cat(parts, dim=1).T
+        group_size = layer.input_size_per_partition if self.config.group_size == -1 else self.config.group_size
+        g_idx = layer.g_idx.long()  # [shards, in]
+        in_order = torch.arange(g_idx.shape[1], device=g_idx.device) // group_size
+        if bool((g_idx == in_order).all()):
+            g_idx = None
+        elif bool((g_idx == g_idx[:1]).all()):
+            g_idx = g_idx[0]
+        else:  # fused shards quantized each in its own order: one row of groups per output
+            sizes = torch.tensor(layer.output_partition_sizes, device=g_idx.device)
+            g_idx = g_idx.repeat_interleave(sizes, dim=0)  # [out, in]
+        mid = 1 << (bits - 1)
+        offsets = None if bool((zeros == mid).all()) else (layer.scales * (mid - zeros)).T.contiguous()
+        return IntWeight(bits, q.to(torch.uint8), layer.scales.T.contiguous(), offsets, group_size, g_idx)
 
 
 def _v2_zeros(qzeros: torch.Tensor, bits: int, checkpoint_format: str) -> torch.Tensor:

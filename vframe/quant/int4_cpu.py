@@ -1,9 +1,9 @@
-"""torch's int4 weight-only CPU kernel (``torch._weight_int4pack_mm_for_cpu``)
-for 4-bit formats with groups of consecutive inputs (GPTQ without act order, AWQ).
+"""torch's int4 weight-only CPU kernel (``torch._weight_int4pack_mm_for_cpu``):
+the ``int4_cpu`` quant kernel and the GGUF formats' Q4 segments and Q8_0 head.
 
 The kernel computes, per group of ``kernel_group_size`` inputs (32, 64, 128 or 256),
-``W[o, i] = (q[o, i] - 8) * scale[g, o] + zero[g, o]``; a checkpoint's integer zero
-point ``z`` (``W = scale * (q - z)``) becomes the float ``zero = scale * (8 - z)``.
+``W[o, i] = (q[o, i] - 8) * scale[g, o] + zero[g, o]``: an ``IntWeight``'s scales
+and offsets.
 Only bfloat16 activations run fast (float32 and float16 have no vectorised path);
 outputs must be a multiple of 16.
 """
@@ -13,35 +13,43 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vframe.quant.kernels import IntWeight
+
 _KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 
 
+def group_for(inputs: int, group_size: int) -> int | None:
+    """The kernel's group size for checkpoint groups of ``group_size`` consecutive
+    inputs over ``inputs``, or ``None``: kernel groups lie inside checkpoint groups
+    (several share one scale) and tile the inputs."""
+    return next((size for size in _KERNEL_GROUP_SIZES if group_size % size == 0 and inputs % size == 0), None)
+
+
 def kernel_group_size(layer: nn.Module, group_size: int) -> int | None:
-    """The kernel's group size for ``layer`` whose checkpoint groups are
-    ``group_size`` consecutive inputs, or ``None`` where the kernel does not
-    apply: not a bfloat16 model on the CPU, or sizes it cannot take. Kernel
-    groups lie inside checkpoint groups (several share one scale)."""
+    """``group_for`` for ``layer`` , or ``None`` where the kernel does not apply:
+    not a bfloat16 model on the CPU, or outputs not a multiple of 16."""
     if layer.params_dtype != torch.bfloat16 or not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
         return None
     if layer.output_size_per_partition % 16:
         return None
-    inputs = layer.input_size_per_partition
-    return next((size for size in _KERNEL_GROUP_SIZES if group_size % size == 0 and inputs % size == 0), None)
+    return group_for(layer.input_size_per_partition, group_size)
 
 
-def pack(
-    q: torch.Tensor,  # [out, in] int32 in [0, 16)
-    scales: torch.Tensor,  # [groups, out] float
-    zeros: torch.Tensor,  # [groups, out] int
-    group_size: int,  # consecutive inputs per checkpoint group
-    kernel_group_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's weight ([out, in / 2] uint8) and scales and zeros ([in / kernel group, out, 2] bfloat16)."""
-    group = torch.arange(0, q.shape[1], kernel_group_size, device=q.device) // group_size  # of each kernel group
-    scales = scales[group].float()
-    scales_and_zeros = torch.stack([scales, scales * (8 - zeros[group]).float()], dim=-1)
-    weight = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-    return weight, scales_and_zeros.to(torch.bfloat16)
+def pack(weight: IntWeight, kernel_group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's weight ([out, in / 2] uint8) and scales and zeros ([in / kernel
+    group, out, 2] bfloat16) of a 4-bit ``weight`` with consecutive groups."""
+    group = torch.arange(0, weight.q.shape[1], kernel_group_size, device=weight.q.device) // weight.group_size
+    scales = weight.scales[:, group].T.float()  # [kernel groups, out]
+    zeros = torch.zeros_like(scales) if weight.offsets is None else weight.offsets[:, group].T.float()
+    packed = torch._convert_weight_to_int4pack_for_cpu(weight.q.int().contiguous(), 1)
+    return packed, torch.stack([scales, zeros], dim=-1).to(torch.bfloat16)
+
+
+def unpack(weight: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group_size: int) -> torch.Tensor:
+    """The kernel's float32 weight [out, in], exactly: the product with an identity in float32."""
+    inputs = scales_and_zeros.shape[0] * kernel_group_size
+    eye = torch.eye(inputs, device=weight.device)
+    return torch._weight_int4pack_mm_for_cpu(eye, weight, kernel_group_size, scales_and_zeros.float()).T
 
 
 def matmul(

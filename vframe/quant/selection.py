@@ -15,14 +15,15 @@ AUTO = "auto"  # the checkpoint's own quant_method, like no setting
 
 
 def build_quant_config(
-    name: str | None, hf_config: Any, *, dtype: torch.dtype, device: torch.device
+    name: str | None, hf_config: Any, *, dtype: torch.dtype, device: torch.device, quant_kernel: str | None = None
 ) -> QuantizationConfig | None:
     """The ``QuantizationConfig`` for ``quantization=name`` on a checkpoint whose
     config is ``hf_config``; ``None`` runs unquantized.
 
     With ``name=None`` (or ``"auto"``) a checkpoint that carries
     ``quantization_config`` uses the quantizer registered under its
-    ``quant_method``; there is no silent fallback to loading packed tensors as floats."""
+    ``quant_method``; there is no silent fallback to loading packed tensors as floats.
+    ``quant_kernel`` (the setting) names the kernel its integer layers run on."""
     hf_quant_config: dict[str, Any] | None = getattr(hf_config, "quantization_config", None)
     registry = get_registry("quantizer")
     if name is None or name == AUTO:
@@ -40,4 +41,6 @@ def build_quant_config(
     reasons = config_cls.validate_configuration(dtype=dtype, device=device)
     if reasons:
         raise ConfigError(f"quantization={name!r} cannot serve this configuration: " + "; ".join(reasons))
-    return config_cls.from_config(hf_quant_config)
+    config = config_cls.from_config(hf_quant_config)
+    config.quant_kernel = quant_kernel
+    return config

@@ -24,6 +24,9 @@ pytest; nothing here needs pytest.
 ``vframe.testing.quant``
     ``check_quant_method(quantizer, ...)``: a quantizer's linear method on every
     layer kind against plain PyTorch.
+``vframe.testing.quant_kernel``
+    ``check_quant_kernel(kernel, *, dtype, device, quick)``: a quantized linear
+    kernel against ``IntWeight.dequantize`` on random packed weights.
 ``vframe.testing.lora``
     ``check_lora_kernel(kernel=add_lora, *, dtype, device, quick)``: a LoRA
     kernel against ``reference_add_lora``, within ``LORA_TOLERANCES``.
@@ -51,6 +54,7 @@ _EXPORTS: dict[str, str] = {
     "check_logits_processor": "logits",
     "make_plugin_context": "logits",
     "check_quant_method": "quant",
+    "check_quant_kernel": "quant_kernel",
     "check_scheduler": "scheduler",
     "check_scheduling_policy": "scheduler",
     "run_quick_checks": "quick",

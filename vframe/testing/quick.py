@@ -234,6 +234,15 @@ def _lora_kernel(kind: str, name: str) -> list[QuickCheck]:
     return [QuickCheck(f"{kind} {name!r} (float32)", run)]
 
 
+def _quant_kernel(kind: str, name: str) -> list[QuickCheck]:
+    def run() -> None:
+        from vframe.testing.quant_kernel import check_quant_kernel
+
+        check_quant_kernel(name, quick=True)
+
+    return [QuickCheck(f"{kind} {name!r} (float32)", run)]
+
+
 def _model(kind: str, name: str) -> list[QuickCheck]:
     note = (
         "model parity needs a checkpoint, which a quick check does not have; in your tests call "
@@ -259,6 +268,7 @@ _PLANNERS: dict[str, Callable[[str, str], list[QuickCheck]]] = {
     "logits_processor": _logits_processor,
     "quantizer": _quantizer,
     "lora_kernel": _lora_kernel,
+    "quant_kernel": _quant_kernel,
     "model": _model,
     LIFECYCLE: _lifecycle,
 }

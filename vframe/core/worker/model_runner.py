@@ -158,6 +158,9 @@ class TorchModelRunner(ModelRunner):
         quantization = self.config.quantization.quantization
         if quantization is not None:
             get_registry("quantizer").get(quantization)  # an unknown name fails before the checkpoint is read
+        quant_kernel = self.config.quantization.quant_kernel
+        if quant_kernel is not None:
+            get_registry("quant_kernel").get(quant_kernel)
         # quantization="gguf" reads a GGUF's blocks: no dense conversion is written.
         self.resolved = resolve_model(self.config.model.model, convert_weights=quantization != "gguf")
         check_load_format(self.config.model.load_format, self.resolved.source, self.resolved.gguf_file is not None)
@@ -176,7 +179,9 @@ class TorchModelRunner(ModelRunner):
         checkpoint_dtype = None if self.resolved.gguf_file else _checkpoint_dtype(self.hf_config)
         self.dtype = resolve_dtype(self.config.model.dtype, checkpoint_dtype, self.device)
         self.attn_backend = self._select_attention_backend()
-        self.quant_config = build_quant_config(quantization, self.hf_config, dtype=self.dtype, device=self.device)
+        self.quant_config = build_quant_config(
+            quantization, self.hf_config, dtype=self.dtype, device=self.device, quant_kernel=quant_kernel
+        )
         self.model = load_model(
             self.resolved, model_cls, self.attn_backend, self.dtype, quant_config=self.quant_config,
             hf_overrides=hf_overrides,

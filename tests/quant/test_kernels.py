@@ -1,0 +1,191 @@
+"""Quantized linear kernels (registry kind ``quant_kernel``): each built-in against
+``IntWeight.dequantize`` through the conformance check, the choice by priority and
+by the ``quant_kernel`` setting, a third party's kernel replacing the built-ins in
+a real model, and the checkpoint tensors dropped once a kernel holds the weight."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from vframe import LLM, SamplingParams
+from vframe.errors import ConfigError
+from vframe.plugins import get_registry, hookimpl, register_plugin, unregister_plugin
+from vframe.quant.kernels import INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight, QuantLinearSpec, choose_kernel
+from vframe.quant.kernels.builtin import ReferenceKernel
+from vframe.testing import check_quant_kernel
+
+from packers import gptq_quantize, write_quantized_llama
+from test_gptq import quant_config
+
+CPU = torch.device("cpu")
+
+
+def spec(bits: int = 4, group_size: int = 64, *, dtype: torch.dtype = torch.bfloat16, device: torch.device = CPU,
+         act_order: bool = False, equal_groups: bool = True, activations: str = WEIGHT_ONLY,
+         symmetric: bool = True) -> QuantLinearSpec:
+    return QuantLinearSpec(bits=bits, group_size=group_size, symmetric=symmetric, act_order=act_order,
+                           equal_groups=equal_groups, activations=activations, in_features=192, out_features=48,
+                           dtype=dtype, device=device, layer="model.layers.0.mlp.down_proj")
+
+
+@pytest.mark.parametrize(
+    ("kernel", "dtype", "cases"),
+    [
+        ("reference", torch.float32, 41), ("reference", torch.bfloat16, 41),
+        ("woq_cpu", torch.float32, 28), ("woq_cpu", torch.bfloat16, 28), ("woq_cpu", torch.float16, 28),
+        ("int4_cpu", torch.bfloat16, 10),
+        ("int8_dynamic", torch.float32, 1), ("int8_dynamic", torch.bfloat16, 1),
+    ],
+)
+def test_each_builtin_kernel_equals_the_dequantized_weight_on_every_spec_it_runs(
+    kernel: str, dtype: torch.dtype, cases: int
+) -> None:
+    """Odd (48) groups, act order with a random permutation, offsets: whatever the kernel accepts."""
+    assert len(check_quant_kernel(kernel, dtype=dtype)) == cases
+
+
+def test_the_portable_woq_build_without_avx512_passes_the_same_check(tmp_path: Path) -> None:
+    code = (
+        "import torch\nfrom vframe.testing import check_quant_kernel\n"
+        "print(len(check_quant_kernel('woq_cpu', dtype=torch.bfloat16, quick=True)))"
+    )
+    env = {**os.environ, "VFRAME_CPU_PAGED_CXXFLAGS": "-mno-avx512f"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == "12"
+
+
+def test_a_kernel_that_computes_wrong_fails_the_check() -> None:
+    class OffByOne(ReferenceKernel):
+        def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return super().apply(layer, x, bias) + 1e-3
+
+    with pytest.raises(AssertionError, match=r"int4-g32-sym, float32, 1 tokens: max error"):
+        check_quant_kernel(OffByOne, quick=True)
+
+
+@pytest.mark.parametrize(
+    ("kernel_spec", "expected"),
+    [
+        (spec(4, 64), "int4_cpu"),  # bfloat16, 4 bit: torch's kernel (priority 30)
+        (spec(4, 64, act_order=True), "int4_cpu"),  # act order with equal groups: inputs sorted
+        (spec(4, 64, dtype=torch.float32), "woq_cpu"),  # torch's int4 kernel is bfloat16 only
+        (spec(8, 64), "woq_cpu"),
+        (spec(4, 48), "woq_cpu"),  # torch's kernel takes groups of 32 .. 256 that tile the inputs
+        (spec(8, 192, activations=INT8_PER_TOKEN), "int8_dynamic"),
+        (spec(4, 64, act_order=True, equal_groups=False), "reference"),  # q, k, v each in its own order
+        (spec(4, 64, device=torch.device("cuda")), "reference"),  # no GPU kernel is built in
+    ],
+)
+def test_the_highest_priority_kernel_that_can_run_a_layer_runs_it(kernel_spec: QuantLinearSpec, expected: str) -> None:
+    assert choose_kernel(kernel_spec).name == expected
+
+
+def test_a_named_kernel_that_cannot_run_a_layer_is_refused_saying_why() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"quant_kernel='int4_cpu' cannot run model.layers.0.mlp.down_proj: 8-bit symmetric, groups of 64, "
+        r"weight-only, \[48, 192\], bfloat16 on cpu: it runs 4-bit weight-only formats only",
+    ):
+        choose_kernel(spec(8, 64), "int4_cpu")
+
+
+class DoubleCheckedKernel(ReferenceKernel):
+    """A third party's kernel: the reference's arithmetic, counting its calls."""
+
+    priority = 100
+    calls = 0
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        type(self).calls += 1
+        return super().apply(layer, x, bias)
+
+
+class AcmeKernels:
+    @staticmethod
+    @hookimpl
+    def vframe_register_quant_kernels(register) -> None:  # noqa: ANN001
+        register("acme_int", DoubleCheckedKernel)
+
+
+@pytest.fixture(scope="module")
+def gptq_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gptq")
+    write_quantized_llama(path, quant_config(4, 32, sym=False), lambda w, generator: gptq_quantize(
+        w, bits=4, group_size=32, sym=False, desc_act=False, generator=generator
+    ))
+    return path
+
+
+def _greedy(llm: LLM) -> tuple[list[list[int]], list[float]]:
+    prompts = [{"prompt_token_ids": [3, 17, 42, 8, 77, 5]}, {"prompt_token_ids": list(range(1, 40))}]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, logprobs=0))
+    return ([list(o.outputs[0].token_ids) for o in outs],
+            [lp[t].logprob for o in outs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+
+
+def test_a_registered_kernel_of_higher_priority_runs_every_layer_and_quant_kernel_names_one(gptq_llama: Path) -> None:
+    base = LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", num_threads=2)
+    layers = base.llm_engine.model_runner.model.model.layers
+    assert {layer.mlp.gate_up_proj.quant_method.kernel.name for layer in layers} == {"woq_cpu"}
+    tokens, logprobs = _greedy(base)
+    register_plugin(AcmeKernels, "acme-kernels")
+    try:
+        assert "acme_int" in get_registry("quant_kernel").names()
+        acme = LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", num_threads=2)
+        acme_layers = acme.llm_engine.model_runner.model.model.layers
+        assert acme_layers[0].self_attn.qkv_proj.quant_method.kernel.name == "acme_int"
+        acme_tokens, acme_logprobs = _greedy(acme)
+        assert DoubleCheckedKernel.calls > 0
+        assert acme_tokens == tokens
+        assert max(abs(a - b) for a, b in zip(acme_logprobs, logprobs)) < 1e-4
+        named = LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", num_threads=2,
+                    quant_kernel="reference")
+        assert named.llm_engine.model_runner.model.model.layers[1].mlp.down_proj.quant_method.kernel.name == "reference"
+        assert _greedy(named)[0] == tokens
+    finally:
+        unregister_plugin("acme-kernels")
+
+
+def test_an_unknown_quant_kernel_is_refused_naming_the_known_ones(gptq_llama: Path) -> None:
+    with pytest.raises(Exception, match=r"int4_cpu, int8_dynamic, reference, woq_cpu"):
+        LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", quant_kernel="marlin")
+
+
+def test_the_checkpoint_tensors_are_dropped_once_the_kernel_holds_the_weight() -> None:
+    """A 4-bit layer then holds its integers once, two per byte, not the checkpoint's words beside them."""
+    from vframe.layers.linear import ReplicatedLinear
+    from vframe.models.loader.load import weight_bytes
+    from vframe.quant.gptq import GPTQConfig
+
+    in_features, out_features = 256, 64
+    packed = gptq_quantize(torch.randn(out_features, in_features), bits=4, group_size=64, sym=True,
+                           desc_act=False, generator=torch.Generator().manual_seed(0))
+    layer = ReplicatedLinear(in_features, out_features, bias=False, params_dtype=torch.float32,
+                             quant_config=GPTQConfig.from_config(quant_config(4, 64)))
+    for name, tensor in packed.tensors.items():
+        getattr(layer, name).weight_loader(getattr(layer, name), tensor)
+    layer.quant_method.process_weights_after_loading(layer)
+
+    assert [name for name, _ in layer.named_parameters()] == []
+    q_bytes = out_features * in_features // 2
+    scale_bytes = out_features * (in_features // 64) * 4  # float32
+    assert weight_bytes(layer) == q_bytes + scale_bytes + 0  # symmetric: no offsets (an empty tensor)
+    assert torch.equal(layer.quant_method.dequantize_weight(layer).double(), packed.weight())
+
+
+def test_int_weight_dequantize_is_the_definition() -> None:
+    q = torch.tensor([[0, 15, 8, 3]], dtype=torch.uint8)
+    scales = torch.tensor([[0.5, 2.0]])
+    offsets = torch.tensor([[1.0, -1.0]])
+    w = IntWeight(4, q, scales, offsets, group_size=2).dequantize()
+    assert w.tolist() == [[0.5 * (0 - 8) + 1, 0.5 * (15 - 8) + 1, 2.0 * (8 - 8) - 1, 2.0 * (3 - 8) - 1]]
+    act_order = IntWeight(4, q, scales, None, group_size=2, g_idx=torch.tensor([1, 0, 0, 1])).dequantize()
+    assert act_order.tolist() == [[2.0 * -8, 0.5 * 7, 0.5 * 0, 2.0 * -5]]

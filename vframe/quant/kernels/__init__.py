@@ -1,0 +1,180 @@
+"""Quantized linear kernels: registry kind ``quant_kernel`` (plugin API 1.8).
+
+A quantization format (``vframe.quant.base.QuantizationConfig``) reads its
+checkpoint's tensors; a *kernel* multiplies by them. The integer weight-only
+formats (GPTQ, AWQ, compressed-tensors pack-quantized and W8A8) hand every
+layer's weight to a kernel in one form, ``IntWeight``, after loading::
+
+    W[o, i] = scales[o, g(i)] * (q[o, i] - 2**(bits - 1)) + offsets[o, g(i)]
+
+with ``g(i) = i // group_size`` or, for act-order checkpoints, ``g_idx[i]``;
+``offsets`` is ``None`` for symmetric weights (zero point at the midpoint). A
+GPTQ / AWQ zero point ``z`` is the offset ``scales * (2**(bits - 1) - z)``.
+
+Choosing: each layer describes itself as a ``QuantLinearSpec``; the kernel named
+by the ``quant_kernel`` setting is used (a layer it cannot run is a
+``ConfigError`` naming why), else the registered kernels are tried by
+descending ``priority`` and the first whose ``can_implement`` returns ``None``
+runs the layer. The built-in ``reference`` kernel runs every spec and is the
+last resort. A kernel keeps what it needs as buffers on the layer (names
+starting with its registry name), so the format can drop its checkpoint tensors.
+
+Built-in kernels (``vframe.quant.kernels.builtin``), by priority:
+
+* ``int4_cpu`` (30): torch's ``_weight_int4pack_mm_for_cpu``, 4-bit, bfloat16 on the CPU.
+* ``woq_cpu`` (20): vframe's C++ weight-only kernel (``csrc/woq_gemm.cpp``), 4 and
+  8 bit, any group size a multiple of 32, act order by permuting the inputs;
+  activations of up to 16 tokens are multiplied in place, larger batches
+  dequantize the weight into the model's dtype for one GEMM.
+* ``int8_dynamic`` (20): W8A8 with per-token int8 activations through ``torch._int_mm``.
+* ``reference`` (0): dequantize in float32, cast, ``F.linear``; every spec, every device.
+
+``vframe.testing.check_quant_kernel`` checks a kernel against ``IntWeight.dequantize``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from vframe.errors import ConfigError
+
+WEIGHT_ONLY = "float"  # activations stay in the model's dtype
+INT8_PER_TOKEN = "int8-token"  # activations quantized per token to int8 (dynamic), W8A8
+
+
+@dataclass(frozen=True)
+class QuantLinearSpec:
+    """What a layer's quantized weight is and where it runs: what kernels choose by."""
+
+    bits: int  # 4 or 8
+    group_size: int  # inputs sharing a scale; in_features for one scale per output channel
+    symmetric: bool  # no offsets: the zero point is the midpoint 2**(bits - 1)
+    act_order: bool  # an input's group is g_idx[i], not i // group_size
+    # With act order: every group holds group_size of this rank's inputs, the same for
+    # every output row, so sorting the inputs by group makes the groups consecutive.
+    equal_groups: bool
+    activations: str  # WEIGHT_ONLY or INT8_PER_TOKEN
+    in_features: int  # this rank's
+    out_features: int  # this rank's
+    dtype: torch.dtype  # the activations' (the model's)
+    device: torch.device
+    layer: str = ""  # the layer's name, for messages
+
+    @property
+    def groups(self) -> int:
+        return -(-self.in_features // self.group_size)
+
+
+@dataclass
+class IntWeight:
+    """One layer's integer weight in the form every kernel reads (see the module)."""
+
+    bits: int
+    q: torch.Tensor  # [out, in] uint8 in [0, 2**bits)
+    scales: torch.Tensor  # [out, groups] float32
+    offsets: torch.Tensor | None  # [out, groups] float32, None: symmetric
+    group_size: int
+    # Act order: the group of each input, int64 [in], or [out, in] where fused
+    # shards were quantized each in its own order. None: i // group_size.
+    g_idx: torch.Tensor | None = None
+
+    def group_of_inputs(self) -> torch.Tensor:  # [out, in] int64
+        if self.g_idx is not None:
+            return self.g_idx.expand(self.q.shape)
+        return (torch.arange(self.q.shape[1], device=self.q.device) // self.group_size).expand(self.q.shape)
+
+    def equal_groups(self) -> bool:
+        """Whether every group holds ``group_size`` inputs, the same for every output row."""
+        if self.g_idx is None:
+            return self.q.shape[1] % self.group_size == 0
+        if self.g_idx.dim() == 2:
+            return False
+        counts = torch.bincount(self.g_idx, minlength=self.scales.shape[1])
+        return bool((counts == self.group_size).all())
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] float32, exact for float16 / bfloat16 scales
+        g = self.group_of_inputs()
+        w = self.scales.float().gather(1, g) * (self.q.float() - (1 << (self.bits - 1)))
+        return w if self.offsets is None else w + self.offsets.float().gather(1, g)
+
+
+class QuantLinearKernel(ABC):
+    """Multiplies activations by one layer's ``IntWeight``. One instance per layer."""
+
+    priority: ClassVar[int] = 10  # higher is tried first when no kernel is named
+
+    @classmethod
+    @abstractmethod
+    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        """``None`` when this kernel runs ``spec``; else why not (one short clause)."""
+
+    def __init__(self, spec: QuantLinearSpec, name: str) -> None:
+        self.spec = spec
+        self.name = name  # its registry name: the prefix of its buffers on the layer
+
+    @abstractmethod
+    def prepare(self, layer: nn.Module, weight: IntWeight) -> None:
+        """Keep what ``apply`` needs as buffers on ``layer``
+        (``layer.register_buffer(f"{self.name}_...", t, persistent=False)``)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias``: ``x`` [T, in] in ``spec.dtype`` -> [T, out] in ``spec.dtype``."""
+
+    @abstractmethod
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The weight ``apply`` multiplies by, [out, in] float32 (for checks and references)."""
+
+    def buffer(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        layer.register_buffer(f"{self.name}_{name}", tensor, persistent=False)
+
+    def get(self, layer: nn.Module, name: str) -> torch.Tensor:
+        return getattr(layer, f"{self.name}_{name}")
+
+
+def choose_kernel(spec: QuantLinearSpec, name: str | None = None) -> QuantLinearKernel:
+    """The kernel ``name`` for ``spec`` (a ``ConfigError`` saying why it cannot run
+    it), or with ``name=None`` the first registered kernel by descending priority
+    that can."""
+    from vframe.plugins import get_registry
+
+    registry = get_registry("quant_kernel")
+    if name is not None:
+        cls = registry.load(name)
+        if (reason := cls.can_implement(spec)) is not None:
+            raise ConfigError(f"quant_kernel={name!r} cannot run {_describe(spec)}: {reason}")
+        return cls(spec, name)
+    candidates = sorted(((registry.load(n), n) for n in registry.names()), key=lambda c: (-c[0].priority, c[1]))
+    reasons = []
+    for cls, kernel_name in candidates:
+        reason = cls.can_implement(spec)
+        if reason is None:
+            return cls(spec, kernel_name)
+        reasons.append(f"{kernel_name}: {reason}")
+    raise ConfigError(f"no quant_kernel runs {_describe(spec)} ({'; '.join(reasons) or 'none registered'})")
+
+
+def _describe(spec: QuantLinearSpec) -> str:
+    group = "per channel" if spec.group_size == spec.in_features else f"groups of {spec.group_size}"
+    parts = [
+        f"{spec.layer + ': ' if spec.layer else ''}{spec.bits}-bit {'symmetric' if spec.symmetric else 'asymmetric'}",
+        group, *(["act order" + (" per fused shard" if spec.act_order_per_row else "")] if spec.act_order else []),
+        "int8 activations" if spec.activations == INT8_PER_TOKEN else "weight-only",
+        f"[{spec.out_features}, {spec.in_features}]", f"{str(spec.dtype).removeprefix('torch.')} on {spec.device.type}",
+    ]
+    return ", ".join(parts)
+
+
+__all__ = [
+    "INT8_PER_TOKEN",
+    "WEIGHT_ONLY",
+    "IntWeight",
+    "QuantLinearKernel",
+    "QuantLinearSpec",
+    "choose_kernel",
+]

@@ -1,0 +1,259 @@
+"""The built-in quantized linear kernels (see ``vframe.quant.kernels``)."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vframe.quant import int4_cpu
+from vframe.quant.kernels import INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight, QuantLinearKernel, QuantLinearSpec
+
+INT8_MAX = 127
+
+
+class ReferenceKernel(QuantLinearKernel):
+    """Dequantize to float32, cast to the activations' dtype, ``F.linear``: every
+    spec on every device, and the definition the others are checked against.
+    Keeps the integers unpacked (one byte each)."""
+
+    priority = 0
+
+    @classmethod
+    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        return None
+
+    def prepare(self, layer: nn.Module, weight: IntWeight) -> None:
+        self.buffer(layer, "q", weight.q.to(torch.uint8).contiguous())
+        self.buffer(layer, "scales", weight.scales.float().contiguous())
+        if weight.offsets is not None:
+            self.buffer(layer, "offsets", weight.offsets.float().contiguous())
+        self.buffer(layer, "groups", weight.g_idx if weight.g_idx is not None else torch.empty(0, dtype=torch.long))
+        self.bits, self.group_size = weight.bits, weight.group_size
+
+    def _weight(self, layer: nn.Module) -> IntWeight:
+        offsets = getattr(layer, f"{self.name}_offsets", None)
+        groups = self.get(layer, "groups")
+        return IntWeight(self.bits, self.get(layer, "q"), self.get(layer, "scales"), offsets, self.group_size,
+                         groups if groups.numel() else None)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.spec.activations == INT8_PER_TOKEN:
+            w = self._weight(layer)
+            xq, x_scale = quantize_per_token(x)
+            acc = xq.float() @ (w.q.float() - 128).T  # [T, out]
+            return _scaled(acc, x_scale, w.scales[:, 0], x.dtype, bias)
+        return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        return self._weight(layer).dequantize()
+
+
+class Int8DynamicKernel(QuantLinearKernel):
+    """W8A8: each token scaled to int8 by its own max |x| / 127, ``torch._int_mm``
+    (exact int32 sums; oneDNN's VNNI path on the CPU), then both scales."""
+
+    priority = 20
+
+    @classmethod
+    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        if spec.activations != INT8_PER_TOKEN:
+            return "it runs int8 activations (W8A8) only"
+        if spec.bits != 8 or not spec.symmetric or spec.group_size != spec.in_features or spec.act_order:
+            return "it runs symmetric 8-bit weights with one scale per output channel only"
+        if not hasattr(torch, "_int_mm"):
+            return "this torch has no torch._int_mm"
+        return None
+
+    def prepare(self, layer: nn.Module, weight: IntWeight) -> None:
+        self.buffer(layer, "weight", (weight.q.to(torch.int16) - 128).to(torch.int8).contiguous())  # [out, in]
+        self.buffer(layer, "scale", weight.scales[:, 0].float().contiguous())  # [out]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w = self.get(layer, "weight")
+        xq, x_scale = quantize_per_token(x)
+        tokens, inputs = xq.shape
+        # torch._int_mm on a GPU needs more than 16 rows and sizes that 8 divides; the CPU takes any.
+        if x.device.type == "cpu" or (tokens > 16 and inputs % 8 == 0 and w.shape[0] % 8 == 0):
+            acc = torch._int_mm(xq, w.T).float()  # [T, out], exact int32
+        else:
+            acc = xq.float() @ w.float().T
+        return _scaled(acc, x_scale, self.get(layer, "scale"), x.dtype, bias)
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        return self.get(layer, "weight").float() * self.get(layer, "scale")[:, None]
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [T, in] and the float32 scale [T, 1] of each token (max |x| / 127)."""
+    x_scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX
+    return torch.round(x.float() / x_scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), x_scale
+
+
+def _scaled(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    out = (acc * x_scale * w_scale).to(dtype)
+    return out if bias is None else out + bias
+
+
+class _Permuted(QuantLinearKernel):
+    """Act-order weights with equal groups run as consecutive groups: the inputs
+    are sorted by group once (the weight's columns) and on every call (the activations')."""
+
+    @staticmethod
+    def permutable(spec: QuantLinearSpec) -> str | None:
+        if not spec.equal_groups:
+            return f"its groups must each hold {spec.group_size} inputs, in the same order for every output"
+        return None
+
+    def _in_group_order(self, layer: nn.Module, weight: IntWeight) -> IntWeight:
+        if weight.g_idx is None:
+            self.permuted = False
+            return weight
+        perm = torch.argsort(weight.g_idx, stable=True)
+        in_order = torch.arange(len(perm), device=perm.device) // weight.group_size
+        assert torch.equal(weight.g_idx[perm], in_order), "can_implement checks equal_groups"
+        self.permuted = True
+        self.buffer(layer, "perm", perm)
+        return IntWeight(weight.bits, weight.q[:, perm], weight.scales, weight.offsets, weight.group_size)
+
+    def _inputs(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return x[:, self.get(layer, "perm")] if self.permuted else x
+
+    def _columns_back(self, layer: nn.Module, w: torch.Tensor) -> torch.Tensor:  # [out, in] in group order
+        if not self.permuted:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.get(layer, "perm")] = w
+        return out
+
+
+def woq_library():  # vframe.utils.native.NativeLibrary
+    from vframe.utils.native import NativeLibrary
+
+    source = Path(__file__).with_name("csrc") / "woq_gemm.cpp"
+    return NativeLibrary("quant_cpu", (source,), "vframe_quant_cpu.so", "woq_cpu quantized matmul operators")
+
+
+@cache
+def _woq_ops():
+    woq_library().load()
+    return torch.ops.vframe_quant_cpu
+
+
+def woq_cpu_available() -> str | None:
+    """``None`` when vframe's C++ weight-only kernel is built (or builds) here; else why not."""
+    from vframe.utils.native import BuildError
+
+    try:
+        _woq_ops()
+    except (BuildError, OSError, RuntimeError) as e:
+        return f"its C++ operators could not be built here ({str(e).splitlines()[0]})"
+    return None
+
+
+class WoqCpuKernel(_Permuted):
+    """vframe's C++ kernel (``csrc/woq_gemm.cpp``): up to ``MAX_ROWS`` activation
+    rows are multiplied by the integers in place (8 bit: a byte each; 4 bit: two
+    per byte), more rows dequantize the weight into the activations' dtype for one
+    GEMM (prefill), where oneDNN's GEMM is faster than any weight-only loop."""
+
+    priority = 20
+    MAX_ROWS = 16
+
+    @classmethod
+    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        if spec.device.type != "cpu":
+            return "it runs on the CPU only"
+        if spec.activations != WEIGHT_ONLY:
+            return "it runs weight-only formats only"
+        if spec.bits not in (4, 8):
+            return "it runs 4 and 8 bit weights only"
+        if spec.in_features % spec.group_size or spec.group_size % 2:
+            return f"it needs even groups that divide the {spec.in_features} inputs"
+        if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return "it runs float32, bfloat16 and float16 activations only"
+        return cls.permutable(spec) or woq_cpu_available()
+
+    def prepare(self, layer: nn.Module, weight: IntWeight) -> None:
+        weight = self._in_group_order(layer, weight)
+        self.bits, self.group_size = weight.bits, weight.group_size
+        q = weight.q.to(torch.uint8)
+        if self.bits == 4:  # byte j of a group: input j (low nibble) and input j + group / 2 (high)
+            halves = q.view(q.shape[0], -1, 2, self.group_size // 2)
+            q = (halves[:, :, 0] | (halves[:, :, 1] << 4)).flatten(1)
+        self.buffer(layer, "q", q.contiguous())
+        self.buffer(layer, "scales", weight.scales.float().contiguous())
+        # The operator subtracts s (z - mid) = -offset times each group's input sum.
+        neg_offsets = torch.empty(0) if weight.offsets is None else -weight.offsets.float().contiguous()
+        self.buffer(layer, "neg_offsets", neg_offsets)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = self._inputs(layer, x)
+        if x.shape[0] > self.MAX_ROWS:
+            out = F.linear(x, self._dequantized(layer).to(x.dtype))
+        else:
+            out = _woq_ops().woq_gemm(
+                x.float().contiguous(), self.get(layer, "q"), self.get(layer, "scales"),
+                self.get(layer, "neg_offsets"), self.group_size, self.bits, x.dtype,
+            )
+        return out if bias is None else out + bias
+
+    def _dequantized(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, in group order
+        q = self.get(layer, "q")
+        if self.bits == 4:
+            groups = q.view(q.shape[0], -1, self.group_size // 2)
+            q = torch.stack([groups & 15, groups >> 4], dim=2).flatten(1)
+        neg_offsets = self.get(layer, "neg_offsets")
+        weight = IntWeight(self.bits, q, self.get(layer, "scales"), None if neg_offsets.numel() == 0 else -neg_offsets,
+                           self.group_size)
+        return weight.dequantize()
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        return self._columns_back(layer, self._dequantized(layer))
+
+
+class TorchInt4CpuKernel(_Permuted):
+    """torch's ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations on the CPU;
+    its scales and offsets are rounded to bfloat16). Groups of 32 to 256 inputs."""
+
+    priority = 30
+
+    @classmethod
+    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        if spec.device.type != "cpu" or spec.dtype != torch.bfloat16:
+            return "it runs bfloat16 activations on the CPU only"
+        if spec.activations != WEIGHT_ONLY or spec.bits != 4:
+            return "it runs 4-bit weight-only formats only"
+        if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+            return "this torch has no _weight_int4pack_mm_for_cpu"
+        if spec.out_features % 16:
+            return "it needs a multiple of 16 outputs"
+        if int4_cpu.group_for(spec.in_features, spec.group_size) is None:
+            return f"its groups (32 to 256 inputs) do not fit groups of {spec.group_size} over {spec.in_features} inputs"
+        return cls.permutable(spec)
+
+    def prepare(self, layer: nn.Module, weight: IntWeight) -> None:
+        weight = self._in_group_order(layer, weight)
+        self.kernel_group = int4_cpu.group_for(self.spec.in_features, weight.group_size)
+        packed, scales_and_zeros = int4_cpu.pack(weight, self.kernel_group)
+        self.buffer(layer, "weight", packed)
+        self.buffer(layer, "scales_and_zeros", scales_and_zeros)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = self._inputs(layer, x)
+        return int4_cpu.matmul(x, self.get(layer, "weight"), self.get(layer, "scales_and_zeros"), self.kernel_group, bias)
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        w = int4_cpu.unpack(self.get(layer, "weight"), self.get(layer, "scales_and_zeros"), self.kernel_group)
+        return self._columns_back(layer, w)
+
+
+if __name__ == "__main__":  # make install builds the woq_cpu operators once
+    import logging
+
+    logging.basicConfig(level=logging.INFO)
+    print(woq_library().build())

@@ -1,0 +1,186 @@
+// Weight-only quantized matmul for a few rows of activations (decode): int8 or
+// int4 weights with one float scale per group of consecutive inputs, optional
+// zero points, read in place and never dequantized into a float weight.
+//
+//   y[m, o] = sum_g  s[o, g] * dot_g(x[m], q[o] - c)  -  sz[o, g] * xsum[m, g]
+//
+// q holds the stored integers (8 bit: [N, K] uint8; 4 bit: [N, K / 2] uint8, the
+// low nibble of byte j of a group is its input j, the high nibble its input
+// j + group / 2); c is the midpoint (128 or 8), so symmetric formats need no zero
+// term; sz = s * (z - c) for asymmetric ones, with xsum the sum of each group's
+// inputs. Accumulation in float32; the output in x's dtype.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// The weight of input i of a row, minus the midpoint (scalar path).
+inline float weight_at(const uint8_t* row, int64_t i, int64_t group, int64_t bits) {
+  if (bits == 8) return static_cast<float>(static_cast<int32_t>(row[i]) - 128);
+  const int64_t g = i / group, j = i % group, half = group / 2;
+  const int32_t b = row[g * half + j % half];
+  return static_cast<float>((j < half ? (b & 15) : (b >> 4)) - 8);
+}
+
+// Output rows begin .. end for m_rows (<= kMaxRows) activation rows.
+constexpr int64_t kMaxRows = 8;
+
+template <typename T>
+void rows_scalar(const float* x, const float* xsum, const uint8_t* q, const float* scales, const float* sz, T* y,
+                 int64_t m_rows, int64_t n, int64_t k, int64_t group, int64_t bits, int64_t begin, int64_t end) {
+  const int64_t groups = k / group, row_bytes = bits == 8 ? k : k / 2;
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = q + o * row_bytes;
+    for (int64_t m = 0; m < m_rows; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float d = 0.f;
+        for (int64_t i = g * group; i < (g + 1) * group; ++i) d += x[m * k + i] * weight_at(row, i, group, bits);
+        acc += scales[o * groups + g] * d;
+        if (sz != nullptr) acc -= sz[o * groups + g] * xsum[m * groups + g];
+      }
+      y[m * n + o] = static_cast<T>(acc);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 widen(__m128i bytes, __m512i mid) {
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), mid));
+}
+
+// Each 16 weights are widened to float once and used for every activation row;
+// a group's products add up in vectors, scaled once per group, summed once per
+// output. BITS and MR (activation rows) are compile-time so the accumulators stay
+// in registers.
+template <int64_t BITS, int64_t MR, typename T>
+void rows_avx512(const float* x, const float* xsum, const uint8_t* q, const float* scales, const float* sz, T* y,
+                 int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
+  const int64_t groups = k / group, row_bytes = BITS == 8 ? k : k / 2;
+  const int64_t group_bytes = BITS == 8 ? group : group / 2, half = group / 2;
+  const __m512i mid = _mm512_set1_epi32(BITS == 8 ? 128 : 8);
+  const __m128i low = _mm_set1_epi8(15);
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = q + o * row_bytes;
+    const float* so = scales + o * groups;
+    __m512 acc[MR];
+    float zero_term[MR];
+    for (int64_t m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps(), zero_term[m] = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 part[MR];
+      for (int64_t m = 0; m < MR; ++m) part[m] = _mm512_setzero_ps();
+      const uint8_t* qg = row + g * group_bytes;
+      const float* xg = x + g * group;
+      for (int64_t c = 0; c < group_bytes; c += 16) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + c));
+        if constexpr (BITS == 8) {
+          const __m512 w = widen(bytes, mid);
+          for (int64_t m = 0; m < MR; ++m) part[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + m * k + c), w, part[m]);
+        } else {
+          const __m512 lo = widen(_mm_and_si128(bytes, low), mid);
+          const __m512 hi = widen(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), mid);
+          for (int64_t m = 0; m < MR; ++m) {
+            part[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + m * k + c), lo, part[m]);
+            part[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + m * k + c + half), hi, part[m]);
+          }
+        }
+      }
+      const __m512 scale = _mm512_set1_ps(so[g]);
+      for (int64_t m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(part[m], scale, acc[m]);
+      if (sz != nullptr)
+        for (int64_t m = 0; m < MR; ++m) zero_term[m] += sz[o * groups + g] * xsum[m * groups + g];
+    }
+    for (int64_t m = 0; m < MR; ++m) y[m * n + o] = static_cast<T>(_mm512_reduce_add_ps(acc[m]) - zero_term[m]);
+  }
+}
+
+template <int64_t BITS, typename T>
+void block_avx512(int64_t rows, const float* x, const float* xsum, const uint8_t* q, const float* scales,
+                  const float* sz, T* y, int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
+  switch (rows) {
+#define VFRAME_ROWS(R) \
+  case R: return rows_avx512<BITS, R>(x, xsum, q, scales, sz, y, n, k, group, begin, end);
+    VFRAME_ROWS(1) VFRAME_ROWS(2) VFRAME_ROWS(3) VFRAME_ROWS(4)
+    VFRAME_ROWS(5) VFRAME_ROWS(6) VFRAME_ROWS(7) VFRAME_ROWS(8)
+#undef VFRAME_ROWS
+  }
+}
+#endif
+
+template <typename T>
+void gemm(const float* x, const float* xsum, const uint8_t* q, const float* scales, const float* sz, T* y,
+          int64_t m_rows, int64_t n, int64_t k, int64_t group, int64_t bits) {
+  const int64_t groups = k / group;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < m_rows; m0 += kMaxRows) {
+      const int64_t rows = std::min(kMaxRows, m_rows - m0);
+      const float* xm = x + m0 * k;
+      const float* xs = xsum == nullptr ? nullptr : xsum + m0 * groups;
+#if defined(__AVX512F__)
+      if (group % (bits == 8 ? 16 : 32) == 0) {
+        if (bits == 8)
+          block_avx512<8>(rows, xm, xs, q, scales, sz, y + m0 * n, n, k, group, begin, end);
+        else
+          block_avx512<4>(rows, xm, xs, q, scales, sz, y + m0 * n, n, k, group, begin, end);
+        continue;
+      }
+#endif
+      rows_scalar(xm, xs, q, scales, sz, y + m0 * n, rows, n, k, group, bits, begin, end);
+    }
+  });
+}
+
+// x: [M, K] float32; q: uint8 [N, K] (8 bit) or [N, K / 2] (4 bit); scales: [N, K / group]
+// float32; scaled_zeros: the same shape or empty (symmetric). Returns [M, N] of out_dtype.
+at::Tensor woq_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                    const at::Tensor& scaled_zeros, int64_t group, int64_t bits, at::ScalarType out_dtype) {
+  TORCH_CHECK(bits == 8 || bits == 4, "woq_gemm: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "woq_gemm: x must be [M, K] float32");
+  const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0);
+  TORCH_CHECK(group > 0 && k % group == 0 && (bits == 8 || group % 2 == 0), "woq_gemm: group ", group,
+              " does not divide K=", k);
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) == (bits == 8 ? k : k / 2),
+              "woq_gemm: q must be contiguous uint8 [N, ", bits == 8 ? k : k / 2, "]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == n &&
+                  scales.size(1) == k / group,
+              "woq_gemm: scales must be float32 [N, K / group]");
+  const bool zeros = scaled_zeros.numel() > 0;
+  TORCH_CHECK(!zeros || (scaled_zeros.sizes() == scales.sizes() && scaled_zeros.scalar_type() == at::kFloat &&
+                         scaled_zeros.is_contiguous()),
+              "woq_gemm: scaled_zeros must be empty or float32 like scales");
+  at::Tensor xsum;
+  if (zeros) xsum = x.view({m_rows, k / group, group}).sum(-1).contiguous();
+  at::Tensor y = at::empty({m_rows, n}, x.options().dtype(out_dtype));
+  const float* zs = zeros ? scaled_zeros.data_ptr<float>() : nullptr;
+  const float* xs = zeros ? xsum.data_ptr<float>() : nullptr;
+  auto run = [&](auto* out) {
+    gemm(x.data_ptr<float>(), xs, q.data_ptr<uint8_t>(), scales.data_ptr<float>(), zs, out, m_rows, n, k, group, bits);
+  };
+  switch (out_dtype) {
+    case at::kFloat: run(y.data_ptr<float>()); break;
+    case at::kBFloat16: run(y.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: run(y.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "woq_gemm: out_dtype must be float32, bfloat16 or float16");
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vframe_quant_cpu, m) {
+  m.def("woq_gemm(Tensor x, Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) { m.impl("woq_gemm", &woq_gemm); }

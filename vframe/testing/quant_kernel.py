@@ -1,0 +1,143 @@
+"""Conformance check for quantized linear kernels: ``check_quant_kernel``.
+
+The check builds random ``IntWeight``s over a matrix of specs (4 and 8 bit;
+groups of 32, 64, an odd 48-wide group and one per output channel; symmetric
+and with offsets; inputs in order, in act order with equal groups, and in a
+different act order per fused shard; weight-only and W8A8), keeps those the
+kernel says it can run (``can_implement`` returns ``None``), and for each:
+
+* ``prepare`` on a bare ``nn.Module`` layer, then ``dequantize_weight(layer)``
+  equals ``IntWeight.dequantize()`` within ``weight_tolerance(dtype)`` of each
+  row's largest value (a kernel may round its scales to the activations' dtype);
+* ``apply(layer, x, bias)`` for 1, 5 and 40 tokens (one decode row, a small
+  batch, a prefill chunk) has shape ``[T, out]``, the activation dtype, and is
+  within ``OUTPUT_TOLERANCES[dtype]`` (relative to the largest reference value) of
+  ``x @ W.T + bias`` in float64 with ``W = IntWeight.dequantize()``; for W8A8
+  the reference quantizes ``x`` per token as ``quantize_per_token`` does.
+
+It raises ``AssertionError`` naming the case, or when the kernel runs none of
+the specs. Returns the names of the cases that ran.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+
+import torch
+from torch import nn
+
+from vframe.quant.kernels import INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight, QuantLinearKernel, QuantLinearSpec
+
+# largest |apply - reference| / max |reference| per activation dtype
+OUTPUT_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 2e-5, torch.bfloat16: 2**-6, torch.float16: 2**-9}
+
+
+def weight_tolerance(dtype: torch.dtype) -> float:
+    """Largest |dequantize_weight - IntWeight.dequantize()| relative to a row's max:
+    float32 exact; narrower activations allow scales rounded to their dtype."""
+    return 0.0 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+
+
+def _int_weight(spec: QuantLinearSpec, shards: int, generator: torch.Generator) -> IntWeight:
+    out, inp, gs = spec.out_features, spec.in_features, spec.group_size
+    groups = -(-inp // gs)
+    q = torch.randint(0, 1 << spec.bits, (out, inp), generator=generator, dtype=torch.int32).to(torch.uint8)
+    scales = (torch.rand(out, groups, generator=generator) + 0.5) / (1 << spec.bits) / inp**0.5
+    scales = scales.half().float()  # checkpoints store float16 scales
+    offsets = None
+    if not spec.symmetric:
+        zeros = torch.randint(0, 1 << spec.bits, (out, groups), generator=generator).float()
+        offsets = scales * ((1 << (spec.bits - 1)) - zeros)
+    g_idx = None
+    if spec.act_order:
+        def order() -> torch.Tensor:
+            return (torch.arange(inp) // gs)[torch.randperm(inp, generator=generator)]
+        if spec.equal_groups:
+            g_idx = order()
+        else:  # each fused shard (a slice of the outputs) in its own order
+            g_idx = torch.cat([order().expand(out // shards, inp) for _ in range(shards)])
+    return IntWeight(spec.bits, q, scales, offsets, gs, g_idx)
+
+
+def _specs(dtype: torch.dtype, device: torch.device, quick: bool) -> list[QuantLinearSpec]:
+    inp, out = 192, 48
+    specs = []
+    groups = (32, inp) if quick else (32, 64, 48, inp)
+    for bits, gs, symmetric, order in product((4, 8), groups, (True, False), ("none", "equal", "per-shard")):
+        if gs == inp and order != "none":
+            continue
+        specs.append(QuantLinearSpec(
+            bits=bits, group_size=gs, symmetric=symmetric, act_order=order != "none",
+            equal_groups=order != "per-shard", activations=WEIGHT_ONLY, in_features=inp, out_features=out,
+            dtype=dtype, device=device,
+        ))
+    specs.append(QuantLinearSpec(
+        bits=8, group_size=inp, symmetric=True, act_order=False, equal_groups=True, activations=INT8_PER_TOKEN,
+        in_features=inp, out_features=out, dtype=dtype, device=device,
+    ))
+    return specs
+
+
+def _name(spec: QuantLinearSpec) -> str:
+    group = "channel" if spec.group_size == spec.in_features else f"g{spec.group_size}"
+    order = "" if not spec.act_order else "-actorder" if spec.equal_groups else "-actorder-per-shard"
+    act = "-w8a8" if spec.activations == INT8_PER_TOKEN else ""
+    return f"int{spec.bits}-{group}-{'sym' if spec.symmetric else 'asym'}{order}{act}"
+
+
+def check_quant_kernel(
+    kernel: type[QuantLinearKernel] | str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    quick: bool = False,
+) -> list[str]:
+    """Check ``kernel`` (a class, or its ``quant_kernel`` registry name) on every
+    spec of the matrix it can run; see the module."""
+    from vframe.quant.kernels.builtin import quantize_per_token
+
+    name = kernel if isinstance(kernel, str) else kernel.__name__
+    if isinstance(kernel, str):
+        from vframe.plugins import get_registry
+
+        kernel = get_registry("quant_kernel").load(kernel)
+    device = torch.device(device)
+    ran = []
+    for i, spec in enumerate(_specs(dtype, device, quick)):
+        if kernel.can_implement(spec) is not None:
+            continue
+        case = f"quant kernel {name}, {_name(spec)}, {str(dtype).removeprefix('torch.')}"
+        generator = torch.Generator().manual_seed(i)
+        weight = _int_weight(spec, shards=3, generator=generator)
+        w = weight.dequantize()  # [out, in] float32
+        layer = nn.Module()
+        instance = kernel(spec, name)
+        instance.prepare(layer, IntWeight(weight.bits, weight.q.to(device), weight.scales.to(device),
+                                          None if weight.offsets is None else weight.offsets.to(device),
+                                          weight.group_size, None if weight.g_idx is None else weight.g_idx.to(device)))
+        got_w = instance.dequantize_weight(layer).float().cpu()
+        assert got_w.shape == w.shape, f"{case}: dequantize_weight has shape {tuple(got_w.shape)}, not {tuple(w.shape)}"
+        row_max = w.abs().amax(dim=1, keepdim=True)
+        excess = float(((got_w - w).abs() - weight_tolerance(dtype) * row_max).max())
+        assert excess <= 0, f"{case}: dequantize_weight differs from IntWeight.dequantize() by {excess:.3g} beyond tolerance"
+        bias = torch.randn(spec.out_features, generator=generator)
+        for tokens in (1, 5, 40):
+            x = torch.randn(tokens, spec.in_features, generator=generator).to(dtype)
+            out = instance.apply(layer, x.to(device), bias.to(dtype).to(device))
+            assert tuple(out.shape) == (tokens, spec.out_features), f"{case}, {tokens} tokens: shape {tuple(out.shape)}"
+            assert out.dtype == dtype, f"{case}, {tokens} tokens: output dtype {out.dtype}, expected {dtype}"
+            assert torch.isfinite(out).all(), f"{case}, {tokens} tokens: NaN or inf in the output"
+            if spec.activations == INT8_PER_TOKEN:
+                xq, x_scale = quantize_per_token(x)
+                ref = (xq.double() * x_scale.double()) @ w.double().T
+            else:
+                ref = x.double() @ w.double().T
+            ref = ref + bias.to(dtype).double()
+            err = float((out.cpu().double() - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
+            assert err <= OUTPUT_TOLERANCES[dtype], (
+                f"{case}, {tokens} tokens: max error {err:.3g} of the largest output, "
+                f"above {OUTPUT_TOLERANCES[dtype]:.3g}"
+            )
+        ran.append(_name(spec))
+    assert ran, f"quant kernel {name} runs none of the specs of the check at {dtype} on {device}"
+    return ran
