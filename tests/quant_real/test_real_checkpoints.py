@@ -20,6 +20,11 @@ checkpoint with ``quantization`` left to ``config.json``, in float32:
   prompts below;
 * perplexity of the fixed text within 2% of the reference's.
 
+In bfloat16 (the CPU's fast quant kernels: ``int4_cpu``, ``woq_cpu``, ``int8_dynamic``)
+each integer scheme, W8A8 included, keeps the reference's perplexity within 2%, and
+its quantized layers hold the checkpoint's packed bytes (within 10%: scales in
+float32 or bfloat16).
+
 vframe computes with exactly the reference's weights, so log-probabilities
 differ by float32 rounding only (W8A8: also an integer matmul against a float
 one of the same integers); each check is also asserted to be able to fail: the
@@ -242,3 +247,53 @@ def test_native_block_fp8_layout_serves_the_same_blocks(checkpoints: Path, tmp_p
     reference = reference_results(checkpoints / "ct-fp8-block-reference", ids, prompt_ids, False)
     worst = float((text_logprobs(llm, ids) - torch.tensor(reference["logprobs"])).abs().max())
     assert worst <= SCHEMES["ct-fp8-block"][2], f"a token's logprob differs by {worst:.2e}"
+
+
+# integer schemes -> the quant kernel their decoder layers take in bfloat16 on the CPU
+BF16_KERNELS = {
+    "ct-w8a16": "woq_cpu",  # 8 bit, groups of 64
+    "ct-w4a16": "int4_cpu",  # 4 bit, groups of 64
+    "autoround-gptq": "int4_cpu",
+    "autoround-awq": "int4_cpu",
+    "ct-w8a8": "int8_dynamic",
+}
+# checkpoint tensors a quantized linear layer is made from
+PACKED_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",
+                  "weight_shape", "weight")
+
+
+@pytest.mark.parametrize("scheme", BF16_KERNELS)
+def test_bfloat16_kernels_keep_the_perplexity_and_the_checkpoint_s_size(scheme: str, checkpoints: Path) -> None:
+    """The fast CPU kernels (bfloat16 activations, scales rounded to bfloat16 by
+    int4_cpu) on the tool's checkpoint: perplexity of the text within 2% of the
+    float32 reference's (W8A8's reference rounds each linear input to int8 as well),
+    and the quantized layers hold about the checkpoint's packed bytes: the integers
+    once (two per byte at 4 bit), scales in float32 or bfloat16."""
+    from safetensors import safe_open
+
+    from vframe.models.loader.load import quantized_linear_layers, weight_bytes
+
+    make_checkpoint(scheme, checkpoints)
+    llm = LLM(model=str(checkpoints / scheme), dtype="bfloat16", max_model_len=512, num_threads=2)
+    model = llm.llm_engine.model_runner.model
+    layers = quantized_linear_layers(model)
+    assert {layer.quant_method.kernel.name for layer in layers} == {BF16_KERNELS[scheme]}
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer(TEXT).input_ids
+    prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
+    reference = reference_results(checkpoints / f"{scheme}-reference", ids, prompt_ids, scheme in INT8_ACTIVATIONS)
+    ppl, ref_ppl = perplexity(text_logprobs(llm, ids)), perplexity(torch.tensor(reference["logprobs"]))
+    assert abs(ppl - ref_ppl) <= PERPLEXITY_RTOL * ref_ppl, f"{scheme}: perplexity {ppl:.3f}, reference {ref_ppl:.3f}"
+
+    with safe_open(str(checkpoints / scheme / "model.safetensors"), framework="pt") as f:
+        packed = sum(
+            f.get_tensor(name).nbytes
+            for name in f.keys()
+            if name.startswith("model.layers.") and name.rpartition(".")[2] in PACKED_TENSORS
+            and not name.endswith(("norm.weight",))
+        )
+    held = sum(weight_bytes(layer) - (layer.bias.nbytes if getattr(layer, "bias", None) is not None else 0)
+               for layer in layers)
+    print(f"{scheme}: bfloat16 perplexity {ppl:.3f} (reference {ref_ppl:.3f}); quantized layers hold "
+          f"{held / 2**20:.1f} MiB, the checkpoint's tensors {packed / 2**20:.1f} MiB ({held / packed:.3f}x)")
+    assert 0.95 <= held / packed <= 1.10, f"{scheme}: layers hold {held} bytes, the checkpoint {packed}"
