@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml $(wildcard contrib/*/pyproject.toml)
 	# without a compiler the engine falls back to the torch backend, so a failure here is not fatal.
 	$(PY) -m vframe.backends.cpu_paged.build || echo "cpu_paged not built: attention_backend=auto will use torch"
 	$(PY) -m vframe.quant.kernels.builtin || echo "woq_cpu not built: quantized layers will use other kernels"
+	$(PY) -m vframe.layers.cpu_ops || echo "fused CPU operators not built: layers keep their PyTorch expressions"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -20,6 +20,7 @@ from torch import nn
 from vframe.core.interfaces import AttentionBackend
 from vframe.core.kv_cache_spec import KVCacheSpec, full_attention_specs
 from vframe.errors import ConfigError
+from vframe.layers import cpu_ops
 from vframe.layers.embedding import TiedLMHead, VocabEmbedding, unquantized_embedding, unquantized_lm_head
 from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vframe.layers.parallel import get_tp_size
@@ -65,6 +66,9 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [T, H, D]
         key: torch.Tensor,  # [T, KVH, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if cpu_ops.applies(query) and positions.dtype == torch.int64:  # one fused operator, bit-exact
+            cpu_ops.rotary_neox_(positions, query, key, self.cos_sin_cache)
+            return query, key
         # In the activation dtype, as transformers does: no float32 round trip.
         cos, sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
         num_heads = query.shape[1]
@@ -86,6 +90,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == self.weight.dtype and cpu_ops.applies(x):
+            return cpu_ops.rms_norm(x, self.weight, self.eps)  # the same expression, fused
         # transformers' order: normalize in float32, cast back, then scale. Written
         # out because F.rms_norm is ~3x slower on CPU in bfloat16.
         xf = x.float()

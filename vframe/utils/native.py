@@ -66,6 +66,7 @@ class NativeLibrary:
     sources: tuple[Path, ...]
     file_name: str
     what: str
+    flags: tuple[str, ...] = ()  # compiler flags of this library's own
 
     def _compile_command(self, cxx: str, output: Path) -> list[str]:
         from torch.utils import cpp_extension
@@ -74,7 +75,7 @@ class NativeLibrary:
         lib_dirs = cpp_extension.library_paths()
         return [
             cxx, "-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++20",
-            *os.environ.get(CXXFLAGS_ENV, "").split(),
+            *self.flags, *os.environ.get(CXXFLAGS_ENV, "").split(),
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *(f"-I{p}" for p in cpp_extension.include_paths()),
             *(str(s) for s in self.sources),

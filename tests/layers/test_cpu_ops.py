@@ -1,0 +1,98 @@
+"""The fused CPU RMSNorm and rotary operators (vframe/layers/cpu_ops.py) against the
+PyTorch expressions they replace, and the layers taking them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vframe.layers import cpu_ops
+from vframe.models.llama import RMSNorm, RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+class _Config:
+    rope_theta = 10000.0
+    max_position_embeddings = 4096
+    rope_scaling = None
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def torch_rotary(positions, query, key, cache):  # noqa: ANN001, ANN201
+    cos, sin = cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
+    qk = torch.cat([query, key], dim=1)
+    x1, x2 = qk.chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated[:, : query.shape[1]], rotated[:, query.shape[1]:]
+
+
+def test_the_operators_build_here() -> None:
+    assert cpu_ops.available()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_rotary_is_bit_exact_on_views_of_a_fused_projection(dtype: torch.dtype, tokens: int) -> None:
+    heads, kv_heads, dim = 9, 3, 64  # SmolLM2's q / k heads
+    g = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 4).to(dtype)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)  # strided views, as the attention layer cuts them
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    rope = RotaryEmbedding(_Config(), dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    expected_q, expected_k = torch_rotary(positions, q, k, rope.cos_sin_cache)
+
+    with torch.inference_mode():
+        got_q, got_k = rope(positions, q, k)
+
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v untouched
+
+
+# ulps relative to |value| * eps: a last-bit step counts as up to 2
+@pytest.mark.parametrize(("dtype", "max_ulps"), [(torch.float32, 8), (torch.bfloat16, 2), (torch.float16, 2)])
+def test_rms_norm_equals_the_expression_up_to_the_variance_s_last_bit(dtype: torch.dtype, max_ulps: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 576, generator=g) * 3).to(dtype)
+    norm = RMSNorm(576, 1e-5, dtype)
+    norm.weight.data = torch.randn(576, generator=g).to(dtype)
+    with torch.inference_mode():
+        expected = torch_rms_norm(x, norm.weight, 1e-5)
+        got = norm(x)
+
+    ulp = torch.finfo(dtype).eps * expected.float().abs().clamp(min=torch.finfo(dtype).tiny)
+    assert float(((got.float() - expected.float()).abs() / ulp).max()) <= max_ulps
+    if dtype != torch.float32:  # a last-bit float32 difference rarely survives rounding to 16 bits
+        assert float((got != expected).float().mean()) < 1e-3
+
+
+def test_rms_norm_reads_rows_with_a_stride() -> None:
+    x = torch.randn(5, 1000)[:, :576]  # rows 1000 apart
+    weight = torch.randn(576)
+    assert torch.allclose(cpu_ops.rms_norm(x, weight, 1e-6), torch_rms_norm(x, weight, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+def test_with_autograd_the_layers_keep_the_pytorch_expressions() -> None:
+    """Gradients flow through the expressions; the operators are for inference."""
+    norm = RMSNorm(64, 1e-5, torch.float32)
+    x = torch.randn(3, 64, requires_grad=True)
+    norm(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VFRAME_CPU_FUSED_OPS", "0")
+    cpu_ops.available.cache_clear()
+    try:
+        assert not cpu_ops.available()
+    finally:
+        monkeypatch.delenv("VFRAME_CPU_FUSED_OPS")
+        cpu_ops.available.cache_clear()
+    assert cpu_ops.available()

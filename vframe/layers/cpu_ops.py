@@ -1,0 +1,63 @@
+"""Fused C++ RMSNorm and neox rotary embedding for CPU tensors (``csrc/cpu_ops.cpp``,
+built once per machine like ``cpu_paged``'s operators). A decode step of a small
+model is mostly these short elementwise chains between its matmuls: one operator
+each instead of eight to fourteen PyTorch calls.
+
+``available()`` is False, and the layers keep their PyTorch expressions, where the
+library cannot be built or ``VFRAME_CPU_FUSED_OPS=0`` (for comparisons). The
+rotation is bit-exact against the PyTorch expression; RMSNorm's float32 variance
+may differ from PyTorch's reduction in the last bit (tests/layers/test_cpu_ops.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from vframe.utils.native import BuildError, NativeLibrary
+
+logger = logging.getLogger(__name__)
+
+LIBRARY = NativeLibrary(
+    "cpu_ops", (Path(__file__).with_name("csrc") / "cpu_ops.cpp",), "vframe_cpu_ops.so",
+    "fused RMSNorm and rotary operators", flags=("-ffp-contract=off",),
+)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@cache
+def available() -> bool:
+    if os.environ.get("VFRAME_CPU_FUSED_OPS", "1") == "0":
+        return False
+    try:
+        LIBRARY.load()
+    except (BuildError, OSError, RuntimeError) as e:
+        logger.warning("fused CPU operators unavailable, using PyTorch expressions: %s", str(e).splitlines()[0])
+        return False
+    return True
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes the fused operators: a CPU tensor of a float dtype, outside autograd and tracing."""
+    return (
+        x.device.type == "cpu" and x.dtype in _DTYPES and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling() and available()
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, E] -> [T, E]
+    return torch.ops.vframe_cpu_ops.rms_norm(x, weight, eps)
+
+
+def rotary_neox_(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Rotate ``query`` [T, H, D] and ``key`` [T, KVH, D] in place."""
+    torch.ops.vframe_cpu_ops.rotary_neox_(positions, query, key, cos_sin_cache)
+
+
+if __name__ == "__main__":  # make install builds the operators once
+    logging.basicConfig(level=logging.INFO)
+    print(LIBRARY.build())
