@@ -74,7 +74,7 @@ class NativeLibrary:
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
         lib_dirs = cpp_extension.library_paths()
         return [
-            cxx, "-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++20",
+            cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
             *self.flags, *os.environ.get(CXXFLAGS_ENV, "").split(),
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *(f"-I{p}" for p in cpp_extension.include_paths()),

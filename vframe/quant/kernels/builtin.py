@@ -74,6 +74,9 @@ class Int8DynamicKernel(QuantLinearKernel):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = self.get(layer, "weight")
+        if x.device.type == "cpu" and woq_cpu_available() is None:  # the same steps in one C++ call
+            out = _woq_ops().int8_dynamic_mm(x, w, self.get(layer, "scale"))
+            return out if bias is None else out + bias
         xq, x_scale = quantize_per_token(x)
         tokens, inputs = xq.shape
         # torch._int_mm on a GPU needs more than 16 rows and sizes that 8 divides; the CPU takes any.
@@ -135,7 +138,8 @@ def woq_library():  # vframe.utils.native.NativeLibrary
     from vframe.utils.native import NativeLibrary
 
     source = Path(__file__).with_name("csrc") / "woq_gemm.cpp"
-    return NativeLibrary("quant_cpu", (source,), "vframe_quant_cpu.so", "woq_cpu quantized matmul operators")
+    return NativeLibrary("quant_cpu", (source,), "vframe_quant_cpu.so", "woq_cpu quantized matmul operators",
+                         flags=("-ffp-contract=off",))  # dequantization equal to the PyTorch expression
 
 
 @cache
@@ -194,10 +198,14 @@ class WoqCpuKernel(_Permuted):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x = self._inputs(layer, x)
         if x.shape[0] > self.MAX_ROWS:
-            out = F.linear(x, self._dequantized(layer).to(x.dtype))
+            weight = _woq_ops().woq_dequantize(
+                self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "neg_offsets"),
+                self.group_size, self.bits, x.dtype,
+            )  # [out, in] in x's dtype, the inputs in group order
+            out = F.linear(x, weight)
         else:
-            out = _woq_ops().woq_gemm(
-                x.float().contiguous(), self.get(layer, "q"), self.get(layer, "scales"),
+            out = _woq_ops().woq_gemm(  # reads bfloat16 x as it is (4 bit, AVX512-BF16), else as float32
+                x, self.get(layer, "q"), self.get(layer, "scales"),
                 self.get(layer, "neg_offsets"), self.group_size, self.bits, x.dtype,
             )
         return out if bias is None else out + bias

@@ -11,13 +11,16 @@
 // inputs. Accumulation in float32; the output in x's dtype.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -119,6 +122,65 @@ void block_avx512(int64_t rows, const float* x, const float* xsum, const uint8_t
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// 4 bit with bfloat16 activations (AVX512-BF16): each nibble becomes the bfloat16
+// of q - 8 through a 16-entry table (one vpermw for 32 weights) and pairs of
+// products add up in float32 (vdpbf16ps). The products are exact, as in the float32
+// path; only the order of the float32 additions differs.
+template <int64_t MR>
+void rows_bf16_u4(const uint16_t* x, const float* xsum, const uint8_t* q, const float* scales, const float* sz,
+                  c10::BFloat16* y, int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
+  const int64_t groups = k / group, row_bytes = k / 2, group_bytes = group / 2, half = group / 2;
+  alignas(64) uint16_t table_words[32] = {};
+  for (int i = 0; i < 16; ++i) table_words[i] = c10::BFloat16(static_cast<float>(i - 8)).x;
+  const __m512i table = _mm512_load_si512(table_words);
+  const __m256i low = _mm256_set1_epi16(15);
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = q + o * row_bytes;
+    const float* so = scales + o * groups;
+    __m512 acc[MR];
+    float zero_term[MR];
+    for (int64_t m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps(), zero_term[m] = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 part[MR];
+      for (int64_t m = 0; m < MR; ++m) part[m] = _mm512_setzero_ps();
+      const uint8_t* qg = row + g * group_bytes;
+      const uint16_t* xg = x + g * group;
+      for (int64_t c = 0; c < group_bytes; c += 16) {
+        const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + c)));
+        const __m512i nibbles = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_and_si256(words, low)), _mm256_srli_epi16(words, 4), 1);
+        const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(nibbles, table);
+        for (int64_t m = 0; m < MR; ++m) {
+          const uint16_t* xm = xg + m * k + c;
+          const __m512i xv = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + half)), 1);
+          part[m] = _mm512_dpbf16_ps(part[m], (__m512bh)xv, w);
+        }
+      }
+      const __m512 scale = _mm512_set1_ps(so[g]);
+      for (int64_t m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(part[m], scale, acc[m]);
+      if (sz != nullptr)
+        for (int64_t m = 0; m < MR; ++m) zero_term[m] += sz[o * groups + g] * xsum[m * groups + g];
+    }
+    for (int64_t m = 0; m < MR; ++m)
+      y[m * n + o] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]) - zero_term[m]);
+  }
+}
+
+void block_bf16_u4(int64_t rows, const uint16_t* x, const float* xsum, const uint8_t* q, const float* scales,
+                   const float* sz, c10::BFloat16* y, int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
+  switch (rows) {
+#define VFRAME_ROWS(R) \
+  case R: return rows_bf16_u4<R>(x, xsum, q, scales, sz, y, n, k, group, begin, end);
+    VFRAME_ROWS(1) VFRAME_ROWS(2) VFRAME_ROWS(3) VFRAME_ROWS(4)
+    VFRAME_ROWS(5) VFRAME_ROWS(6) VFRAME_ROWS(7) VFRAME_ROWS(8)
+#undef VFRAME_ROWS
+  }
+}
+#endif
+
 template <typename T>
 void gemm(const float* x, const float* xsum, const uint8_t* q, const float* scales, const float* sz, T* y,
           int64_t m_rows, int64_t n, int64_t k, int64_t group, int64_t bits) {
@@ -142,12 +204,42 @@ void gemm(const float* x, const float* xsum, const uint8_t* q, const float* scal
   });
 }
 
-// x: [M, K] float32; q: uint8 [N, K] (8 bit) or [N, K / 2] (4 bit); scales: [N, K / group]
+bool bf16_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void gemm_bf16_u4(const at::Tensor& x, const at::Tensor& xsum, const at::Tensor& q, const at::Tensor& scales,
+                  const at::Tensor& scaled_zeros, at::Tensor& y, int64_t group) {
+#if defined(__AVX512BF16__)
+  const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0), groups = k / group;
+  const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const float* xs = scaled_zeros.numel() ? xsum.data_ptr<float>() : nullptr;
+  const float* zs = scaled_zeros.numel() ? scaled_zeros.data_ptr<float>() : nullptr;
+  auto* out = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < m_rows; m0 += kMaxRows) {
+      const int64_t rows = std::min(kMaxRows, m_rows - m0);
+      block_bf16_u4(rows, xb + m0 * k, xs == nullptr ? nullptr : xs + m0 * groups, q.data_ptr<uint8_t>(),
+                    scales.data_ptr<float>(), zs, out + m0 * n, n, k, group, begin, end);
+    }
+  });
+#endif
+}
+
+// x: [M, K] any float dtype (bfloat16 with 4 bit and AVX512-BF16 is read as it is, else as float32); q: uint8 [N, K] (8 bit) or [N, K / 2] (4 bit); scales: [N, K / group]
 // float32; scaled_zeros: the same shape or empty (symmetric). Returns [M, N] of out_dtype.
-at::Tensor woq_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+at::Tensor woq_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
                     const at::Tensor& scaled_zeros, int64_t group, int64_t bits, at::ScalarType out_dtype) {
   TORCH_CHECK(bits == 8 || bits == 4, "woq_gemm: bits must be 8 or 4, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "woq_gemm: x must be [M, K] float32");
+  TORCH_CHECK(x_in.dim() == 2, "woq_gemm: x must be [M, K]");
+  // bfloat16 x stays as it is for the 4-bit AVX512-BF16 path; anything else is read as float32.
+  const bool bf16_path = x_in.scalar_type() == at::kBFloat16 && bits == 4 && group % 32 == 0 &&
+                         out_dtype == at::kBFloat16 && bf16_supported();
+  const at::Tensor x = bf16_path ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
   const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0);
   TORCH_CHECK(group > 0 && k % group == 0 && (bits == 8 || group % 2 == 0), "woq_gemm: group ", group,
               " does not divide K=", k);
@@ -161,7 +253,12 @@ at::Tensor woq_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
                          scaled_zeros.is_contiguous()),
               "woq_gemm: scaled_zeros must be empty or float32 like scales");
   at::Tensor xsum;
-  if (zeros) xsum = x.view({m_rows, k / group, group}).sum(-1).contiguous();
+  if (zeros) xsum = x.view({m_rows, k / group, group}).sum(-1, false, at::kFloat).contiguous();
+  if (bf16_path) {
+    at::Tensor y = at::empty({m_rows, n}, x.options());
+    gemm_bf16_u4(x, xsum, q, scales, scaled_zeros, y, group);
+    return y;
+  }
   at::Tensor y = at::empty({m_rows, n}, x.options().dtype(out_dtype));
   const float* zs = zeros ? scaled_zeros.data_ptr<float>() : nullptr;
   const float* xs = zeros ? xsum.data_ptr<float>() : nullptr;
@@ -177,10 +274,112 @@ at::Tensor woq_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
   return y;
 }
 
+// The float weight [N, K] of out_dtype the integers stand for: s * (q - c) - sz, in
+// float32 (the PyTorch expression IntWeight.dequantize() spells), then cast. Where a
+// batch of tokens is multiplied by it in one GEMM (prefill).
+at::Tensor woq_dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& scaled_zeros, int64_t group,
+                          int64_t bits, at::ScalarType out_dtype) {
+  TORCH_CHECK(bits == 8 || bits == 4, "woq_dequantize: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.is_contiguous(),
+              "woq_dequantize: q uint8 and scales float32, contiguous");
+  const int64_t n = q.size(0), k = bits == 8 ? q.size(1) : 2 * q.size(1), groups = k / group, half = group / 2;
+  TORCH_CHECK(scales.size(0) == n && scales.size(1) == groups, "woq_dequantize: scales must be [N, K / group]");
+  const bool zeros = scaled_zeros.numel() > 0;
+  const float* sz = zeros ? scaled_zeros.data_ptr<float>() : nullptr;
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  at::Tensor w = at::empty({n, k}, q.options().dtype(out_dtype));
+  auto fill = [&](auto* out) {
+    using T = std::remove_pointer_t<decltype(out)>;
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t o = begin; o < end; ++o) {
+        for (int64_t g = 0; g < groups; ++g) {
+          const float s = sp[o * groups + g], z = zeros ? sz[o * groups + g] : 0.f;
+          T* dst = out + o * k + g * group;
+          if (bits == 8) {
+            const uint8_t* src = qp + o * k + g * group;
+#pragma omp simd
+            for (int64_t i = 0; i < group; ++i) {
+              const float v = s * static_cast<float>(static_cast<int32_t>(src[i]) - 128);
+              dst[i] = static_cast<T>(zeros ? v - z : v);
+            }
+          } else {
+            const uint8_t* src = qp + o * (k / 2) + g * half;
+#pragma omp simd
+            for (int64_t j = 0; j < half; ++j) {
+              const float lo = s * static_cast<float>((src[j] & 15) - 8), hi = s * static_cast<float>((src[j] >> 4) - 8);
+              dst[j] = static_cast<T>(zeros ? lo - z : lo);
+              dst[j + half] = static_cast<T>(zeros ? hi - z : hi);
+            }
+          }
+        }
+      }
+    });
+  };
+  switch (out_dtype) {
+    case at::kFloat: fill(w.data_ptr<float>()); break;
+    case at::kBFloat16: fill(w.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: fill(w.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "woq_dequantize: out_dtype must be float32, bfloat16 or float16");
+  }
+  return w;
+}
+
+// W8A8 with dynamic per-token activations, as vframe.quant.kernels.builtin.quantize_per_token
+// and Int8DynamicKernel spell it in PyTorch, in one call: each row of x scaled by
+// max(|x|, 1e-12) / 127 and rounded half to even into int8, torch's _int_mm against the
+// int8 weight [N, K], then (acc * x_scale) * w_scale in float32, cast to x's dtype.
+at::Tensor int8_dynamic_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == at::kChar && x.size(1) == weight.size(1),
+              "int8_dynamic_mm: x [T, K] and an int8 weight [N, K]");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == weight.size(0),
+              "int8_dynamic_mm: w_scale must be float32 [N]");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t t_rows = xf.size(0), k = xf.size(1), n = weight.size(0);
+  at::Tensor xq = at::empty({t_rows, k}, x.options().dtype(at::kChar));
+  std::vector<float> x_scale(t_rows);
+  const float* xp = xf.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  for (int64_t t = 0; t < t_rows; ++t) {
+    const float* row = xp + t * k;
+    float amax = 0.f;
+    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+    const float scale = std::max(amax, 1e-12f) / 127.0f;
+    x_scale[t] = scale;
+    for (int64_t i = 0; i < k; ++i) {
+      const float v = std::nearbyint(row[i] / scale);
+      qp[t * k + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+    }
+  }
+  const at::Tensor acc = at::_int_mm(xq, weight.t());  // [T, N] int32, exact
+  at::Tensor out = at::empty({t_rows, n}, x.options());
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* ws = w_scale.data_ptr<float>();
+  auto fill = [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    for (int64_t t = 0; t < t_rows; ++t)
+      for (int64_t j = 0; j < n; ++j) o[t * n + j] = static_cast<T>(static_cast<float>(ap[t * n + j]) * x_scale[t] * ws[j]);
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: fill(out.data_ptr<float>()); break;
+    case at::kBFloat16: fill(out.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: fill(out.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "int8_dynamic_mm: float32, bfloat16 or float16 activations");
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("woq_gemm(Tensor x, Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
+  m.def("int8_dynamic_mm(Tensor x, Tensor weight, Tensor w_scale) -> Tensor");
+  m.def("woq_dequantize(Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) { m.impl("woq_gemm", &woq_gemm); }
+TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
+  m.impl("woq_gemm", &woq_gemm);
+  m.impl("int8_dynamic_mm", &int8_dynamic_mm);
+  m.impl("woq_dequantize", &woq_dequantize);
+}
