@@ -64,17 +64,16 @@ inline __m512 widen(__m128i bytes, __m512i mid) {
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), mid));
 }
 
-// Each 16 weights are widened to float once and used for every activation row;
-// a group's products add up in vectors, scaled once per group, summed once per
-// output. BITS and MR (activation rows) are compile-time so the accumulators stay
-// in registers.
-template <int64_t BITS, int64_t MR, typename T>
-void rows_avx512(const float* x, const float* xsum, const uint8_t* q, const float* scales, const float* sz, T* y,
-                 int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
-  const int64_t groups = k / group, row_bytes = BITS == 8 ? k : k / 2;
-  const int64_t group_bytes = BITS == 8 ? group : group / 2, half = group / 2;
-  const __m512i mid = _mm512_set1_epi32(BITS == 8 ? 128 : 8);
-  const __m128i low = _mm_set1_epi8(15);
+// The frame every AVX-512 path shares: per output row and group, the chunk policy
+// adds the products of 16 bytes of weights at a time into part[m] (one vector per
+// activation row); the group's vector is scaled once, the zero term subtracted, and
+// each output reduced once. MR (activation rows) is compile-time so that the
+// accumulators stay in registers.
+template <int64_t MR, typename Policy, typename XT, typename T>
+void rows_grouped(const Policy& policy, const XT* x, const float* xsum, const uint8_t* q, const float* scales,
+                  const float* sz, T* y, int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
+  const int64_t groups = k / group, row_bytes = Policy::kBits == 8 ? k : k / 2;
+  const int64_t group_bytes = Policy::kBits == 8 ? group : group / 2, half = group / 2;
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = q + o * row_bytes;
     const float* so = scales + o * groups;
@@ -85,21 +84,8 @@ void rows_avx512(const float* x, const float* xsum, const uint8_t* q, const floa
       __m512 part[MR];
       for (int64_t m = 0; m < MR; ++m) part[m] = _mm512_setzero_ps();
       const uint8_t* qg = row + g * group_bytes;
-      const float* xg = x + g * group;
-      for (int64_t c = 0; c < group_bytes; c += 16) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + c));
-        if constexpr (BITS == 8) {
-          const __m512 w = widen(bytes, mid);
-          for (int64_t m = 0; m < MR; ++m) part[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + m * k + c), w, part[m]);
-        } else {
-          const __m512 lo = widen(_mm_and_si128(bytes, low), mid);
-          const __m512 hi = widen(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), mid);
-          for (int64_t m = 0; m < MR; ++m) {
-            part[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + m * k + c), lo, part[m]);
-            part[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + m * k + c + half), hi, part[m]);
-          }
-        }
-      }
+      const XT* xg = x + g * group;
+      for (int64_t c = 0; c < group_bytes; c += 16) policy.template chunk<MR>(qg + c, xg + c, k, half, part);
       const __m512 scale = _mm512_set1_ps(so[g]);
       for (int64_t m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(part[m], scale, acc[m]);
       if (sz != nullptr)
@@ -107,6 +93,36 @@ void rows_avx512(const float* x, const float* xsum, const uint8_t* q, const floa
     }
     for (int64_t m = 0; m < MR; ++m) y[m * n + o] = static_cast<T>(_mm512_reduce_add_ps(acc[m]) - zero_term[m]);
   }
+}
+
+// float32 activations: each 16 weights widened to float once and used for every row.
+template <int64_t BITS>
+struct FloatChunk {
+  static constexpr int64_t kBits = BITS;
+  const __m512i mid = _mm512_set1_epi32(BITS == 8 ? 128 : 8);
+  const __m128i low = _mm_set1_epi8(15);
+
+  template <int64_t MR>
+  void chunk(const uint8_t* qc, const float* xc, int64_t k, int64_t half, __m512* part) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qc));
+    if constexpr (BITS == 8) {
+      const __m512 w = widen(bytes, mid);
+      for (int64_t m = 0; m < MR; ++m) part[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xc + m * k), w, part[m]);
+    } else {  // byte j of a group: input j (low nibble) and input j + half (high)
+      const __m512 lo = widen(_mm_and_si128(bytes, low), mid);
+      const __m512 hi = widen(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), mid);
+      for (int64_t m = 0; m < MR; ++m) {
+        part[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xc + m * k), lo, part[m]);
+        part[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xc + m * k + half), hi, part[m]);
+      }
+    }
+  }
+};
+
+template <int64_t BITS, int64_t MR, typename T>
+void rows_avx512(const float* x, const float* xsum, const uint8_t* q, const float* scales, const float* sz, T* y,
+                 int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
+  rows_grouped<MR>(FloatChunk<BITS>{}, x, xsum, q, scales, sz, y, n, k, group, begin, end);
 }
 
 template <int64_t BITS, typename T>
@@ -127,46 +143,35 @@ void block_avx512(int64_t rows, const float* x, const float* xsum, const uint8_t
 // of q - 8 through a 16-entry table (one vpermw for 32 weights) and pairs of
 // products add up in float32 (vdpbf16ps). The products are exact, as in the float32
 // path; only the order of the float32 additions differs.
+struct Bf16Chunk4 {
+  static constexpr int64_t kBits = 4;
+  const __m512i table = [] {
+    alignas(64) uint16_t words[32] = {};
+    for (int i = 0; i < 16; ++i) words[i] = c10::BFloat16(static_cast<float>(i - 8)).x;
+    return _mm512_load_si512(words);
+  }();
+  const __m256i low = _mm256_set1_epi16(15);
+
+  template <int64_t MR>
+  void chunk(const uint8_t* qc, const uint16_t* xc, int64_t k, int64_t half, __m512* part) const {
+    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qc)));
+    const __m512i nibbles =
+        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(words, low)), _mm256_srli_epi16(words, 4), 1);
+    const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(nibbles, table);
+    for (int64_t m = 0; m < MR; ++m) {
+      const uint16_t* xm = xc + m * k;
+      const __m512i xv = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + half)), 1);
+      part[m] = _mm512_dpbf16_ps(part[m], (__m512bh)xv, w);
+    }
+  }
+};
+
 template <int64_t MR>
 void rows_bf16_u4(const uint16_t* x, const float* xsum, const uint8_t* q, const float* scales, const float* sz,
                   c10::BFloat16* y, int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
-  const int64_t groups = k / group, row_bytes = k / 2, group_bytes = group / 2, half = group / 2;
-  alignas(64) uint16_t table_words[32] = {};
-  for (int i = 0; i < 16; ++i) table_words[i] = c10::BFloat16(static_cast<float>(i - 8)).x;
-  const __m512i table = _mm512_load_si512(table_words);
-  const __m256i low = _mm256_set1_epi16(15);
-  for (int64_t o = begin; o < end; ++o) {
-    const uint8_t* row = q + o * row_bytes;
-    const float* so = scales + o * groups;
-    __m512 acc[MR];
-    float zero_term[MR];
-    for (int64_t m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps(), zero_term[m] = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
-      __m512 part[MR];
-      for (int64_t m = 0; m < MR; ++m) part[m] = _mm512_setzero_ps();
-      const uint8_t* qg = row + g * group_bytes;
-      const uint16_t* xg = x + g * group;
-      for (int64_t c = 0; c < group_bytes; c += 16) {
-        const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + c)));
-        const __m512i nibbles = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_and_si256(words, low)), _mm256_srli_epi16(words, 4), 1);
-        const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(nibbles, table);
-        for (int64_t m = 0; m < MR; ++m) {
-          const uint16_t* xm = xg + m * k + c;
-          const __m512i xv = _mm512_inserti64x4(
-              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm))),
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + half)), 1);
-          part[m] = _mm512_dpbf16_ps(part[m], (__m512bh)xv, w);
-        }
-      }
-      const __m512 scale = _mm512_set1_ps(so[g]);
-      for (int64_t m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(part[m], scale, acc[m]);
-      if (sz != nullptr)
-        for (int64_t m = 0; m < MR; ++m) zero_term[m] += sz[o * groups + g] * xsum[m * groups + g];
-    }
-    for (int64_t m = 0; m < MR; ++m)
-      y[m * n + o] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[m]) - zero_term[m]);
-  }
+  rows_grouped<MR>(Bf16Chunk4{}, x, xsum, q, scales, sz, y, n, k, group, begin, end);
 }
 
 void block_bf16_u4(int64_t rows, const uint16_t* x, const float* xsum, const uint8_t* q, const float* scales,
