@@ -60,6 +60,13 @@ def gguf_weight(rows: np.ndarray, ggml_type: str) -> torch.Tensor:  # [out, in] 
     return torch.from_numpy(gguf_dequantize(rows, GGMLQuantizationType[ggml_type]).astype(np.float32))
 
 
+def reference_config() -> GGUFConfig:
+    """GGUF with quant_kernel="reference": every segment keeps the file's bytes."""
+    config = GGUFConfig()
+    config.quant_kernel = "reference"
+    return config
+
+
 def load_layer(layer, shards: list[tuple[str | int | None, str, np.ndarray]]) -> None:
     """Load ``(shard id, ggml type, rows)`` through the parameters' own loaders, as a checkpoint does."""
     for shard_id, ggml_type, rows in shards:
@@ -96,7 +103,7 @@ def test_torch_dequantizers_equal_the_gguf_package_bit_for_bit(ggml_type: str) -
 def test_reference_kernel_is_dequantize_then_matmul(ggml_type: str) -> None:
     in_features, out_features = 512, 48
     rows = random_rows(ggml_type, out_features, in_features, seed=1)
-    layer = ReplicatedLinear(in_features, out_features, bias=True, quant_config=GGUFConfig())
+    layer = ReplicatedLinear(in_features, out_features, bias=True, quant_config=reference_config())
     load_layer(layer, [(None, ggml_type, rows)])
     bias = torch.randn(out_features)
     layer.bias.weight_loader(layer.bias, bias)
@@ -113,7 +120,7 @@ def test_reference_kernel_is_dequantize_then_matmul(ggml_type: str) -> None:
 
 def test_fused_shards_of_different_types_land_in_their_rows() -> None:
     # a Q4_K_M file: q and k Q4_K, v Q6_K; 4 heads and 2 kv heads of 64
-    layer = QKVParallelLinear(256, 64, 4, 2, bias=False, quant_config=GGUFConfig())
+    layer = QKVParallelLinear(256, 64, 4, 2, bias=False, quant_config=reference_config())
     q, k, v = (random_rows(t, n, 256, seed=i) for i, (t, n) in enumerate([("Q4_K", 256), ("Q4_K", 128), ("Q6_K", 128)]))
     load_layer(layer, [("v", "Q6_K", v), ("q", "Q4_K", q), ("k", "Q4_K", k)])  # any order
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
@@ -141,7 +148,7 @@ def test_bfloat16_mixed_fused_layer_runs_each_segment_on_its_kernel() -> None:
 
     out = layer(x)
 
-    assert [s.kernel for s in layer.quant_method.segments] == ["int4", "reference"]
+    assert [s.kernel for s in layer.quant_method.segments] == ["int4_cpu", "reference"]
     assert torch.equal(layer.qweight, torch.from_numpy(v).reshape(-1))  # only the Q6_K bytes stay
     expected_weight = torch.cat([gguf_weight(q, "Q4_K"), gguf_weight(k, "Q4_K"), gguf_weight(v, "Q6_K")])
     reference = x.double() @ expected_weight.double().T + bias.double()
@@ -162,7 +169,7 @@ def test_bfloat16_q4_takes_torch_s_int4_kernel_in_q4_1_s_bytes(ggml_type: str) -
 
     out = layer(x)
 
-    assert [s.kernel for s in layer.quant_method.segments] == ["int4"]
+    assert [s.kernel for s in layer.quant_method.segments] == ["int4_cpu"]
     assert layer.qweight.numel() == 0  # the blocks are dropped once repacked
     assert out.dtype == torch.bfloat16
     reference = x.double() @ gguf_weight(rows, ggml_type).double().T
@@ -275,14 +282,17 @@ def type_bytes(model) -> int:  # the ggml type numbers, one int32 per fused shar
     return sum(m.qweight_type.nbytes for m in quantized_linear_layers(model))
 
 
-def test_smollm2_weights_take_the_file_s_packed_bytes(gguf_fp32: LLM) -> None:
-    model = gguf_fp32.llm_engine.model_runner.model
+def test_smollm2_weights_take_the_file_s_packed_bytes() -> None:
+    """With the reference kernel the linear layers keep the file's blocks, nothing more."""
+    llm = LLM(dtype="float32", quantization="gguf", quant_kernel="reference", max_model_len=256, num_threads=1)
+    model = llm.llm_engine.model_runner.model
     layers = quantized_linear_layers(model)
     assert len(layers) == 30 * 4 + 1  # qkv, o, gate_up, down; the embedding
     embedding = model.model.embed_tokens
     assert isinstance(embedding, VocabEmbedding) and isinstance(model.lm_head, TiedLMHead)
     assert model.lm_head.embedding is embedding  # one quantized tensor serves both
     linears = [m for m in layers if m is not embedding]
+    assert {s.kernel for m in linears for s in m.quant_method.segments} == {"reference"}
     assert sum(weight_bytes(m) - m.qweight_type.nbytes for m in linears) == SMOLLM_PACKED_LINEAR_BYTES
     assert weight_bytes(embedding) - embedding.qweight_type.nbytes == SMOLLM_EMBEDDING_BYTES
     # the file's bytes plus the float32 norms: 96,576,768 bytes, 17.9% of the dense float32 weights
@@ -291,13 +301,27 @@ def test_smollm2_weights_take_the_file_s_packed_bytes(gguf_fp32: LLM) -> None:
     assert total <= 0.18 * SMOLLM_DENSE_FP32_BYTES
 
 
+def test_smollm2_float32_q4_1_runs_on_woq_cpu_in_a_fifth_of_the_dense_bytes(gguf_fp32: LLM) -> None:
+    """By default float32 Q4_1 layers take the woq_cpu kernel: the 4-bit values two per
+    byte, a float32 scale and offset per 32 (0.75 bytes per weight against the file's 0.625)."""
+    model = gguf_fp32.llm_engine.model_runner.model
+    embedding = model.model.embed_tokens
+    linears = [m for m in quantized_linear_layers(model) if m is not embedding]
+    assert {s.kernel for m in linears for s in m.quant_method.segments} == {"woq_cpu"}
+    linear_bytes = sum(weight_bytes(m) - m.qweight_type.nbytes for m in linears)
+    assert linear_bytes == SMOLLM_PACKED_LINEAR_BYTES * 24 // 20  # 24 bytes per 32 weights
+    total = weight_bytes(model) - type_bytes(model)
+    assert total == linear_bytes + SMOLLM_EMBEDDING_BYTES + 4 * SMOLLM_NORM_VALUES
+    assert total <= 0.21 * SMOLLM_DENSE_FP32_BYTES
+
+
 def test_smollm2_bfloat16_int4_kernel_keeps_the_dense_greedy_tokens(dense_greedy: list[list[int]]) -> None:
     llm = LLM(dtype="bfloat16", quantization="gguf", max_model_len=256, num_threads=1)
 
     model = llm.llm_engine.model_runner.model
     embedding = model.model.embed_tokens
     layers = [m for m in quantized_linear_layers(model) if m is not embedding]
-    assert {s.kernel for layer in layers for s in layer.quant_method.segments} == {"int4"}
+    assert {s.kernel for layer in layers for s in layer.quant_method.segments} == {"int4_cpu"}
     assert sum(weight_bytes(layer) - layer.qweight_type.nbytes for layer in layers) == SMOLLM_PACKED_LINEAR_BYTES
     # the Q8_0 embedding / head as two int4 planes (1 byte per weight), two sets of bfloat16
     # scale and zero per 32 weights, and the float16 scales for lookups: 37,158,912 bytes
@@ -463,19 +487,20 @@ def test_a_k_quant_llama_runs_from_its_blocks_as_its_dense_conversion(tmp_path, 
         assert [lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)] == pytest.approx(
             [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)], abs=1e-4
         )
-    # bfloat16: Q4_K through the int4 kernel (q and k of the [Q4_K | Q4_K | Q6_K] qkv), the rest by reference
+    # bfloat16: Q4_K through the int4 kernel (q and k of the [Q4_K | Q4_K | Q6_K] qkv), Q8_0 through
+    # woq_cpu, the rest by reference
     llm = LLM(**kw, dtype="bfloat16", quantization="gguf")
     layers = llm.llm_engine.model_runner.model.model.layers
     kernels = [[s.kernel for s in layer.quant_method.segments] for layer in quantized_linear_layers(layers)]
     assert kernels == [
-        ["int4", "reference"], ["int4"], ["int4"], ["reference"],  # qkv (Q4_K | Q6_K), o, gate_up, down
-        ["reference", "reference"], ["reference"], ["reference"], ["reference"],  # Q5_K | Q8_0, Q3_K, Q2_K, Q5_0
+        ["int4_cpu", "reference"], ["int4_cpu"], ["int4_cpu"], ["reference"],  # qkv (Q4_K | Q6_K), o, gate_up, down
+        ["reference", "woq_cpu"], ["reference"], ["reference"], ["reference"],  # Q5_K | Q8_0, Q3_K, Q2_K, Q5_0
     ]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert ours == [b.token_ids for b in dense]
 
 
-def test_an_untied_q8_0_head_runs_from_its_blocks_as_its_dense_conversion(tmp_path, monkeypatch) -> None:
+def test_an_untied_q8_0_head_runs_on_woq_cpu_as_its_dense_conversion(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("VFRAME_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "untied.gguf"
     write_tiny_llama(path, [Q4_K_M], output_type="Q8_0")
@@ -489,9 +514,40 @@ def test_an_untied_q8_0_head_runs_from_its_blocks_as_its_dense_conversion(tmp_pa
 
     model = llm.llm_engine.model_runner.model
     assert isinstance(model.lm_head, ReplicatedLinear) and isinstance(model.lm_head.quant_method, GGUFLinearMethod)
-    assert weight_bytes(model.lm_head) - model.lm_head.qweight_type.nbytes == 96 * 256 * 34 // 32  # the file's Q8_0
+    # the head's Q8_0 on woq_cpu: the file's int8 values, a float32 scale per 32 (the file: float16)
+    assert [s.kernel for s in model.lm_head.quant_method.segments] == ["woq_cpu"]
+    assert weight_bytes(model.lm_head) - model.lm_head.qweight_type.nbytes == 96 * 256 + 96 * 256 // 32 * 4
     assert isinstance(model.model.embed_tokens, VocabEmbedding)
     assert ours.token_ids == dense.token_ids
     assert [lp[t].logprob for t, lp in zip(ours.token_ids, ours.logprobs)] == pytest.approx(
         [lp[t].logprob for t, lp in zip(dense.token_ids, dense.logprobs)], abs=1e-4
     )
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q4_and_q8_0_segments_run_on_quant_kernels_as_dequantize_then_matmul(
+    ggml_type: str, dtype: torch.dtype
+) -> None:
+    """The segment's IntWeight (GGUF's scale and offset per 32 inputs) on the kernel
+    chosen by priority: the same weight as the file's blocks, the product within the
+    kernel's rounding."""
+    in_features, out_features = 512, 96
+    rows = random_rows(ggml_type, out_features, in_features, seed=5)
+    layer = ReplicatedLinear(in_features, out_features, bias=False, quant_config=GGUFConfig(), params_dtype=dtype)
+    load_layer(layer, [(None, ggml_type, rows)])
+    x = torch.randn(9, in_features, generator=torch.Generator().manual_seed(6)).to(dtype)
+
+    out = layer(x)
+
+    expected = "int4_cpu" if dtype == torch.bfloat16 and ggml_type != "Q8_0" else "woq_cpu"
+    assert [s.kernel for s in layer.quant_method.segments] == [expected]
+    assert layer.qweight.numel() == 0  # the file's blocks are dropped
+    weight = gguf_weight(rows, ggml_type)
+    # float32: IntWeight's scale * (q - 8) + offset is the file's d q + m up to a float32 rounding
+    dequantized = layer.quant_method.dequantize_weight(layer)
+    weight_tolerance = 1e-6 if dtype == torch.float32 else 2**-8
+    assert float((dequantized - weight).abs().max()) <= weight_tolerance * float(weight.abs().max())
+    reference = x.double() @ weight.double().T
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-6
+    assert float((out.double() - reference).abs().max()) <= tolerance * float(reference.abs().max())

@@ -14,19 +14,19 @@ loading, runs of shards of one type form segments, each computed on its own::
 
     rows      [ q             | k             | v             ]
     types       Q4_K            Q4_K            Q6_K
-    segments  [ 0: Q4_K, int4 kernel buffers  | 1: Q6_K, bytes in qweight ]
+    segments  [ 0: Q4_K, quant kernel in segment0 | 1: Q6_K, bytes in qweight ]
 
 Kernels, per segment:
 
-* Q4_0 / Q4_1 / Q4_K segments of a bfloat16 model on the CPU (rows a multiple of
-  16): ``torch._weight_int4pack_mm_for_cpu`` with groups of 32 (``int4_cpu``).
-  The blocks are repacked once (``gguf_dequant.int4_groups``: each format as the
-  kernel's ``(q - 8) scale + zero``, scales and zeros rounded to bfloat16) and
-  dropped. The kernel's weight and bfloat16 scales and zeros take 0.625 bytes per
-  weight: Q4_1's size; Q4_0 and Q4_K files take 0.5625.
-* the reference, every other format (``gguf_dequant.FORMATS``) and dtype: the
-  segment's bytes stay in ``qweight`` (uint8, the file's bytes, nothing else) and
-  are dequantized to float32 on every call, cast, ``F.linear``.
+* Q4_0 / Q4_1 / Q4_K / Q8_0 (``INT_TYPES``): an ``IntWeight`` with groups of 32
+  (``_int_weight``; the 4-bit types as ``gguf_dequant.int4_groups`` spells them,
+  ``scale (q - 8) + zero``) on the quant kernel ``vframe.quant.kernels.choose_kernel``
+  picks (on the CPU: ``int4_cpu`` for bfloat16 Q4, ``woq_cpu`` otherwise), its buffers
+  in the submodule ``segment<i>``; the blocks are dropped.
+* every other format (``gguf_dequant.FORMATS``), and those four when the chosen kernel
+  is the built-in ``reference``: the segment's bytes stay in ``qweight`` (uint8, the
+  file's bytes, nothing else) and are dequantized to float32 on every call, cast,
+  ``F.linear``.
 
 The token embedding and the LM head tied to it are one ``GGUFEmbeddingMethod``
 (``get_embedding_method``; ``vframe/layers/embedding.py``): lookups dequantize the
@@ -48,10 +48,13 @@ from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant import int4_cpu
 from vframe.quant.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, register_weight
-from vframe.quant.gguf_dequant import FORMATS, GGML_TYPE_NAMES, INT4_TYPES, dequantize, int4_groups, row_bytes
+from vframe.quant.gguf_dequant import FORMATS, GGML_TYPE_NAMES, dequantize, int4_groups, row_bytes
+from vframe.quant.kernels import IntWeight
 
 NAME = "gguf"
 _INT4_GROUP = 32  # Q4_0 / Q4_1 blocks, Q4_K sub-blocks: one scale and offset per 32 inputs
+_GROUP = 32  # the inputs of one scale in every IntWeight a GGUF type becomes
+INT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")  # the types with an IntWeight form (_int_weight)
 
 
 class GGUFConfig(QuantizationConfig):
@@ -96,7 +99,7 @@ class GGUFConfig(QuantizationConfig):
                 f"quantization='gguf' with tensor_parallel_size={layer.tp_size}: GGUF blocks are not split "
                 "across ranks yet; use tensor_parallel_size=1"
             )
-        return GGUFLinearMethod()
+        return GGUFLinearMethod(self.quant_kernel)
 
     def get_embedding_method(self, prefix: str) -> EmbeddingMethodBase:
         return GGUFEmbeddingMethod()
@@ -105,19 +108,16 @@ class GGUFConfig(QuantizationConfig):
 @dataclass(frozen=True)
 class Segment:
     """Consecutive output rows ``start .. stop`` of the layer of one ggml type, kept
-    as bytes ``byte_start ..`` of its ``qweight`` or, with ``byte_start`` None,
-    repacked for the int4 kernel as its buffers ``int4_weight_<i>`` and
-    ``int4_scales_and_zeros_<i>`` (``i``: the segment's index)."""
+    as bytes ``byte_start ..`` of its ``qweight`` (``kernel`` "reference") or, with
+    ``byte_start`` None, handed as an ``IntWeight`` to the quant kernel ``kernel``,
+    which keeps it in the layer's submodule ``segment<i>`` (``i``: the segment's index)."""
 
     ggml_type: str
     start: int
     stop: int
     row_bytes: int
     byte_start: int | None
-
-    @property
-    def kernel(self) -> str:
-        return "reference" if self.byte_start is not None else "int4"
+    kernel: str = "reference"
 
     def rows(self, qweight: torch.Tensor) -> torch.Tensor:  # uint8 [stop - start, row bytes]
         assert self.byte_start is not None, "repacked for the int4 kernel"
@@ -126,9 +126,11 @@ class Segment:
 
 
 class GGUFLinearMethod(LinearMethodBase):
-    repack = True  # Q4 segments of a bfloat16 CPU layer go to the int4 kernel (their bytes are dropped)
+    repack = True  # Q4_0 / Q4_1 / Q4_K / Q8_0 segments go to a quant kernel (their bytes are dropped)
 
-    def __init__(self) -> None:
+    def __init__(self, kernel_name: str | None = None) -> None:
+        self.kernel_name = kernel_name  # the quant_kernel setting
+        self.kernels: dict[int, Any] = {}  # segment index -> its QuantLinearKernel
         self.segments: list[Segment] = []
         self._blocks: dict[int, torch.Tensor] = {}  # shard index -> uint8 [rows, row bytes], until processed
 
@@ -211,35 +213,48 @@ class GGUFLinearMethod(LinearMethodBase):
             start += rows
         self._blocks = {}
 
-        # Each segment is repacked for the int4 kernel, or its bytes are kept (in qweight, in order).
-        int4_layer = (
-            self.repack
-            and layer.qweight.device.type == "cpu"
-            and int4_cpu.kernel_group_size(layer, _INT4_GROUP) is not None
-        )
+        # Each segment goes to a quant kernel, or its bytes are kept (in qweight, in order).
         kept: list[torch.Tensor] = []
         byte_start = 0
         for i, (segment, shards) in enumerate(zip(segments, segment_blocks, strict=True)):
             rows = torch.cat(shards)  # [segment rows, row bytes]
-            if int4_layer and segment.ggml_type in INT4_TYPES and (segment.stop - segment.start) % 16 == 0:
-                weight, scales_and_zeros = _int4_pack(rows, segment.ggml_type)
-                layer.register_buffer(f"int4_weight_{i}", weight, persistent=False)
-                layer.register_buffer(f"int4_scales_and_zeros_{i}", scales_and_zeros, persistent=False)
-                self.segments.append(segment)
+            kernel = self._kernel_for(layer, segment, rows) if self.repack else None
+            if kernel is not None:
+                holder = nn.Module()  # the kernel's buffers, one submodule per segment
+                layer.add_module(f"segment{i}", holder)
+                kernel.prepare(holder, _int_weight(rows, segment.ggml_type))
+                self.kernels[i] = kernel
+                self.segments.append(dataclasses.replace(segment, kernel=kernel.name))
             else:
                 kept.append(rows.reshape(-1))
                 self.segments.append(dataclasses.replace(segment, byte_start=byte_start))
                 byte_start += rows.numel()
         layer.qweight.data = torch.cat(kept) if kept else torch.empty(0, dtype=torch.uint8)
 
+    def _kernel_for(self, layer: nn.Module, segment: Segment, rows: torch.Tensor) -> Any:
+        """The quant kernel for a segment whose type has an ``IntWeight`` form
+        (``INT_TYPES``), or None: the file's bytes then stay, dequantized per call
+        (better than the built-in ``reference`` kernel, which keeps a byte per weight)."""
+        from vframe.quant.kernels import WEIGHT_ONLY, QuantLinearSpec, choose_kernel
+
+        if segment.ggml_type not in INT_TYPES:
+            return None
+        bits = 8 if segment.ggml_type == "Q8_0" else 4
+        spec = QuantLinearSpec(
+            bits=bits, group_size=_GROUP, symmetric=segment.ggml_type in ("Q4_0", "Q8_0"), act_order=False,
+            equal_groups=True, activations=WEIGHT_ONLY, in_features=layer.input_size_per_partition,
+            out_features=segment.stop - segment.start, dtype=layer.params_dtype, device=rows.device,
+            layer=f"{self.where} rows {segment.start}..{segment.stop} ({segment.ggml_type})",
+        )
+        kernel = choose_kernel(spec, self.kernel_name)
+        return None if kernel.name == "reference" else kernel
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # One segment at a time: a mixed-type layer never holds its whole float weight.
         outs = []
         for i, segment in enumerate(self.segments):
-            if segment.kernel == "int4" and int4_cpu.applies(x):
-                weight = getattr(layer, f"int4_weight_{i}")
-                scales_and_zeros = getattr(layer, f"int4_scales_and_zeros_{i}")
-                outs.append(int4_cpu.matmul(x, weight, scales_and_zeros, _INT4_GROUP, None))
+            if i in self.kernels:
+                outs.append(self.kernels[i].apply(getattr(layer, f"segment{i}"), x, None))
             else:
                 outs.append(F.linear(x, self._dequantize(layer, i).to(x.dtype)))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [T, out]
@@ -249,14 +264,10 @@ class GGUFLinearMethod(LinearMethodBase):
         return torch.cat([self._dequantize(layer, i) for i in range(len(self.segments))])
 
     def _dequantize(self, layer: nn.Module, i: int) -> torch.Tensor:  # [segment rows, in] float32
+        if i in self.kernels:
+            return self.kernels[i].dequantize_weight(getattr(layer, f"segment{i}"))
         segment = self.segments[i]
-        if segment.kernel == "reference":
-            return dequantize(segment.rows(layer.qweight), segment.ggml_type)
-        # The kernel's own weight: an identity input in float32 returns it exactly.
-        weight = getattr(layer, f"int4_weight_{i}")
-        eye = torch.eye(layer.input_size_per_partition, device=weight.device)
-        scales_and_zeros = getattr(layer, f"int4_scales_and_zeros_{i}").float()
-        return torch._weight_int4pack_mm_for_cpu(eye, weight, _INT4_GROUP, scales_and_zeros).T
+        return dequantize(segment.rows(layer.qweight), segment.ggml_type)
 
 
 class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
@@ -355,12 +366,18 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
 _HEAD_ROWS = 4096  # vocabulary rows dequantized at once by the reference head: 9 MiB of float32 at hidden 576
 
 
-def _int4_pack(rows: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """4-bit rows as torch's int4 CPU kernel takes them: weight uint8 [out, in / 2],
-    scales and zeros bfloat16 [in / 32, out, 2]."""
+def _int_weight(rows: torch.Tensor, ggml_type: str) -> IntWeight:
+    """A segment's blocks (uint8 [out, row bytes]) as an ``IntWeight`` with groups of
+    32: Q4_0 / Q4_1 / Q4_K as ``gguf_dequant.int4_groups`` spells them (``scale * (q - 8)
+    + zero``), Q8_0 as ``d * q`` (q stored plus 128)."""
+    if ggml_type == "Q8_0":
+        out = rows.shape[0]
+        blocks = rows.reshape(out, -1, 34)  # [out, in / 32, 34]: float16 d, then 32 int8
+        d = blocks[..., :2].contiguous().view(torch.float16).reshape(out, -1).float()  # [out, in / 32]
+        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(out, -1)  # [out, in]
+        return IntWeight(8, (q.to(torch.int16) + 128).to(torch.uint8), d, None, _GROUP)
     q, scale, zero = int4_groups(rows, ggml_type)  # [out, in], [out, in / 32] x 2
-    weight = torch._convert_weight_to_int4pack_for_cpu(q.int().contiguous(), 1)
-    return weight, torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16)
+    return IntWeight(4, q, scale, None if ggml_type == "Q4_0" else zero, _GROUP)
 
 
 def _ggml_type_name(value: int) -> str:

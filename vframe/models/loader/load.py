@@ -165,12 +165,13 @@ def load_model(
 
 def weight_bytes(module: nn.Module) -> int:
     """Bytes of ``module``'s weights as they sit in memory: its parameters (a tied
-    tensor once) and the buffers of its linear layers (where quantization methods
-    keep repacked kernel weights); not caches such as rotary tables."""
+    tensor once) and the buffers of its linear layers and their submodules (where
+    quantization methods and quant kernels keep repacked weights); not caches such
+    as rotary tables."""
     tensors = {_identity(p): p for p in module.parameters()}
     for m in module.modules():
         if getattr(m, "quant_method", None) is not None:
-            tensors.update((_identity(b), b) for b in m.buffers(recurse=False))
+            tensors.update((_identity(b), b) for b in m.buffers())
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
