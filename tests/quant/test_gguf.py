@@ -193,33 +193,43 @@ def test_conforms_on_every_layer_kind(ggml_type: str, dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize(
-    ("ggml_type", "dtype", "planes"),
-    [("Q8_0", torch.float32, False), ("Q8_0", torch.bfloat16, True), ("Q4_1", torch.bfloat16, False)],
+    ("ggml_type", "dtype", "kernel", "head"),
+    [
+        ("Q8_0", torch.float32, None, "woq_cpu"), ("Q8_0", torch.bfloat16, None, "woq_cpu"),
+        ("Q8_0", torch.bfloat16, "reference", "planes"), ("Q8_0", torch.float32, "reference", "reference"),
+        ("Q4_1", torch.bfloat16, None, "reference"),
+    ],
 )
 def test_embedding_looks_up_exact_rows_and_its_tied_head_multiplies_by_them(
-    ggml_type: str, dtype: torch.dtype, planes: bool
+    ggml_type: str, dtype: torch.dtype, kernel: str | None, head: str
 ) -> None:
     vocab, hidden = 192, 64
     rows = random_rows(ggml_type, vocab, hidden, seed=11)
-    embedding = VocabEmbedding(vocab, hidden, GGUFConfig().get_embedding_method("embed"), params_dtype=dtype)
+    config = GGUFConfig()
+    config.quant_kernel = kernel
+    embedding = VocabEmbedding(vocab, hidden, config.get_embedding_method("embed"), params_dtype=dtype)
     load_layer(embedding, [(None, ggml_type, rows)])
-    head = TiedLMHead(embedding)
+    head_module = TiedLMHead(embedding)
     ids = torch.tensor([0, 31, 32, 63, 64, 100, 191, 31])  # both nibble halves of the int4 layout's 64-row tiles
     x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(12)).to(dtype)
 
-    looked_up, logits = embedding(ids), head(x)
+    looked_up, logits = embedding(ids), head_module(x)
 
     weight = gguf_weight(rows, ggml_type)  # [vocab, hidden]
-    assert embedding.quant_method.q8_planes == planes
+    method = embedding.quant_method
+    assert ("planes" if method.q8_planes else method.segments[0].kernel) == head
     assert looked_up.dtype == dtype and torch.equal(looked_up, weight[ids].to(dtype))  # the rows, bit for bit
-    assert torch.equal(embedding.quant_method.dequantize_weight(embedding), weight)
+    assert torch.equal(method.dequantize_weight(embedding), weight)
     reference = x.double() @ weight.double().T
     # float32: float32 noise; bfloat16: its outputs (two, for the planes) and the planes' bfloat16 scales
     tolerance = 1e-5 if dtype == torch.float32 else 2**-6
     assert logits.dtype == dtype
     assert float((logits.double() - reference).abs().max()) <= tolerance * float(reference.abs().max())
-    # planes: 1 byte per weight, 2 x (bfloat16 scale, zero) and a float16 d per 32 weights
-    expected_bytes = vocab * hidden * (32 + 2 * 4 + 2) // 32 if planes else rows.nbytes
+    expected_bytes = {
+        "planes": vocab * hidden * (32 + 2 * 4 + 2) // 32,  # 1 byte per weight, 2 x (scale, zero) bf16, d f16
+        "woq_cpu": vocab * hidden * (32 + 4) // 32,  # the int8 values, a float32 scale per 32
+        "reference": rows.nbytes,  # the file's blocks
+    }[head]
     assert weight_bytes(embedding) - embedding.qweight_type.nbytes == expected_bytes
 
 
@@ -303,7 +313,8 @@ def test_smollm2_weights_take_the_file_s_packed_bytes() -> None:
 
 def test_smollm2_float32_q4_1_runs_on_woq_cpu_in_a_fifth_of_the_dense_bytes(gguf_fp32: LLM) -> None:
     """By default float32 Q4_1 layers take the woq_cpu kernel: the 4-bit values two per
-    byte, a float32 scale and offset per 32 (0.75 bytes per weight against the file's 0.625)."""
+    byte, a float32 scale and offset per 32 (0.75 bytes per weight against the file's 0.625);
+    the Q8_0 embedding / tied head too (1.125 bytes per weight against 1.0625)."""
     model = gguf_fp32.llm_engine.model_runner.model
     embedding = model.model.embed_tokens
     linears = [m for m in quantized_linear_layers(model) if m is not embedding]
@@ -311,7 +322,8 @@ def test_smollm2_float32_q4_1_runs_on_woq_cpu_in_a_fifth_of_the_dense_bytes(gguf
     linear_bytes = sum(weight_bytes(m) - m.qweight_type.nbytes for m in linears)
     assert linear_bytes == SMOLLM_PACKED_LINEAR_BYTES * 24 // 20  # 24 bytes per 32 weights
     total = weight_bytes(model) - type_bytes(model)
-    assert total == linear_bytes + SMOLLM_EMBEDDING_BYTES + 4 * SMOLLM_NORM_VALUES
+    assert embedding.quant_method.segments[0].kernel == "woq_cpu"
+    assert total == linear_bytes + 49152 * 576 * 36 // 32 + 4 * SMOLLM_NORM_VALUES
     assert total <= 0.21 * SMOLLM_DENSE_FP32_BYTES
 
 
@@ -323,14 +335,14 @@ def test_smollm2_bfloat16_int4_kernel_keeps_the_dense_greedy_tokens(dense_greedy
     layers = [m for m in quantized_linear_layers(model) if m is not embedding]
     assert {s.kernel for layer in layers for s in layer.quant_method.segments} == {"int4_cpu"}
     assert sum(weight_bytes(layer) - layer.qweight_type.nbytes for layer in layers) == SMOLLM_PACKED_LINEAR_BYTES
-    # the Q8_0 embedding / head as two int4 planes (1 byte per weight), two sets of bfloat16
-    # scale and zero per 32 weights, and the float16 scales for lookups: 37,158,912 bytes
-    assert embedding.quant_method.q8_planes and embedding.qweight.numel() == 0
-    planes = 49152 * 576 + 2 * (49152 * 18 * 2 * 2) + 49152 * 18 * 2
-    assert weight_bytes(embedding) - embedding.qweight_type.nbytes == planes == 37_158_912
-    # 103,584,384 bytes with the bfloat16 norms: 19.3% of the dense float32 weights, 38.5% of bfloat16
+    # the Q8_0 embedding / head on woq_cpu: the int8 values (1 byte per weight) and a float32
+    # scale per 32 weights: 31,850,496 bytes
+    assert embedding.quant_method.segments[0].kernel == "woq_cpu" and embedding.qweight.numel() == 0
+    planes = 49152 * 576 + 49152 * 18 * 4
+    assert weight_bytes(embedding) - embedding.qweight_type.nbytes == planes == 31_850_496
+    # 98,275,968 bytes with the bfloat16 norms: 18.3% of the dense float32 weights, 36.5% of bfloat16
     total = weight_bytes(model) - type_bytes(model)
-    assert total == SMOLLM_PACKED_LINEAR_BYTES + planes + 2 * SMOLLM_NORM_VALUES == 103_584_384
+    assert total == SMOLLM_PACKED_LINEAR_BYTES + planes + 2 * SMOLLM_NORM_VALUES == 98_275_968
     assert total <= 0.30 * SMOLLM_DENSE_FP32_BYTES
     # bfloat16 activations, scales and zeros move a logit a little: most prompts keep every token
     ours = greedy(llm)

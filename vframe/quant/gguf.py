@@ -102,7 +102,7 @@ class GGUFConfig(QuantizationConfig):
         return GGUFLinearMethod(self.quant_kernel)
 
     def get_embedding_method(self, prefix: str) -> EmbeddingMethodBase:
-        return GGUFEmbeddingMethod()
+        return GGUFEmbeddingMethod(self.quant_kernel)
 
 
 @dataclass(frozen=True)
@@ -295,6 +295,8 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
         super().process_weights_after_loading(layer)
         [segment] = self.segments
         vocab = layer.num_embeddings
+        if segment.ggml_type == "Q8_0" and self._on_quant_kernel(layer, segment):
+            return
         if not (
             segment.ggml_type == "Q8_0" and layer.qweight.device.type == "cpu" and vocab % 64 == 0
             and int4_cpu.kernel_group_size(layer, _INT4_GROUP) == _INT4_GROUP
@@ -330,10 +332,29 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
             )
         layer.qweight.data = torch.empty(0, dtype=torch.uint8)
 
+    def _on_quant_kernel(self, layer: nn.Module, segment: Segment) -> bool:
+        """A Q8_0 table on the quant kernel chosen for it, as a linear segment would be
+        (``woq_cpu`` on the CPU: the int8 values and a float32 scale per 32, 1.125 bytes
+        per weight), lookups through the kernel's ``dequantize_rows``; False where the
+        choice is the built-in reference (the planes or the file's bytes then)."""
+        rows = segment.rows(layer.qweight)
+        kernel = self._kernel_for(layer, segment, rows)
+        if kernel is None:
+            return False
+        holder = nn.Module()
+        layer.add_module("segment0", holder)
+        kernel.prepare(holder, _int_weight(rows, segment.ggml_type))
+        self.kernels[0] = kernel
+        self.segments[0] = dataclasses.replace(segment, kernel=kernel.name, byte_start=None)
+        layer.qweight.data = torch.empty(0, dtype=torch.uint8)
+        return True
+
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         return self._rows(layer, input_ids).to(layer.params_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kernels:
+            return GGUFLinearMethod.apply(self, layer, x, bias)
         if self.q8_planes and int4_cpu.applies(x):
             out = int4_cpu.matmul(x, layer.q8_hi, layer.q8_hi_scales_and_zeros, _INT4_GROUP, bias)
             return out + int4_cpu.matmul(x, layer.q8_lo, layer.q8_lo_scales_and_zeros, _INT4_GROUP, None)
@@ -349,6 +370,8 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
 
     def _rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] float32, exact
         [segment] = self.segments
+        if self.kernels:
+            return self.kernels[0].dequantize_rows(layer.segment0, ids)
         if not self.q8_planes:
             return dequantize(segment.rows(layer.qweight)[ids], segment.ggml_type)
         # The int4 CPU layout: per 64 rows, byte [k, n % 32] holds input k of row n, high nibble for n % 64 >= 32.

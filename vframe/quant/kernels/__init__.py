@@ -130,6 +130,12 @@ class QuantLinearKernel(ABC):
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         """The weight ``apply`` multiplies by, [out, in] float32 (for checks and references)."""
 
+    def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """Output rows ``rows`` (int64 [R]) of ``dequantize_weight``, [R, in] float32: what a
+        quantized token embedding looks up. Default: the whole weight, then the rows;
+        override where a kernel can read rows on their own."""
+        return self.dequantize_weight(layer)[rows]
+
     def buffer(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
         layer.register_buffer(f"{self.name}_{name}", tensor, persistent=False)
 

@@ -210,18 +210,24 @@ class WoqCpuKernel(_Permuted):
             )
         return out if bias is None else out + bias
 
-    def _dequantized(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, in group order
-        q = self.get(layer, "q")
+    def _dequantized(self, layer: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[out or len(rows), in] float32, the inputs in group order."""
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if rows is None else t[rows]
+
+        q = pick(self.get(layer, "q"))
         if self.bits == 4:
             groups = q.view(q.shape[0], -1, self.group_size // 2)
             q = torch.stack([groups & 15, groups >> 4], dim=2).flatten(1)
         neg_offsets = self.get(layer, "neg_offsets")
-        weight = IntWeight(self.bits, q, self.get(layer, "scales"), None if neg_offsets.numel() == 0 else -neg_offsets,
-                           self.group_size)
-        return weight.dequantize()
+        offsets = None if neg_offsets.numel() == 0 else -pick(neg_offsets)
+        return IntWeight(self.bits, q, pick(self.get(layer, "scales")), offsets, self.group_size).dequantize()
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         return self._columns_back(layer, self._dequantized(layer))
+
+    def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        return self._columns_back(layer, self._dequantized(layer, rows))
 
 
 class TorchInt4CpuKernel(_Permuted):
