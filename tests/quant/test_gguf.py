@@ -148,14 +148,15 @@ def test_bfloat16_mixed_fused_layer_runs_each_segment_on_its_kernel() -> None:
 
     out = layer(x)
 
-    assert [s.kernel for s in layer.quant_method.segments] == ["int4_cpu", "reference"]
-    assert torch.equal(layer.qweight, torch.from_numpy(v).reshape(-1))  # only the Q6_K bytes stay
+    assert [s.kernel for s in layer.quant_method.segments] == ["int4_cpu", "woq_cpu"]
+    assert layer.qweight.numel() == 0  # both segments' blocks are dropped
     expected_weight = torch.cat([gguf_weight(q, "Q4_K"), gguf_weight(k, "Q4_K"), gguf_weight(v, "Q6_K")])
     reference = x.double() @ expected_weight.double().T + bias.double()
     assert out.dtype == torch.bfloat16
     assert float((out.double() - reference).abs().max()) <= 2**-6 * float(reference.abs().max())
-    # the Q4_K rows in the kernel's 20 bytes per 32 weights, the Q6_K rows as the file stores them
-    assert weight_bytes(layer) - layer.qweight_type.nbytes - bias.nbytes == 384 * 256 * 20 // 32 + v.nbytes
+    # the Q4_K rows in int4_cpu's 20 bytes per 32 weights, the Q6_K rows in woq_cpu's byte per
+    # weight and float32 scale per 16
+    assert weight_bytes(layer) - layer.qweight_type.nbytes - bias.nbytes == 384 * 256 * 20 // 32 + 128 * 256 * 20 // 16
 
 
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q4_K"])
@@ -499,14 +500,14 @@ def test_a_k_quant_llama_runs_from_its_blocks_as_its_dense_conversion(tmp_path, 
         assert [lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)] == pytest.approx(
             [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)], abs=1e-4
         )
-    # bfloat16: Q4_K through the int4 kernel (q and k of the [Q4_K | Q4_K | Q6_K] qkv), Q8_0 through
-    # woq_cpu, the rest by reference
+    # bfloat16: Q4_K through the int4 kernel (q and k of the [Q4_K | Q4_K | Q6_K] qkv), Q5 / Q6_K /
+    # Q8_0 through woq_cpu (8 bit), Q3_K and Q2_K by reference
     llm = LLM(**kw, dtype="bfloat16", quantization="gguf")
     layers = llm.llm_engine.model_runner.model.model.layers
     kernels = [[s.kernel for s in layer.quant_method.segments] for layer in quantized_linear_layers(layers)]
     assert kernels == [
-        ["int4_cpu", "reference"], ["int4_cpu"], ["int4_cpu"], ["reference"],  # qkv (Q4_K | Q6_K), o, gate_up, down
-        ["reference", "woq_cpu"], ["reference"], ["reference"], ["reference"],  # Q5_K | Q8_0, Q3_K, Q2_K, Q5_0
+        ["int4_cpu", "woq_cpu"], ["int4_cpu"], ["int4_cpu"], ["woq_cpu"],  # qkv (Q4_K | Q6_K), o, gate_up, down
+        ["woq_cpu", "woq_cpu"], ["reference"], ["reference"], ["woq_cpu"],  # Q5_K | Q8_0, Q3_K, Q2_K, Q5_0
     ]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert ours == [b.token_ids for b in dense]
@@ -536,9 +537,9 @@ def test_an_untied_q8_0_head_runs_on_woq_cpu_as_its_dense_conversion(tmp_path, m
     )
 
 
-@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q4_and_q8_0_segments_run_on_quant_kernels_as_dequantize_then_matmul(
+def test_segments_with_an_integer_form_run_on_quant_kernels_as_dequantize_then_matmul(
     ggml_type: str, dtype: torch.dtype
 ) -> None:
     """The segment's IntWeight (GGUF's scale and offset per 32 inputs) on the kernel
@@ -552,7 +553,7 @@ def test_q4_and_q8_0_segments_run_on_quant_kernels_as_dequantize_then_matmul(
 
     out = layer(x)
 
-    expected = "int4_cpu" if dtype == torch.bfloat16 and ggml_type != "Q8_0" else "woq_cpu"
+    expected = "int4_cpu" if dtype == torch.bfloat16 and ggml_type in ("Q4_0", "Q4_1", "Q4_K") else "woq_cpu"
     assert [s.kernel for s in layer.quant_method.segments] == [expected]
     assert layer.qweight.numel() == 0  # the file's blocks are dropped
     weight = gguf_weight(rows, ggml_type)

@@ -18,11 +18,11 @@ loading, runs of shards of one type form segments, each computed on its own::
 
 Kernels, per segment:
 
-* Q4_0 / Q4_1 / Q4_K / Q8_0 (``INT_TYPES``): an ``IntWeight`` with groups of 32
-  (``_int_weight``; the 4-bit types as ``gguf_dequant.int4_groups`` spells them,
-  ``scale (q - 8) + zero``) on the quant kernel ``vframe.quant.kernels.choose_kernel``
-  picks (on the CPU: ``int4_cpu`` for bfloat16 Q4, ``woq_cpu`` otherwise), its buffers
-  in the submodule ``segment<i>``; the blocks are dropped.
+* Q4_0 / Q4_1 / Q4_K (4 bit) and Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 (8 bit): an
+  ``IntWeight`` (``_int_weight``; ``gguf_dequant.int4_groups`` / ``int8_groups``) on the
+  quant kernel ``vframe.quant.kernels.choose_kernel`` picks (on the CPU: ``int4_cpu`` for
+  bfloat16 Q4, ``woq_cpu`` otherwise), its buffers in the submodule ``segment<i>``; the
+  blocks are dropped.
 * every other format (``gguf_dequant.FORMATS``), and those four when the chosen kernel
   is the built-in ``reference``: the segment's bytes stay in ``qweight`` (uint8, the
   file's bytes, nothing else) and are dequantized to float32 on every call, cast,
@@ -48,13 +48,16 @@ from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant import int4_cpu
 from vframe.quant.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, register_weight
-from vframe.quant.gguf_dequant import FORMATS, GGML_TYPE_NAMES, dequantize, int4_groups, row_bytes
+from vframe.quant.gguf_dequant import (
+    FORMATS, GGML_TYPE_NAMES, INT4_TYPES, INT8_TYPES, dequantize, int4_groups, int8_groups, row_bytes,
+)
 from vframe.quant.kernels import IntWeight
 
 NAME = "gguf"
 _INT4_GROUP = 32  # Q4_0 / Q4_1 blocks, Q4_K sub-blocks: one scale and offset per 32 inputs
-_GROUP = 32  # the inputs of one scale in every IntWeight a GGUF type becomes
-INT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")  # the types with an IntWeight form (_int_weight)
+_GROUP = 32  # the inputs of one scale in the IntWeight of a GGUF type (Q6_K: 16)
+INT_TYPES = INT4_TYPES + INT8_TYPES  # the types with an IntWeight form (_int_weight)
+_SYMMETRIC = ("Q4_0", "Q5_0", "Q6_K", "Q8_0")  # no offset
 
 
 class GGUFConfig(QuantizationConfig):
@@ -239,9 +242,10 @@ class GGUFLinearMethod(LinearMethodBase):
 
         if segment.ggml_type not in INT_TYPES:
             return None
-        bits = 8 if segment.ggml_type == "Q8_0" else 4
+        bits = 4 if segment.ggml_type in INT4_TYPES else 8
         spec = QuantLinearSpec(
-            bits=bits, group_size=_GROUP, symmetric=segment.ggml_type in ("Q4_0", "Q8_0"), act_order=False,
+            bits=bits, group_size=16 if segment.ggml_type == "Q6_K" else _GROUP,
+            symmetric=segment.ggml_type in _SYMMETRIC, act_order=False,
             equal_groups=True, activations=WEIGHT_ONLY, in_features=layer.input_size_per_partition,
             out_features=segment.stop - segment.start, dtype=layer.params_dtype, device=rows.device,
             layer=f"{self.where} rows {segment.start}..{segment.stop} ({segment.ggml_type})",
@@ -390,15 +394,12 @@ _HEAD_ROWS = 4096  # vocabulary rows dequantized at once by the reference head: 
 
 
 def _int_weight(rows: torch.Tensor, ggml_type: str) -> IntWeight:
-    """A segment's blocks (uint8 [out, row bytes]) as an ``IntWeight`` with groups of
-    32: Q4_0 / Q4_1 / Q4_K as ``gguf_dequant.int4_groups`` spells them (``scale * (q - 8)
-    + zero``), Q8_0 as ``d * q`` (q stored plus 128)."""
-    if ggml_type == "Q8_0":
-        out = rows.shape[0]
-        blocks = rows.reshape(out, -1, 34)  # [out, in / 32, 34]: float16 d, then 32 int8
-        d = blocks[..., :2].contiguous().view(torch.float16).reshape(out, -1).float()  # [out, in / 32]
-        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(out, -1)  # [out, in]
-        return IntWeight(8, (q.to(torch.int16) + 128).to(torch.uint8), d, None, _GROUP)
+    """A segment's blocks (uint8 [out, row bytes]) as an ``IntWeight``: Q4_0 / Q4_1 /
+    Q4_K as ``gguf_dequant.int4_groups`` spells them (``scale * (q - 8) + zero`` per 32),
+    Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 as ``int8_groups`` does (8 bit, groups of 32; Q6_K 16)."""
+    if ggml_type in INT8_TYPES:
+        q8, scale, offset, group = int8_groups(rows, ggml_type)
+        return IntWeight(8, q8, scale, offset, group)
     q, scale, zero = int4_groups(rows, ggml_type)  # [out, in], [out, in / 32] x 2
     return IntWeight(4, q, scale, None if ggml_type == "Q4_0" else zero, _GROUP)
 

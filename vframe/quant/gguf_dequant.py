@@ -220,3 +220,47 @@ def dequantize(rows: torch.Tensor, ggml_type: str) -> torch.Tensor:
     block_size, type_size, dequantize_blocks = FORMATS[ggml_type]
     out = rows.shape[0]
     return dequantize_blocks(rows.reshape(-1, type_size)).reshape(out, -1)
+
+
+INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # integers that fit a byte, kept as IntWeights of 8 bit
+
+
+def int8_groups(
+    rows: torch.Tensor, ggml_type: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """A 5, 6 or 8-bit format's rows (``INT8_TYPES``) as ``w = scale * (q - 128) + offset``
+    per group of inputs: ``q`` uint8 [out, in] (the format's integer plus 128), ``scale``
+    and ``offset`` float32 [out, in / group] (``offset`` None where the format has none),
+    and the group size: Q5_0 ``d (q - 16)``, Q5_1 ``d q + m``, Q8_0 ``d q`` (groups of
+    32); Q5_K ``(d sc) q - dmin m`` per sub-block of 32; Q6_K ``(d sc) q`` per 16. The
+    products are the dequantizers' own, so ``scale * (q - 128) + offset`` gives their bits."""
+    out, type_size = rows.shape[0], FORMATS[ggml_type][1]
+    blocks = rows.reshape(-1, type_size)
+    n = blocks.shape[0]
+    offset = None
+    if ggml_type == "Q8_0":
+        q, scale, group = blocks[:, 2:].contiguous().view(torch.int8).short(), _f16(blocks, 0), 32
+    elif ggml_type in ("Q5_0", "Q5_1"):
+        start = 2 if ggml_type == "Q5_0" else 4
+        q = (_nibbles(blocks[:, start + 4 :]) | (_bits(blocks[:, start : start + 4]) << 4)).short()
+        scale, group = _f16(blocks, 0), 32
+        if ggml_type == "Q5_0":
+            q = q - 16
+        else:
+            offset = _f16(blocks, 2)
+    elif ggml_type == "Q5_K":
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        scales, mins = _k_scales_mins(blocks[:, 4:16])
+        scale, offset, group = d * scales.float(), -(dmin * mins.float()), 32  # [n, 8]
+        qh = blocks[:, 16:48].reshape(n, 1, 1, 32) >> _bit_shifts(blocks.device)
+        q = (_k_nibbles(blocks[:, 48:176]) | ((qh.reshape(n, 8, 32) & 1) << 4)).short()
+    elif ggml_type == "Q6_K":
+        ql, qh = blocks[:, :128], blocks[:, 128:192]
+        scale, group = _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float(), 16  # [n, 16]
+        low = (ql.reshape(n, 2, 1, 64) >> _shifts(0, 4, shape=(1, 1, 2, 1)).to(blocks.device)) & 0x0F
+        high = (qh.reshape(n, 2, 1, 32) >> _shifts(0, 2, 4, 6, shape=(1, 1, 4, 1)).to(blocks.device)) & 0x03
+        q = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << 4)).short() - 32
+    else:
+        raise ValueError(f"{ggml_type} is not one of {INT8_TYPES}")
+    q = (q.reshape(out, -1) + 128).to(torch.uint8)
+    return q, scale.reshape(out, -1), None if offset is None else offset.reshape(out, -1), group
