@@ -50,9 +50,9 @@ def test_rotary_is_bit_exact_on_views_of_a_fused_projection(dtype: torch.dtype, 
     expected_q, expected_k = torch_rotary(positions, q, k, rope.cos_sin_cache)
 
     with torch.inference_mode():
-        got_q, got_k = rope(positions, q, k)
+        cpu_ops.rotary_neox_(positions, q, k, rope.cos_sin_cache)  # in place
 
-    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v untouched
 
 
@@ -65,7 +65,7 @@ def test_rms_norm_equals_the_expression_up_to_the_variance_s_last_bit(dtype: tor
     norm.weight.data = torch.randn(576, generator=g).to(dtype)
     with torch.inference_mode():
         expected = torch_rms_norm(x, norm.weight, 1e-5)
-        got = norm(x)
+        got = cpu_ops.rms_norm(x, norm.weight, 1e-5)
 
     ulp = torch.finfo(dtype).eps * expected.float().abs().clamp(min=torch.finfo(dtype).tiny)
     assert float(((got.float() - expected.float()).abs() / ulp).max()) <= max_ulps
@@ -96,3 +96,17 @@ def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv("VFRAME_CPU_FUSED_OPS")
         cpu_ops.available.cache_clear()
     assert cpu_ops.available()
+
+
+def test_the_layers_take_the_operators_for_at_most_max_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode-sized inputs go to the fused operators; prefills keep PyTorch's vectorised kernels."""
+    calls = []
+    monkeypatch.setattr(cpu_ops, "rms_norm", lambda x, w, eps: calls.append("norm") or torch_rms_norm(x, w, eps))
+    monkeypatch.setattr(cpu_ops, "rotary_neox_", lambda *args: calls.append("rope"))
+    norm, rope = RMSNorm(64, 1e-5, torch.bfloat16), RotaryEmbedding(_Config(), 64)
+    with torch.inference_mode():
+        for tokens in (1, cpu_ops.MAX_TOKENS, cpu_ops.MAX_TOKENS + 1):
+            x = torch.randn(tokens, 64).bfloat16()
+            norm(x)
+            rope(torch.arange(tokens), x.view(tokens, 1, 64), x.view(tokens, 1, 64).clone())
+    assert calls == ["norm", "rope", "norm", "rope"]
