@@ -95,6 +95,13 @@ def test_a_named_kernel_that_cannot_run_a_layer_is_refused_saying_why() -> None:
         r"weight-only, \[48, 192\], bfloat16 on cpu: it runs 4-bit weight-only formats only",
     ):
         choose_kernel(spec(8, 64), "int4_cpu")
+    with pytest.raises(
+        ConfigError,
+        match=r"quant_kernel='woq_cpu' cannot run model.layers.0.mlp.down_proj: 4-bit symmetric, groups of 64, "
+        r"act order \(unequal groups\), weight-only, \[48, 192\], bfloat16 on cpu: its groups must each hold 64 "
+        r"inputs, in the same order for every output",
+    ):
+        choose_kernel(spec(4, 64, act_order=True, equal_groups=False), "woq_cpu")
 
 
 class DoubleCheckedKernel(ReferenceKernel):

@@ -170,7 +170,7 @@ def _describe(spec: QuantLinearSpec) -> str:
     group = "per channel" if spec.group_size == spec.in_features else f"groups of {spec.group_size}"
     parts = [
         f"{spec.layer + ': ' if spec.layer else ''}{spec.bits}-bit {'symmetric' if spec.symmetric else 'asymmetric'}",
-        group, *(["act order" + (" per fused shard" if spec.act_order_per_row else "")] if spec.act_order else []),
+        group, *(["act order" + ("" if spec.equal_groups else " (unequal groups)")] if spec.act_order else []),
         "int8 activations" if spec.activations == INT8_PER_TOKEN else "weight-only",
         f"[{spec.out_features}, {spec.in_features}]", f"{str(spec.dtype).removeprefix('torch.')} on {spec.device.type}",
     ]
