@@ -151,13 +151,8 @@ class IntKernelMethod(LinearMethodBase):
         from vframe.quant.kernels import QuantLinearSpec, choose_kernel
 
         weight = self.int_weight(layer)
-        out_features, in_features = weight.q.shape
-        spec = QuantLinearSpec(
-            bits=weight.bits, group_size=weight.group_size, symmetric=weight.offsets is None,
-            act_order=weight.g_idx is not None,
-            equal_groups=weight.equal_groups(), activations=self.activations, in_features=in_features,
-            out_features=out_features, dtype=layer.params_dtype, device=weight.q.device,
-            layer=layer.prefix or type(layer).__name__,
+        spec = QuantLinearSpec.for_weight(
+            weight, activations=self.activations, dtype=layer.params_dtype, layer=layer.prefix or type(layer).__name__
         )
         self.kernel = choose_kernel(spec, self.kernel_name)
         self.kernel.prepare(layer, weight)

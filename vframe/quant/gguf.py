@@ -23,8 +23,8 @@ Kernels, per segment:
   quant kernel ``vframe.quant.kernels.choose_kernel`` picks (on the CPU: ``int4_cpu`` for
   bfloat16 Q4, ``woq_cpu`` otherwise), its buffers in the submodule ``segment<i>``; the
   blocks are dropped.
-* every other format (``gguf_dequant.FORMATS``), and those four when the chosen kernel
-  is the built-in ``reference``: the segment's bytes stay in ``qweight`` (uint8, the
+* every other format (``gguf_dequant.FORMATS``), and those above when the chosen
+  kernel is the built-in ``reference``: the segment's bytes stay in ``qweight`` (uint8, the
   file's bytes, nothing else) and are dequantized to float32 on every call, cast,
   ``F.linear``.
 
@@ -55,9 +55,7 @@ from vframe.quant.kernels import IntWeight
 
 NAME = "gguf"
 _INT4_GROUP = 32  # Q4_0 / Q4_1 blocks, Q4_K sub-blocks: one scale and offset per 32 inputs
-_GROUP = 32  # the inputs of one scale in the IntWeight of a GGUF type (Q6_K: 16)
 INT_TYPES = INT4_TYPES + INT8_TYPES  # the types with an IntWeight form (_int_weight)
-_SYMMETRIC = ("Q4_0", "Q5_0", "Q6_K", "Q8_0")  # no offset
 
 
 class GGUFConfig(QuantizationConfig):
@@ -123,13 +121,13 @@ class Segment:
     kernel: str = "reference"
 
     def rows(self, qweight: torch.Tensor) -> torch.Tensor:  # uint8 [stop - start, row bytes]
-        assert self.byte_start is not None, "repacked for the int4 kernel"
+        assert self.byte_start is not None, "handed to a quant kernel"
         size = (self.stop - self.start) * self.row_bytes
         return qweight[self.byte_start : self.byte_start + size].view(self.stop - self.start, self.row_bytes)
 
 
 class GGUFLinearMethod(LinearMethodBase):
-    repack = True  # Q4_0 / Q4_1 / Q4_K / Q8_0 segments go to a quant kernel (their bytes are dropped)
+    repack = True  # INT_TYPES segments go to a quant kernel (their bytes are dropped)
 
     def __init__(self, kernel_name: str | None = None) -> None:
         self.kernel_name = kernel_name  # the quant_kernel setting
@@ -221,37 +219,38 @@ class GGUFLinearMethod(LinearMethodBase):
         byte_start = 0
         for i, (segment, shards) in enumerate(zip(segments, segment_blocks, strict=True)):
             rows = torch.cat(shards)  # [segment rows, row bytes]
-            kernel = self._kernel_for(layer, segment, rows) if self.repack else None
-            if kernel is not None:
-                holder = nn.Module()  # the kernel's buffers, one submodule per segment
-                layer.add_module(f"segment{i}", holder)
-                kernel.prepare(holder, _int_weight(rows, segment.ggml_type))
-                self.kernels[i] = kernel
-                self.segments.append(dataclasses.replace(segment, kernel=kernel.name))
+            on_kernel = self._on_kernel(layer, i, segment, rows) if self.repack else None
+            if on_kernel is not None:
+                self.segments.append(on_kernel)
             else:
                 kept.append(rows.reshape(-1))
                 self.segments.append(dataclasses.replace(segment, byte_start=byte_start))
                 byte_start += rows.numel()
         layer.qweight.data = torch.cat(kept) if kept else torch.empty(0, dtype=torch.uint8)
 
-    def _kernel_for(self, layer: nn.Module, segment: Segment, rows: torch.Tensor) -> Any:
-        """The quant kernel for a segment whose type has an ``IntWeight`` form
-        (``INT_TYPES``), or None: the file's bytes then stay, dequantized per call
-        (better than the built-in ``reference`` kernel, which keeps a byte per weight)."""
+    def _on_kernel(self, layer: nn.Module, i: int, segment: Segment, rows: torch.Tensor) -> Segment | None:
+        """Segment ``i`` (its blocks ``rows``) handed as an ``IntWeight`` to the quant kernel
+        chosen for it, which keeps it in the submodule ``segment<i>``; the segment as it then
+        is, or None where its type has no integer form (``INT_TYPES``) or the choice is the
+        built-in ``reference`` (which keeps a byte per weight: the file's bytes, dequantized
+        per call, are better)."""
         from vframe.quant.kernels import WEIGHT_ONLY, QuantLinearSpec, choose_kernel
 
         if segment.ggml_type not in INT_TYPES:
             return None
-        bits = 4 if segment.ggml_type in INT4_TYPES else 8
-        spec = QuantLinearSpec(
-            bits=bits, group_size=16 if segment.ggml_type == "Q6_K" else _GROUP,
-            symmetric=segment.ggml_type in _SYMMETRIC, act_order=False,
-            equal_groups=True, activations=WEIGHT_ONLY, in_features=layer.input_size_per_partition,
-            out_features=segment.stop - segment.start, dtype=layer.params_dtype, device=rows.device,
+        weight = _int_weight(rows, segment.ggml_type)
+        spec = QuantLinearSpec.for_weight(
+            weight, activations=WEIGHT_ONLY, dtype=layer.params_dtype,
             layer=f"{self.where} rows {segment.start}..{segment.stop} ({segment.ggml_type})",
         )
         kernel = choose_kernel(spec, self.kernel_name)
-        return None if kernel.name == "reference" else kernel
+        if kernel.name == "reference":
+            return None
+        holder = nn.Module()  # the kernel's buffers, one submodule per segment
+        layer.add_module(f"segment{i}", holder)
+        kernel.prepare(holder, weight)
+        self.kernels[i] = kernel
+        return dataclasses.replace(segment, kernel=kernel.name, byte_start=None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # One segment at a time: a mixed-type layer never holds its whole float weight.
@@ -280,7 +279,10 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
     A GGUF embedding row is one token's vector (blocks along the hidden size), so a
     lookup dequantizes only the looked-up rows. Head kernels:
 
-    * Q8_0 in a bfloat16 model on the CPU (vocabulary a multiple of 64): each
+    * Q8_0: the quant kernel chosen for its ``IntWeight`` (``woq_cpu`` on the CPU), in
+      the submodule ``segment0``; lookups through the kernel's ``dequantize_rows``.
+    * Q8_0 where that choice is the built-in ``reference``, in a bfloat16 model on the
+      CPU (vocabulary a multiple of 64): each
       ``q = 16 hi + lo`` is split into two 4-bit planes, each run through torch's
       int4 kernel with the block's scale (``d (q - 8)`` form: hi plane scale
       ``16 d``, zero ``8 d``; lo plane scale ``d``, zero 0) and the two outputs
@@ -299,7 +301,15 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
         super().process_weights_after_loading(layer)
         [segment] = self.segments
         vocab = layer.num_embeddings
-        if segment.ggml_type == "Q8_0" and self._on_quant_kernel(layer, segment):
+        # A Q8_0 table on the quant kernel chosen for it, as a linear segment would be (woq_cpu
+        # on the CPU: the int8 values and a float32 scale per 32, 1.125 bytes per weight),
+        # lookups through the kernel's dequantize_rows; else the int4 planes or the file's bytes.
+        on_kernel = None
+        if segment.ggml_type == "Q8_0":
+            on_kernel = self._on_kernel(layer, 0, segment, segment.rows(layer.qweight))
+        if on_kernel is not None:
+            self.segments[0] = on_kernel
+            layer.qweight.data = torch.empty(0, dtype=torch.uint8)
             return
         if not (
             segment.ggml_type == "Q8_0" and layer.qweight.device.type == "cpu" and vocab % 64 == 0
@@ -335,23 +345,6 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
                 "run the Q8_0 embedding in float32 (dtype='float32') or report this torch version"
             )
         layer.qweight.data = torch.empty(0, dtype=torch.uint8)
-
-    def _on_quant_kernel(self, layer: nn.Module, segment: Segment) -> bool:
-        """A Q8_0 table on the quant kernel chosen for it, as a linear segment would be
-        (``woq_cpu`` on the CPU: the int8 values and a float32 scale per 32, 1.125 bytes
-        per weight), lookups through the kernel's ``dequantize_rows``; False where the
-        choice is the built-in reference (the planes or the file's bytes then)."""
-        rows = segment.rows(layer.qweight)
-        kernel = self._kernel_for(layer, segment, rows)
-        if kernel is None:
-            return False
-        holder = nn.Module()
-        layer.add_module("segment0", holder)
-        kernel.prepare(holder, _int_weight(rows, segment.ggml_type))
-        self.kernels[0] = kernel
-        self.segments[0] = dataclasses.replace(segment, kernel=kernel.name, byte_start=None)
-        layer.qweight.data = torch.empty(0, dtype=torch.uint8)
-        return True
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         return self._rows(layer, input_ids).to(layer.params_dtype)
@@ -401,7 +394,7 @@ def _int_weight(rows: torch.Tensor, ggml_type: str) -> IntWeight:
         q8, scale, offset, group = int8_groups(rows, ggml_type)
         return IntWeight(8, q8, scale, offset, group)
     q, scale, zero = int4_groups(rows, ggml_type)  # [out, in], [out, in / 32] x 2
-    return IntWeight(4, q, scale, None if ggml_type == "Q4_0" else zero, _GROUP)
+    return IntWeight(4, q, scale, None if ggml_type == "Q4_0" else zero, _INT4_GROUP)
 
 
 def _ggml_type_name(value: int) -> str:

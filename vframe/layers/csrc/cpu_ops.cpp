@@ -9,6 +9,7 @@
 // Built with -ffp-contract=off so that no product and sum fuse into one rounding.
 // rms_norm's mean adds the squares in another order than PyTorch's reduction: its
 // float32 variance may differ in the last bit (the rotation is bit-exact).
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -60,17 +61,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   const float e = static_cast<float>(eps);
-  switch (x.scalar_type()) {
-    case at::kFloat: rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, n, stride, e); break;
-    case at::kBFloat16:
-      rms_norm_rows(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, n,
-                    stride, e);
-      break;
-    case at::kHalf:
-      rms_norm_rows(x.data_ptr<c10::Half>(), weight.data_ptr<c10::Half>(), out.data_ptr<c10::Half>(), rows, n, stride, e);
-      break;
-    default: TORCH_CHECK(false, "rms_norm: float32, bfloat16 or float16 only");
-  }
+  AT_DISPATCH_V2(x.scalar_type(), "rms_norm", AT_WRAP([&] {
+    rms_norm_rows(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n, stride, e);
+  }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }
 
@@ -114,12 +107,8 @@ void rotary_neox_(const at::Tensor& positions, const at::Tensor& query, const at
   }
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (const auto* t : {&query, &key}) {
-    switch (t->scalar_type()) {
-      case at::kFloat: rotate<float>(*t, pos, cos_sin_cache); break;
-      case at::kBFloat16: rotate<c10::BFloat16>(*t, pos, cos_sin_cache); break;
-      case at::kHalf: rotate<c10::Half>(*t, pos, cos_sin_cache); break;
-      default: TORCH_CHECK(false, "rotary_neox_: float32, bfloat16 or float16 only");
-    }
+    AT_DISPATCH_V2(t->scalar_type(), "rotary_neox_", AT_WRAP([&] { rotate<scalar_t>(*t, pos, cos_sin_cache); }),
+                   at::kFloat, at::kBFloat16, at::kHalf);
   }
 }
 

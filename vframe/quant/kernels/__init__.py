@@ -66,9 +66,16 @@ class QuantLinearSpec:
     device: torch.device
     layer: str = ""  # the layer's name, for messages
 
-    @property
-    def groups(self) -> int:
-        return -(-self.in_features // self.group_size)
+    @classmethod
+    def for_weight(cls, weight: IntWeight, *, activations: str, dtype: torch.dtype, layer: str) -> QuantLinearSpec:
+        """The spec of a layer holding ``weight`` (its sizes, group, symmetry and act order
+        read off the weight) whose activations are ``activations`` in ``dtype``."""
+        out_features, in_features = weight.q.shape
+        return cls(
+            bits=weight.bits, group_size=weight.group_size, symmetric=weight.offsets is None,
+            act_order=weight.g_idx is not None, equal_groups=weight.equal_groups(), activations=activations,
+            in_features=in_features, out_features=out_features, dtype=dtype, device=weight.q.device, layer=layer,
+        )
 
 
 @dataclass

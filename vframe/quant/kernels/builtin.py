@@ -71,10 +71,12 @@ class Int8DynamicKernel(QuantLinearKernel):
     def prepare(self, layer: nn.Module, weight: IntWeight) -> None:
         self.buffer(layer, "weight", (weight.q.to(torch.int16) - 128).to(torch.int8).contiguous())  # [out, in]
         self.buffer(layer, "scale", weight.scales[:, 0].float().contiguous())  # [out]
+        # On the CPU, woq_cpu's library does the steps below in one C++ call, bit for bit.
+        self.one_call = self.spec.device.type == "cpu" and woq_cpu_available() is None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = self.get(layer, "weight")
-        if x.device.type == "cpu" and woq_cpu_available() is None:  # the same steps in one C++ call
+        if self.one_call:
             out = _woq_ops().int8_dynamic_mm(x, w, self.get(layer, "scale"))
             return out if bias is None else out + bias
         xq, x_scale = quantize_per_token(x)
@@ -198,11 +200,7 @@ class WoqCpuKernel(_Permuted):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x = self._inputs(layer, x)
         if x.shape[0] > self.MAX_ROWS:
-            weight = _woq_ops().woq_dequantize(
-                self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "neg_offsets"),
-                self.group_size, self.bits, x.dtype,
-            )  # [out, in] in x's dtype, the inputs in group order
-            out = F.linear(x, weight)
+            out = F.linear(x, self._dequantized(layer, x.dtype))
         else:
             out = _woq_ops().woq_gemm(  # reads bfloat16 x as it is (4 bit, AVX512-BF16), else as float32
                 x, self.get(layer, "q"), self.get(layer, "scales"),
@@ -210,24 +208,20 @@ class WoqCpuKernel(_Permuted):
             )
         return out if bias is None else out + bias
 
-    def _dequantized(self, layer: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[out or len(rows), in] float32, the inputs in group order."""
+    def _dequantized(self, layer: nn.Module, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Output rows ``rows`` (all: None) of the weight in ``dtype``, the inputs in group
+        order: the C++ operator's one pass, bit for bit ``IntWeight.dequantize`` then cast."""
         def pick(t: torch.Tensor) -> torch.Tensor:
-            return t if rows is None else t[rows]
+            return t if rows is None or t.numel() == 0 else t[rows]
 
-        q = pick(self.get(layer, "q"))
-        if self.bits == 4:
-            groups = q.view(q.shape[0], -1, self.group_size // 2)
-            q = torch.stack([groups & 15, groups >> 4], dim=2).flatten(1)
-        neg_offsets = self.get(layer, "neg_offsets")
-        offsets = None if neg_offsets.numel() == 0 else -pick(neg_offsets)
-        return IntWeight(self.bits, q, pick(self.get(layer, "scales")), offsets, self.group_size).dequantize()
+        q, scales, neg_offsets = (pick(self.get(layer, name)) for name in ("q", "scales", "neg_offsets"))
+        return _woq_ops().woq_dequantize(q, scales, neg_offsets, self.group_size, self.bits, dtype)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
-        return self._columns_back(layer, self._dequantized(layer))
+        return self._columns_back(layer, self._dequantized(layer, torch.float32))
 
     def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        return self._columns_back(layer, self._dequantized(layer, rows))
+        return self._columns_back(layer, self._dequantized(layer, torch.float32, rows))
 
 
 class TorchInt4CpuKernel(_Permuted):

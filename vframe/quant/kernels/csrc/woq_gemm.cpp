@@ -9,6 +9,7 @@
 // j + group / 2); c is the midpoint (128 or 8), so symmetric formats need no zero
 // term; sz = s * (z - c) for asymmetric ones, with xsum the sum of each group's
 // inputs. Accumulation in float32; the output in x's dtype.
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_int_mm.h>
@@ -26,6 +27,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+// The activation dtypes every operator here takes.
+#define VFRAME_FLOAT_TYPES at::kFloat, at::kBFloat16, at::kHalf
 
 namespace {
 
@@ -270,12 +274,7 @@ at::Tensor woq_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tenso
   auto run = [&](auto* out) {
     gemm(x.data_ptr<float>(), xs, q.data_ptr<uint8_t>(), scales.data_ptr<float>(), zs, out, m_rows, n, k, group, bits);
   };
-  switch (out_dtype) {
-    case at::kFloat: run(y.data_ptr<float>()); break;
-    case at::kBFloat16: run(y.data_ptr<c10::BFloat16>()); break;
-    case at::kHalf: run(y.data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "woq_gemm: out_dtype must be float32, bfloat16 or float16");
-  }
+  AT_DISPATCH_V2(out_dtype, "woq_gemm", AT_WRAP([&] { run(y.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
   return y;
 }
 
@@ -322,12 +321,7 @@ at::Tensor woq_dequantize(const at::Tensor& q, const at::Tensor& scales, const a
       }
     });
   };
-  switch (out_dtype) {
-    case at::kFloat: fill(w.data_ptr<float>()); break;
-    case at::kBFloat16: fill(w.data_ptr<c10::BFloat16>()); break;
-    case at::kHalf: fill(w.data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "woq_dequantize: out_dtype must be float32, bfloat16 or float16");
-  }
+  AT_DISPATCH_V2(out_dtype, "woq_dequantize", AT_WRAP([&] { fill(w.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
   return w;
 }
 
@@ -366,12 +360,8 @@ at::Tensor int8_dynamic_mm(const at::Tensor& x, const at::Tensor& weight, const 
     for (int64_t t = 0; t < t_rows; ++t)
       for (int64_t j = 0; j < n; ++j) o[t * n + j] = static_cast<T>(static_cast<float>(ap[t * n + j]) * x_scale[t] * ws[j]);
   };
-  switch (x.scalar_type()) {
-    case at::kFloat: fill(out.data_ptr<float>()); break;
-    case at::kBFloat16: fill(out.data_ptr<c10::BFloat16>()); break;
-    case at::kHalf: fill(out.data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "int8_dynamic_mm: float32, bfloat16 or float16 activations");
-  }
+  AT_DISPATCH_V2(x.scalar_type(), "int8_dynamic_mm", AT_WRAP([&] { fill(out.data_ptr<scalar_t>()); }),
+                 VFRAME_FLOAT_TYPES);
   return out;
 }
 
