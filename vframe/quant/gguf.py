@@ -296,6 +296,7 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
 
     repack = False
     q8_planes = False  # the Q8_0 int4 planes replace qweight (process_weights_after_loading)
+    q8_tile = 64  # rows per tile of torch's int4 CPU layout here (64 with AVX-512, 32 with AVX2)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         super().process_weights_after_loading(layer)
@@ -337,9 +338,14 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
             )
         layer.register_buffer("q8_d", d, persistent=False)
         self.q8_planes = True
-        # The planes' layout is torch's, not a documented format: check rows of both nibble halves.
-        ids = torch.tensor([0, 31, 32, 63, vocab // 2 + 33, vocab - 1], device=d.device)
-        if not torch.equal(self._rows(layer, ids), dequantize(segment.rows(layer.qweight)[ids], "Q8_0")):
+        # The planes' layout is torch's, not a documented format, and depends on the CPU (tiles of
+        # 64 rows with AVX-512, 32 with AVX2): take the tile whose rows of both nibble halves match.
+        ids = torch.tensor([0, 15, 16, 31, 32, 63, vocab // 2 + 33, vocab - 1], device=d.device)
+        want = dequantize(segment.rows(layer.qweight)[ids], "Q8_0")
+        for self.q8_tile in (64, 32):
+            if torch.equal(self._rows(layer, ids), want):
+                break
+        else:
             raise ModelLoadError(
                 f"{self.where}: torch's int4 CPU weight layout is not the one vframe reads rows from; "
                 "run the Q8_0 embedding in float32 (dtype='float32') or report this torch version"
@@ -371,11 +377,13 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
             return self.kernels[0].dequantize_rows(layer.segment0, ids)
         if not self.q8_planes:
             return dequantize(segment.rows(layer.qweight)[ids], segment.ggml_type)
-        # The int4 CPU layout: per 64 rows, byte [k, n % 32] holds input k of row n, high nibble for n % 64 >= 32.
-        shift = (ids % 64 >= 32).to(torch.uint8)[:, None] * 4  # [T, 1]
+        # The int4 CPU layout: per tile of 64 rows (AVX-512; 32 with AVX2), byte [k, n % 32 (16)]
+        # holds input k of row n, the high nibble for the tile's second half.
+        tile, half = self.q8_tile, self.q8_tile // 2
+        shift = (ids % tile >= half).to(torch.uint8)[:, None] * 4  # [T, 1]
 
         def nibbles(weight: torch.Tensor) -> torch.Tensor:  # [T, hidden] uint8
-            packed = weight.view(-1, layer.embedding_dim, 32)[ids // 64, :, ids % 32]
+            packed = weight.view(-1, layer.embedding_dim, half)[ids // tile, :, ids % half]
             return (packed >> shift) & 0x0F
 
         q = (nibbles(layer.q8_hi).int() - 8) * 16 + nibbles(layer.q8_lo).int()  # [T, hidden] in [-128, 128)
