@@ -98,15 +98,21 @@ def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_ops.available()
 
 
-def test_the_layers_take_the_operators_for_at_most_max_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode-sized inputs go to the fused operators; prefills keep PyTorch's vectorised kernels."""
+@pytest.mark.parametrize(("dtype", "limit"), [(torch.bfloat16, 16), (torch.float16, 16), (torch.float32, None)])
+def test_the_layers_take_the_operators_up_to_the_dtype_s_limit(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, limit: int | None
+) -> None:
+    """16-bit: decode-sized inputs go to the fused operators, prefills keep PyTorch's
+    vectorised kernels; float32: the fused operators at every size."""
+    assert cpu_ops.MAX_TOKENS[dtype] == limit
     calls = []
     monkeypatch.setattr(cpu_ops, "rms_norm", lambda x, w, eps: calls.append("norm") or torch_rms_norm(x, w, eps))
     monkeypatch.setattr(cpu_ops, "rotary_neox_", lambda *args: calls.append("rope"))
-    norm, rope = RMSNorm(64, 1e-5, torch.bfloat16), RotaryEmbedding(_Config(), 64)
+    norm, rope = RMSNorm(64, 1e-5, dtype), RotaryEmbedding(_Config(), 64)
     with torch.inference_mode():
-        for tokens in (1, cpu_ops.MAX_TOKENS, cpu_ops.MAX_TOKENS + 1):
-            x = torch.randn(tokens, 64).bfloat16()
+        for tokens in (1, 16, 17, 4096):
+            x = torch.randn(tokens, 64).to(dtype)
             norm(x)
-            rope(torch.arange(tokens), x.view(tokens, 1, 64), x.view(tokens, 1, 64).clone())
-    assert calls == ["norm", "rope", "norm", "rope"]
+            rope(torch.arange(tokens) % 8, x.view(tokens, 1, 64), x.view(tokens, 1, 64).clone())
+    fused = 4 if limit is None else 2
+    assert calls == ["norm", "rope"] * fused

@@ -22,6 +22,7 @@ from vframe.models.loader.resolve import embedded_default_gguf, gguf_cache_path,
 from vframe.plugins import get_registry
 from vframe.quant import gguf_dequant
 from vframe.quant.gguf import GGUFConfig, GGUFLinearMethod
+from vframe.quant.onednn_packed import onednn_fp32_available
 from vframe.testing.quant import check_quant_method
 
 # Byte offsets of each format's float16 scales (d, m, dmin) inside a block.
@@ -353,7 +354,12 @@ def test_smollm2_bfloat16_int4_kernel_keeps_the_dense_greedy_tokens(dense_greedy
 def test_the_dense_path_keeps_an_unquantized_tied_embedding(llm_fp32: LLM) -> None:
     model = llm_fp32.llm_engine.model_runner.model
     assert type(model.model.embed_tokens) is torch.nn.Embedding
-    assert type(model.lm_head) is ReplicatedLinear and model.lm_head.weight is model.model.embed_tokens.weight
+    assert type(model.lm_head) is ReplicatedLinear
+    embedding, head = model.model.embed_tokens.weight, model.lm_head.weight
+    if onednn_fp32_available():  # the head multiplies by a oneDNN-packed copy of the embedding's rows
+        assert head.is_mkldnn and torch.equal(head.to_dense(), embedding)
+    else:
+        assert head is embedding
 
 
 def test_a_quantized_run_converts_only_config_and_tokenizer(tmp_path) -> None:

@@ -1,6 +1,8 @@
-"""bfloat16 linear weights prepacked for oneDNN on the CPU (vframe/quant/onednn_packed.py):
-the same numbers as ``F.linear``, the plain weight recoverable exactly, float32 and
-layers that read their weight left alone, and SmolLM2's outputs unchanged."""
+"""float32 and bfloat16 linear weights prepacked for oneDNN on the CPU
+(vframe/quant/onednn_packed.py): bfloat16 gives the same numbers as ``F.linear``, float32
+the same to float32 rounding (MKL and oneDNN sum in different orders), the plain weight
+recoverable exactly, float16 and layers that read their weight left alone, packing off
+with ``VFRAME_ONEDNN_PACKED_WEIGHTS=0``, and SmolLM2's outputs unchanged."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import torch.nn.functional as F
 
 from vframe.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from vframe.models.loader.load import weight_bytes
-from vframe.quant.onednn_packed import onednn_bf16_available
+from vframe.quant.onednn_packed import onednn_bf16_available, onednn_fp32_available
 
 needs_onednn_bf16 = pytest.mark.skipif(not onednn_bf16_available(), reason="oneDNN has no native bfloat16 here")
+needs_onednn_fp32 = pytest.mark.skipif(not onednn_fp32_available(), reason="float32 is packed on x86-64 only")
 
 
 def _loaded(layer: torch.nn.Module) -> torch.nn.Module:
@@ -52,22 +55,46 @@ def test_the_plain_weight_comes_back_exactly_and_bytes_are_counted() -> None:
     assert weight_bytes(layer) == 48 * 64 * 2
 
 
-def test_float32_and_layers_that_read_their_weight_are_not_packed() -> None:
-    fp32 = _loaded(ColumnParallelLinear(32, 16, params_dtype=torch.float32))
-    assert not fp32.weight.is_mkldnn
-    plain = ColumnParallelLinear(32, 16, params_dtype=torch.bfloat16)
-    plain.needs_plain_weight = True
-    assert not _loaded(plain).weight.is_mkldnn
+@needs_onednn_fp32
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_float32_weights_are_packed_and_products_match_f_linear(rows: int) -> None:
+    # MKL (F.linear) and oneDNN sum in different orders: equal to float32 rounding, not bit-equal
+    layer = _loaded(MergedColumnParallelLinear(96, [80, 80], bias=True, params_dtype=torch.float32))
+    assert layer.weight.is_mkldnn
+    plain_weight = layer.quant_method.dequantize_weight(layer)
+    assert plain_weight.shape == (160, 96) and plain_weight.dtype == torch.float32
+    x = torch.randn(rows, 96)
+    want = F.linear(x.double(), plain_weight.double(), layer.bias.double())
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)
+    assert weight_bytes(layer) == 160 * 96 * 4 + 160 * 4
 
 
-@needs_onednn_bf16
-def test_smollm2_bfloat16_outputs_are_unchanged_by_packing() -> None:
+def test_float16_and_layers_that_read_their_weight_are_not_packed() -> None:
+    fp16 = _loaded(ColumnParallelLinear(32, 16, params_dtype=torch.float16))
+    assert not fp16.weight.is_mkldnn
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = ColumnParallelLinear(32, 16, params_dtype=dtype)
+        plain.needs_plain_weight = True
+        assert not _loaded(plain).weight.is_mkldnn
+
+
+def test_packing_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VFRAME_ONEDNN_PACKED_WEIGHTS", "0")
+    assert not _loaded(ColumnParallelLinear(32, 16, params_dtype=torch.float32)).weight.is_mkldnn
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param("bfloat16", marks=needs_onednn_bf16), pytest.param("float32", marks=needs_onednn_fp32)],
+)
+def test_smollm2_outputs_are_unchanged_by_packing(dtype: str) -> None:
     # Greedy tokens and their logprobs, then the same engine with every packed weight
-    # swapped back to its plain form: identical (both run oneDNN's kernel; packing only
-    # skips a copy per call).
+    # swapped back to its plain form: in bfloat16 identical (both run oneDNN's kernel;
+    # packing only skips a copy per call), in float32 the same tokens and logprobs
+    # within 1e-4 (plain float32 runs MKL).
     from vframe import LLM, SamplingParams
 
-    llm = LLM(dtype="bfloat16", num_threads=2)
+    llm = LLM(dtype=dtype, num_threads=2)
     model = llm.llm_engine.model_runner.model
     packed = [n for n, m in model.named_modules() if getattr(getattr(m, "weight", None), "is_mkldnn", False)]
     assert len(packed) == 30 * 4 + 1 and "lm_head" in packed  # q/k/v, o, gate/up, down per layer; the head
@@ -82,8 +109,13 @@ def test_smollm2_bfloat16_outputs_are_unchanged_by_packing() -> None:
             [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs] for o in outs],
         )
 
-    with_packing = run()
+    tokens, logprobs = run()
     for name in packed:
         layer = model.get_submodule(name)
         layer.weight = torch.nn.Parameter(layer.weight.to_dense(), requires_grad=False)
-    assert run() == with_packing
+    plain_tokens, plain_logprobs = run()
+    assert plain_tokens == tokens
+    if dtype == "bfloat16":
+        assert plain_logprobs == logprobs
+    else:
+        torch.testing.assert_close(torch.tensor(plain_logprobs), torch.tensor(logprobs), rtol=0, atol=1e-4)

@@ -807,7 +807,8 @@ class ModelArchitecture(ABC):
 
     A class attribute ``supports_packed_weights = True`` (plugin API 1.6;
     default ``False``) lets vframe replace the ``weight`` of the model's
-    unquantized bfloat16 linear layers on the CPU by oneDNN's packed form (an
+    unquantized bfloat16 linear layers on the CPU, and since 1.9 its float32
+    ones on x86-64 CPUs, by oneDNN's packed form (an
     opaque ``torch._mkldnn`` tensor) once loaded: each layer's ``forward`` is
     unchanged, but ``layer.weight`` is no longer an ordinary tensor. Read a
     weight with ``layer.quant_method.dequantize_weight(layer)``, or set

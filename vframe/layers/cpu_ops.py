@@ -2,8 +2,9 @@
 built once per machine like ``cpu_paged``'s operators). A decode step of a small
 model is mostly these short elementwise chains between its matmuls: one operator
 each instead of eight to fourteen PyTorch calls. Their loops are plain C++ (scalar
-bfloat16 rounding), so for more than ``MAX_TOKENS`` tokens (prefill, big decode
-batches) PyTorch's vectorised kernels are faster and the layers keep them.
+bfloat16 rounding), so for more than ``MAX_TOKENS`` tokens of bfloat16 or float16
+(prefill, big decode batches) PyTorch's vectorised kernels are faster and the layers
+keep them; in float32 the fused operators run at every size.
 
 ``available()`` is False, and the layers keep their PyTorch expressions, where the
 library cannot be built or ``VFRAME_CPU_FUSED_OPS=0`` (for comparisons). The
@@ -28,7 +29,6 @@ LIBRARY = NativeLibrary(
     "cpu_ops", (Path(__file__).with_name("csrc") / "cpu_ops.cpp",), "vframe_cpu_ops.so",
     "fused RMSNorm and rotary operators", flags=("-ffp-contract=off",),
 )
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @cache
@@ -43,17 +43,24 @@ def available() -> bool:
     return True
 
 
-# Up to this many tokens the fused operators win (PyTorch's dispatch dominates); above, PyTorch's
-# vectorised kernels do (2 threads, bfloat16, SmolLM2's sizes: RMSNorm 3.6 vs 15.4 us at 1 token,
-# 24 vs 20 us at 16, 190 vs 69 us at 256; rotary 4.6 vs 22.5, 30 vs 35, 376 vs 128 us).
-MAX_TOKENS = 16
+# Up to this many tokens of bfloat16 / float16 the fused operators win (PyTorch's dispatch
+# dominates); above, PyTorch's vectorised kernels do (2 threads, bfloat16, SmolLM2's sizes:
+# RMSNorm 3.6 vs 15.4 us at 1 token, 24 vs 20 us at 16, 190 vs 69 us at 256; rotary 4.6 vs
+# 22.5, 30 vs 35, 376 vs 128 us). In float32 the loops vectorise (no rounding to a narrower
+# type) and read the rows once where PyTorch's chain reads them six times: the fused
+# operators win at every size (AVX2 AMD EPYC, 2 threads: RMSNorm 33 vs 84 us at 256 tokens,
+# 14 vs 56 at 64; rotary 30 vs 1,921 and 11 vs 124 us), so float32 has no limit.
+MAX_TOKENS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: None}
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether ``x`` ([T, ...]) takes the fused operators: at most ``MAX_TOKENS`` tokens of a
-    float dtype on the CPU, outside autograd and tracing."""
+    """Whether ``x`` ([T, ...]) takes the fused operators: a float dtype on the CPU, at most
+    ``MAX_TOKENS[dtype]`` tokens (None: any number), outside autograd and tracing."""
+    if x.dtype not in MAX_TOKENS or x.device.type != "cpu":
+        return False
+    limit = MAX_TOKENS[x.dtype]
     return (
-        x.shape[0] <= MAX_TOKENS and x.device.type == "cpu" and x.dtype in _DTYPES
+        (limit is None or x.shape[0] <= limit)
         and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and available()
     )
 

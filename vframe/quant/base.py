@@ -186,7 +186,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         register_weight(layer, "weight", weight, {"output_dim": 0, "input_dim": 1})  # [out, in]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if onednn_packed.should_pack(layer):  # bfloat16 on the CPU: oneDNN's layout, once
+        if onednn_packed.should_pack(layer):  # float32 / bfloat16 on the CPU: oneDNN's layout, once
             onednn_packed.pack(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -195,7 +195,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return F.linear(x, layer.weight, bias)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
-        return layer.weight.to_dense() if layer.weight.is_mkldnn else layer.weight
+        return onednn_packed.plain(layer.weight)
 
 
 class QuantizationConfig(ABC):

@@ -1,4 +1,4 @@
-"""Unquantized bfloat16 linear weights on the CPU, prepacked once for oneDNN.
+"""Unquantized float32 and bfloat16 linear weights on the CPU, prepacked once for oneDNN.
 
 ``F.linear`` on a bfloat16 CPU tensor calls oneDNN, which reorders the weight
 into its blocked layout on every call. Reordering once after loading
@@ -8,25 +8,37 @@ kernel; bit-identical in the tests) without the per-call copy: on AMD Zen 4, one
 thread, a [1, 576] x [576, 3072] product took 0.069 ms against 0.140 ms, [32, 576]
 0.52 ms against 0.60 ms; from a few hundred rows on, both are the same.
 
-Only bfloat16 on CPUs where oneDNN runs it natively: float32 ``F.linear`` uses a
-different BLAS whose rounding the parity tests pin, and float16 has no native
-oneDNN path on most CPUs. The packed weight replaces the plain one (an opaque
+float32 ``F.linear`` calls MKL instead, which on AMD CPUs runs below the machine:
+on an AVX2 AMD EPYC, two threads, the products of one SmolLM2 decode step of 64 rows
+took 194 ms in MKL and 141 ms in oneDNN's packed float32 kernel, the
+[64, 576] x [576, 49152] LM head 66 ms against 32 ms, one row's whole step 23.3 ms
+against 20.0 ms (``benchmarks/linear_fp32.py``). So float32 weights are packed too, on
+x86-64 CPUs; the two libraries round differently (about 1e-7 relative, within the
+parity tests' tolerances). float16 has no native oneDNN path on most CPUs and is
+left alone. The packed weight replaces the plain one (an opaque
 ``torch._mkldnn`` tensor: no ``data_ptr``, ``to_dense()`` gives the plain weight
 back exactly), so memory does not grow. A layer that reads its weight directly
 sets ``needs_plain_weight = True`` and is left alone; ``VFRAME_ONEDNN_PACKED_WEIGHTS=0``
 turns packing off (to measure it). A tied LM head gets a packed copy of its own
 (the embedding keeps the plain rows it looks up): vocab x hidden more bytes, 56 MiB
-for SmolLM2, for a head 2.8x faster at one row ([1, 576] x [576, 49152]: 3.7 ms
-against 10.3 ms).
+for SmolLM2 in bfloat16 (113 MiB in float32), for a head 2.8x faster at one row
+([1, 576] x [576, 49152], bfloat16: 3.7 ms against 10.3 ms).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import platform
 
 import torch
 from torch import nn
+
+
+@functools.cache
+def onednn_fp32_available() -> bool:
+    """oneDNN's float32 products on this CPU (x86-64 builds of torch with oneDNN)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
 
 
 @functools.cache
@@ -43,18 +55,25 @@ def should_pack(layer: nn.Module) -> bool:
         isinstance(weight, torch.Tensor)
         and weight.dim() == 2
         and weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
         and not weight.is_mkldnn
         and not getattr(layer, "needs_plain_weight", False)
         and os.environ.get("VFRAME_ONEDNN_PACKED_WEIGHTS", "1") != "0"
-        and onednn_bf16_available()
+        and (
+            (weight.dtype == torch.bfloat16 and onednn_bf16_available())
+            or (weight.dtype == torch.float32 and onednn_fp32_available())
+        )
     )
 
 
 def pack(layer: nn.Module) -> None:
-    """Replace ``layer.weight`` ([out, in] bfloat16) by its oneDNN-packed form."""
+    """Replace ``layer.weight`` ([out, in] float32 or bfloat16) by its oneDNN-packed form."""
     packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
     layer.weight = nn.Parameter(packed, requires_grad=False)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an ordinary tensor: a packed weight's plain form (exact), anything else itself."""
+    return t.to_dense() if t.is_mkldnn else t
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
