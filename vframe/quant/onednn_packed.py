@@ -11,10 +11,11 @@ thread, a [1, 576] x [576, 3072] product took 0.069 ms against 0.140 ms, [32, 57
 float32 ``F.linear`` calls MKL instead, which on AMD CPUs runs below the machine:
 on an AVX2 AMD EPYC, two threads, the products of one SmolLM2 decode step of 64 rows
 took 194 ms in MKL and 141 ms in oneDNN's packed float32 kernel, the
-[64, 576] x [576, 49152] LM head 66 ms against 32 ms, one row's whole step 23.3 ms
-against 20.0 ms (``benchmarks/linear_fp32.py``). So float32 weights are packed too, on
-x86-64 CPUs; the two libraries round differently (about 1e-7 relative, within the
-parity tests' tolerances). float16 has no native oneDNN path on most CPUs and is
+[64, 576] x [576, 49152] LM head 66 ms against 32 ms (``benchmarks/linear_fp32.py``;
+there each weight stays in cache), and a whole batch-1 decode step, which streams
+every weight from memory, 75-81 ms against 55-61 ms. So float32 weights are packed
+too, on x86-64 CPUs; the two libraries sum in different orders, so results differ in
+float32's last bits (within the parity tests' tolerances). float16 has no native oneDNN path on most CPUs and is
 left alone. The packed weight replaces the plain one (an opaque
 ``torch._mkldnn`` tensor: no ``data_ptr``, ``to_dense()`` gives the plain weight
 back exactly), so memory does not grow. A layer that reads its weight directly
