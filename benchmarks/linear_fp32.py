@@ -18,6 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from vframe.quant.onednn_packed import packed_linear
+
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536, vocabulary 49152
 SHAPES = {"qkv": (576, 960, 30), "o": (576, 576, 30), "gate_up": (576, 3072, 30), "down": (1536, 576, 30),
           "lm_head": (576, 49152, 1)}  # name: (in, out, calls per step)  # fmt: skip
@@ -51,7 +53,7 @@ def main() -> None:
             calls = 20 if n > 10_000 else 100
             plain = min(timed(lambda: F.linear(x, w), calls) for _ in range(args.rounds))
             onednn = min(
-                timed(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), calls)
+                timed(lambda: packed_linear(x, packed, None), calls)
                 for _ in range(args.rounds)
             )
             total_plain += plain * per_step

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from vframe.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from vframe.models.loader.load import weight_bytes
-from vframe.quant.onednn_packed import onednn_bf16_available, onednn_fp32_available
+from vframe.quant.onednn_packed import onednn_bf16_available, onednn_fp32_available, plain
 
 needs_onednn_bf16 = pytest.mark.skipif(not onednn_bf16_available(), reason="oneDNN has no native bfloat16 here")
 needs_onednn_fp32 = pytest.mark.skipif(not onednn_fp32_available(), reason="float32 is packed on x86-64 only")
@@ -27,13 +27,19 @@ def _loaded(layer: torch.nn.Module) -> torch.nn.Module:
     return layer
 
 
+def _packed_fused_layer(dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A loaded q/k/v-like fused layer with a bias, packed, and its weight's plain form."""
+    layer = _loaded(MergedColumnParallelLinear(96, [80, 80], bias=True, params_dtype=dtype))
+    assert layer.weight.is_mkldnn
+    plain_weight = layer.quant_method.dequantize_weight(layer)
+    assert plain_weight.shape == (160, 96) and plain_weight.dtype == dtype and not plain_weight.is_mkldnn
+    return layer, plain_weight
+
+
 @needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_packed_products_equal_f_linear(rows: int) -> None:
-    layer = _loaded(MergedColumnParallelLinear(96, [80, 80], bias=True, params_dtype=torch.bfloat16))
-    assert layer.weight.is_mkldnn
-    plain_weight = layer.quant_method.dequantize_weight(layer)
-    assert plain_weight.shape == (160, 96) and not plain_weight.is_mkldnn
+    layer, plain_weight = _packed_fused_layer(torch.bfloat16)
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     assert torch.equal(layer(x), F.linear(x, plain_weight, layer.bias))
     # A [B, T, in] input, a column slice of a wider tensor (not contiguous): F.linear then
@@ -59,10 +65,7 @@ def test_the_plain_weight_comes_back_exactly_and_bytes_are_counted() -> None:
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_float32_weights_are_packed_and_products_match_f_linear(rows: int) -> None:
     # MKL (F.linear) and oneDNN sum in different orders: equal to float32 rounding, not bit-equal
-    layer = _loaded(MergedColumnParallelLinear(96, [80, 80], bias=True, params_dtype=torch.float32))
-    assert layer.weight.is_mkldnn
-    plain_weight = layer.quant_method.dequantize_weight(layer)
-    assert plain_weight.shape == (160, 96) and plain_weight.dtype == torch.float32
+    layer, plain_weight = _packed_fused_layer(torch.float32)
     x = torch.randn(rows, 96)
     want = F.linear(x.double(), plain_weight.double(), layer.bias.double())
     torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)
@@ -73,9 +76,9 @@ def test_float16_and_layers_that_read_their_weight_are_not_packed() -> None:
     fp16 = _loaded(ColumnParallelLinear(32, 16, params_dtype=torch.float16))
     assert not fp16.weight.is_mkldnn
     for dtype in (torch.float32, torch.bfloat16):
-        plain = ColumnParallelLinear(32, 16, params_dtype=dtype)
-        plain.needs_plain_weight = True
-        assert not _loaded(plain).weight.is_mkldnn
+        reads_weight = ColumnParallelLinear(32, 16, params_dtype=dtype)
+        reads_weight.needs_plain_weight = True
+        assert not _loaded(reads_weight).weight.is_mkldnn
 
 
 def test_packing_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,7 +115,7 @@ def test_smollm2_outputs_are_unchanged_by_packing(dtype: str) -> None:
     tokens, logprobs = run()
     for name in packed:
         layer = model.get_submodule(name)
-        layer.weight = torch.nn.Parameter(layer.weight.to_dense(), requires_grad=False)
+        layer.weight = torch.nn.Parameter(plain(layer.weight), requires_grad=False)
     plain_tokens, plain_logprobs = run()
     assert plain_tokens == tokens
     if dtype == "bfloat16":
