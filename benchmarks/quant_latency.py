@@ -9,7 +9,8 @@ The latency workload of ``vframe bench latency`` (../shared/BENCHMARK.md: one re
 256 prompt tokens, 128 greedy output tokens with ``ignore_eos``, best of 3 after a
 warm-up, 2 threads) on each variant, one after another in this process:
 
-- ``bf16``: the embedded SmolLM2 (its dense conversion) in bfloat16;
+- ``bf16``: the embedded SmolLM2 (its dense conversion) in bfloat16 (``--dtype float32``:
+  ``float32``, and every variant in float32, for CPUs without native bfloat16);
 - the llm-compressor / auto-round checkpoints that ``make test-quant`` caches in
   ``$VFRAME_CACHE_DIR/quant-checkpoints`` (W8A16 and W4A16 groups of 64, W8A8, GPTQ
   and AWQ 4 bit groups of 64), bfloat16 activations; the kernel each layer got is shown;
@@ -17,7 +18,7 @@ warm-up, 2 threads) on each variant, one after another in this process:
 - ``llama.cpp``: the same GGUF through ``llama-cpp-python`` in ``--llama-cpp-python``
   (its own environment; ``benchmarks/llama_cpp_peer.py``), fed the same prompt ids.
 
-The ratio column is TPOT / bf16's TPOT (and, for the GGUF, also / llama.cpp's).
+The ratio column is TPOT / the dense model's TPOT (and, for the GGUF, also / llama.cpp's).
 """
 
 from __future__ import annotations
@@ -42,24 +43,27 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="vframe's dtype for every variant (float32 on CPUs without native bfloat16)")
     parser.add_argument("--only", default=None, help="comma-separated variant names")
     args = parser.parse_args()
     args.model = None
     cache = default_cache_dir() / "quant-checkpoints"
-    variants: list[tuple[str, str | None, dict]] = [("bf16", None, {})]
+    base = "bf16" if args.dtype == "bfloat16" else args.dtype
+    variants: list[tuple[str, str | None, dict]] = [(base, None, {})]
     variants += [(name, str(cache / name), {}) for name in CHECKPOINTS if (cache / name).exists()]
     variants.append(("gguf-q4_1", None, {"quantization": "gguf"}))
     if args.only:
         keep = set(args.only.split(","))
-        variants = [v for v in variants if v[0] in keep or v[0] == "bf16"]
+        variants = [v for v in variants if v[0] in keep or v[0] == base]
 
     results = {}
     for name, model, extra in variants:
         args.model = model
-        result = run_vframe(args, {"dtype": "bfloat16", "num_threads": args.threads, **extra})
+        result = run_vframe(args, {"dtype": args.dtype, "num_threads": args.threads, **extra})
         results[name] = result
         print(f"{name:>15}: TTFT {result.ttft_ms:7.1f} ms  TPOT {result.tpot_ms:6.2f} ms  "
-              f"x bf16 {result.tpot_ms / results['bf16'].tpot_ms:.2f}", flush=True)
+              f"x {base} {result.tpot_ms / results[base].tpot_ms:.2f}", flush=True)
 
     if args.llama_cpp_python:
         args.model = None
@@ -75,7 +79,7 @@ def main() -> None:
         runs = [(t[0] * 1e3, (t[-1] - t[0]) * 1e3 / (len(t) - 1)) for t in r["token_times_s"]]
         ttft, tpot = min(x[0] for x in runs), min(x[1] for x in runs)
         print(f"{'llama.cpp q4_1':>15}: TTFT {ttft:7.1f} ms  TPOT {tpot:6.2f} ms  "
-              f"x bf16 {tpot / results['bf16'].tpot_ms:.2f}")
+              f"x {base} {tpot / results[base].tpot_ms:.2f}")
         if "gguf-q4_1" in results:
             print(f"vframe gguf-q4_1 / llama.cpp TPOT: {results['gguf-q4_1'].tpot_ms / tpot:.2f}x")
 

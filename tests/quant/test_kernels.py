@@ -51,12 +51,19 @@ def test_each_builtin_kernel_equals_the_dequantized_weight_on_every_spec_it_runs
     assert len(check_quant_kernel(kernel, dtype=dtype)) == cases
 
 
-def test_the_portable_woq_build_without_avx512_passes_the_same_check(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "cxxflags",
+    [
+        "-mno-avx512f",  # the AVX2 path (8 lanes), as on CPUs without AVX-512
+        "-mno-avx512f -mno-avx2",  # the portable loops, as on CPUs with neither
+    ],
+)
+def test_the_woq_builds_without_avx512_pass_the_same_check(cxxflags: str) -> None:
     code = (
         "import torch\nfrom vframe.testing import check_quant_kernel\n"
         "print(len(check_quant_kernel('woq_cpu', dtype=torch.bfloat16, quick=True)))"
     )
-    env = {**os.environ, "VFRAME_CPU_PAGED_CXXFLAGS": "-mno-avx512f"}
+    env = {**os.environ, "VFRAME_CPU_PAGED_CXXFLAGS": cxxflags}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split()[-1] == "12"

@@ -24,8 +24,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define VFRAME_WOQ_SIMD 1
 #endif
 
 // The activation dtypes every operator here takes.
@@ -33,28 +34,38 @@
 
 namespace {
 
-// The weight of input i of a row, minus the midpoint (scalar path).
-inline float weight_at(const uint8_t* row, int64_t i, int64_t group, int64_t bits) {
-  if (bits == 8) return static_cast<float>(static_cast<int32_t>(row[i]) - 128);
-  const int64_t g = i / group, j = i % group, half = group / 2;
-  const int32_t b = row[g * half + j % half];
-  return static_cast<float>((j < half ? (b & 15) : (b >> 4)) - 8);
-}
-
 // Output rows begin .. end for m_rows (<= kMaxRows) activation rows.
 constexpr int64_t kMaxRows = 8;
 
+// The portable path (no AVX2 / AVX-512, or groups the vector paths do not tile):
+// each output row's integers minus the midpoint are unpacked once into floats and
+// used for every activation row, group by group.
 template <typename T>
 void rows_scalar(const float* x, const float* xsum, const uint8_t* q, const float* scales, const float* sz, T* y,
                  int64_t m_rows, int64_t n, int64_t k, int64_t group, int64_t bits, int64_t begin, int64_t end) {
-  const int64_t groups = k / group, row_bytes = bits == 8 ? k : k / 2;
+  const int64_t groups = k / group, row_bytes = bits == 8 ? k : k / 2, half = group / 2;
+  std::vector<float> w(k);
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = q + o * row_bytes;
+    if (bits == 8) {
+      for (int64_t i = 0; i < k; ++i) w[i] = static_cast<float>(static_cast<int32_t>(row[i]) - 128);
+    } else {  // byte j of a group: input j (low nibble) and input j + half (high)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t j = 0; j < half; ++j) {
+          const int32_t byte = row[g * half + j];
+          w[g * group + j] = static_cast<float>((byte & 15) - 8);
+          w[g * group + j + half] = static_cast<float>((byte >> 4) - 8);
+        }
+    }
     for (int64_t m = 0; m < m_rows; ++m) {
+      const float* xm = x + m * k;
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
+        const float* xg = xm + g * group;
+        const float* wg = w.data() + g * group;
         float d = 0.f;
-        for (int64_t i = g * group; i < (g + 1) * group; ++i) d += x[m * k + i] * weight_at(row, i, group, bits);
+#pragma omp simd reduction(+ : d)
+        for (int64_t i = 0; i < group; ++i) d += xg[i] * wg[i];
         acc += scales[o * groups + g] * d;
         if (sz != nullptr) acc -= sz[o * groups + g] * xsum[m * groups + g];
       }
@@ -63,15 +74,48 @@ void rows_scalar(const float* x, const float* xsum, const uint8_t* q, const floa
   }
 }
 
+#if defined(VFRAME_WOQ_SIMD)
+// The float vector of the widest instruction set the build has: 16 lanes with
+// AVX-512, 8 with AVX2 + FMA. A chunk reads kLanes weight bytes.
 #if defined(__AVX512F__)
-inline __m512 widen(__m128i bytes, __m512i mid) {
-  return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), mid));
-}
+struct Lanes {
+  using V = __m512;
+  static constexpr int64_t kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float v) { return _mm512_set1_ps(v); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  // The kLanes low bytes of b, each minus mid, as floats.
+  static V widen(__m128i b, int32_t mid) {
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(b), _mm512_set1_epi32(mid)));
+  }
+};
+#else
+struct Lanes {
+  using V = __m256;
+  static constexpr int64_t kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float v) { return _mm256_set1_ps(v); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static __m128i load_bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+  static V widen(__m128i b, int32_t mid) {
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(b), _mm256_set1_epi32(mid)));
+  }
+};
+#endif
 
-// The frame every AVX-512 path shares: per output row and group, the chunk policy
-// adds the products of 16 bytes of weights at a time into part[m] (one vector per
-// activation row); the group's vector is scaled once, the zero term subtracted, and
-// each output reduced once. MR (activation rows) is compile-time so that the
+// The frame every vector path shares: per output row and group, the chunk policy
+// adds the products of kLanes bytes of weights at a time into part[m] (one vector
+// per activation row); the group's vector is scaled once, the zero term subtracted,
+// and each output reduced once. MR (activation rows) is compile-time so that the
 // accumulators stay in registers.
 template <int64_t MR, typename Policy, typename XT, typename T>
 void rows_grouped(const Policy& policy, const XT* x, const float* xsum, const uint8_t* q, const float* scales,
@@ -81,60 +125,61 @@ void rows_grouped(const Policy& policy, const XT* x, const float* xsum, const ui
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = q + o * row_bytes;
     const float* so = scales + o * groups;
-    __m512 acc[MR];
+    typename Lanes::V acc[MR];
     float zero_term[MR];
-    for (int64_t m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps(), zero_term[m] = 0.f;
+    for (int64_t m = 0; m < MR; ++m) acc[m] = Lanes::zero(), zero_term[m] = 0.f;
     for (int64_t g = 0; g < groups; ++g) {
-      __m512 part[MR];
-      for (int64_t m = 0; m < MR; ++m) part[m] = _mm512_setzero_ps();
+      typename Lanes::V part[MR];
+      for (int64_t m = 0; m < MR; ++m) part[m] = Lanes::zero();
       const uint8_t* qg = row + g * group_bytes;
       const XT* xg = x + g * group;
-      for (int64_t c = 0; c < group_bytes; c += 16) policy.template chunk<MR>(qg + c, xg + c, k, half, part);
-      const __m512 scale = _mm512_set1_ps(so[g]);
-      for (int64_t m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(part[m], scale, acc[m]);
+      for (int64_t c = 0; c < group_bytes; c += Policy::kChunkBytes)
+        policy.template chunk<MR>(qg + c, xg + c, k, half, part);
+      const typename Lanes::V scale = Lanes::set1(so[g]);
+      for (int64_t m = 0; m < MR; ++m) acc[m] = Lanes::fmadd(part[m], scale, acc[m]);
       if (sz != nullptr)
         for (int64_t m = 0; m < MR; ++m) zero_term[m] += sz[o * groups + g] * xsum[m * groups + g];
     }
-    for (int64_t m = 0; m < MR; ++m) y[m * n + o] = static_cast<T>(_mm512_reduce_add_ps(acc[m]) - zero_term[m]);
+    for (int64_t m = 0; m < MR; ++m) y[m * n + o] = static_cast<T>(Lanes::sum(acc[m]) - zero_term[m]);
   }
 }
 
-// float32 activations: each 16 weights widened to float once and used for every row.
+// float32 activations: each kLanes weights widened to float once and used for every row.
 template <int64_t BITS>
 struct FloatChunk {
-  static constexpr int64_t kBits = BITS;
-  const __m512i mid = _mm512_set1_epi32(BITS == 8 ? 128 : 8);
+  static constexpr int64_t kBits = BITS, kChunkBytes = Lanes::kLanes;
+  static constexpr int32_t kMid = BITS == 8 ? 128 : 8;
   const __m128i low = _mm_set1_epi8(15);
 
   template <int64_t MR>
-  void chunk(const uint8_t* qc, const float* xc, int64_t k, int64_t half, __m512* part) const {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qc));
+  void chunk(const uint8_t* qc, const float* xc, int64_t k, int64_t half, typename Lanes::V* part) const {
+    const __m128i bytes = Lanes::load_bytes(qc);
     if constexpr (BITS == 8) {
-      const __m512 w = widen(bytes, mid);
-      for (int64_t m = 0; m < MR; ++m) part[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xc + m * k), w, part[m]);
+      const auto w = Lanes::widen(bytes, kMid);
+      for (int64_t m = 0; m < MR; ++m) part[m] = Lanes::fmadd(Lanes::load(xc + m * k), w, part[m]);
     } else {  // byte j of a group: input j (low nibble) and input j + half (high)
-      const __m512 lo = widen(_mm_and_si128(bytes, low), mid);
-      const __m512 hi = widen(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), mid);
+      const auto lo = Lanes::widen(_mm_and_si128(bytes, low), kMid);
+      const auto hi = Lanes::widen(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), kMid);
       for (int64_t m = 0; m < MR; ++m) {
-        part[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xc + m * k), lo, part[m]);
-        part[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xc + m * k + half), hi, part[m]);
+        part[m] = Lanes::fmadd(Lanes::load(xc + m * k), lo, part[m]);
+        part[m] = Lanes::fmadd(Lanes::load(xc + m * k + half), hi, part[m]);
       }
     }
   }
 };
 
 template <int64_t BITS, int64_t MR, typename T>
-void rows_avx512(const float* x, const float* xsum, const uint8_t* q, const float* scales, const float* sz, T* y,
-                 int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
+void rows_simd(const float* x, const float* xsum, const uint8_t* q, const float* scales, const float* sz, T* y,
+               int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
   rows_grouped<MR>(FloatChunk<BITS>{}, x, xsum, q, scales, sz, y, n, k, group, begin, end);
 }
 
 template <int64_t BITS, typename T>
-void block_avx512(int64_t rows, const float* x, const float* xsum, const uint8_t* q, const float* scales,
-                  const float* sz, T* y, int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
+void block_simd(int64_t rows, const float* x, const float* xsum, const uint8_t* q, const float* scales,
+                const float* sz, T* y, int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
   switch (rows) {
 #define VFRAME_ROWS(R) \
-  case R: return rows_avx512<BITS, R>(x, xsum, q, scales, sz, y, n, k, group, begin, end);
+  case R: return rows_simd<BITS, R>(x, xsum, q, scales, sz, y, n, k, group, begin, end);
     VFRAME_ROWS(1) VFRAME_ROWS(2) VFRAME_ROWS(3) VFRAME_ROWS(4)
     VFRAME_ROWS(5) VFRAME_ROWS(6) VFRAME_ROWS(7) VFRAME_ROWS(8)
 #undef VFRAME_ROWS
@@ -148,7 +193,7 @@ void block_avx512(int64_t rows, const float* x, const float* xsum, const uint8_t
 // products add up in float32 (vdpbf16ps). The products are exact, as in the float32
 // path; only the order of the float32 additions differs.
 struct Bf16Chunk4 {
-  static constexpr int64_t kBits = 4;
+  static constexpr int64_t kBits = 4, kChunkBytes = 16;
   const __m512i table = [] {
     alignas(64) uint16_t words[32] = {};
     for (int i = 0; i < 16; ++i) words[i] = c10::BFloat16(static_cast<float>(i - 8)).x;
@@ -199,12 +244,12 @@ void gemm(const float* x, const float* xsum, const uint8_t* q, const float* scal
       const int64_t rows = std::min(kMaxRows, m_rows - m0);
       const float* xm = x + m0 * k;
       const float* xs = xsum == nullptr ? nullptr : xsum + m0 * groups;
-#if defined(__AVX512F__)
-      if (group % (bits == 8 ? 16 : 32) == 0) {
+#if defined(VFRAME_WOQ_SIMD)
+      if (group % (bits == 8 ? Lanes::kLanes : 2 * Lanes::kLanes) == 0) {
         if (bits == 8)
-          block_avx512<8>(rows, xm, xs, q, scales, sz, y + m0 * n, n, k, group, begin, end);
+          block_simd<8>(rows, xm, xs, q, scales, sz, y + m0 * n, n, k, group, begin, end);
         else
-          block_avx512<4>(rows, xm, xs, q, scales, sz, y + m0 * n, n, k, group, begin, end);
+          block_simd<4>(rows, xm, xs, q, scales, sz, y + m0 * n, n, k, group, begin, end);
         continue;
       }
 #endif
