@@ -507,13 +507,13 @@ def test_a_k_quant_llama_runs_from_its_blocks_as_its_dense_conversion(tmp_path, 
             [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)], abs=1e-4
         )
     # bfloat16: Q4_K through the int4 kernel (q and k of the [Q4_K | Q4_K | Q6_K] qkv), Q5 / Q6_K /
-    # Q8_0 through woq_cpu (8 bit), Q3_K and Q2_K by reference
+    # Q8_0 through woq_cpu (8 bit), Q3_K and Q2_K through woq_cpu (4 bit, groups of 16)
     llm = LLM(**kw, dtype="bfloat16", quantization="gguf")
     layers = llm.llm_engine.model_runner.model.model.layers
     kernels = [[s.kernel for s in layer.quant_method.segments] for layer in quantized_linear_layers(layers)]
     assert kernels == [
         ["int4_cpu", "woq_cpu"], ["int4_cpu"], ["int4_cpu"], ["woq_cpu"],  # qkv (Q4_K | Q6_K), o, gate_up, down
-        ["woq_cpu", "woq_cpu"], ["reference"], ["reference"], ["woq_cpu"],  # Q5_K | Q8_0, Q3_K, Q2_K, Q5_0
+        ["woq_cpu", "woq_cpu"], ["woq_cpu"], ["woq_cpu"], ["woq_cpu"],  # Q5_K | Q8_0, Q3_K, Q2_K, Q5_0
     ]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert ours == [b.token_ids for b in dense]
@@ -543,7 +543,9 @@ def test_an_untied_q8_0_head_runs_on_woq_cpu_as_its_dense_conversion(tmp_path, m
     )
 
 
-@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize(
+    "ggml_type", ["Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_segments_with_an_integer_form_run_on_quant_kernels_as_dequantize_then_matmul(
     ggml_type: str, dtype: torch.dtype
@@ -567,6 +569,9 @@ def test_segments_with_an_integer_form_run_on_quant_kernels_as_dequantize_then_m
     dequantized = layer.quant_method.dequantize_weight(layer)
     weight_tolerance = 1e-6 if dtype == torch.float32 else 2**-8
     assert float((dequantized - weight).abs().max()) <= weight_tolerance * float(weight.abs().max())
+    if dtype == torch.float32 and ggml_type not in ("Q4_0", "Q4_1", "Q4_K"):
+        # the K-quants' and 8-bit types' scale * (q - mid) + offset are the dequantizers' own products
+        assert torch.equal(dequantized, weight)
     reference = x.double() @ weight.double().T
     tolerance = 1e-5 if dtype == torch.float32 else 2**-6
     assert float((out.double() - reference).abs().max()) <= tolerance * float(reference.abs().max())

@@ -18,15 +18,14 @@ loading, runs of shards of one type form segments, each computed on its own::
 
 Kernels, per segment:
 
-* Q4_0 / Q4_1 / Q4_K (4 bit) and Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 (8 bit): an
-  ``IntWeight`` (``_int_weight``; ``gguf_dequant.int4_groups`` / ``int8_groups``) on the
-  quant kernel ``vframe.quant.kernels.choose_kernel`` picks (on the CPU: ``int4_cpu`` for
-  bfloat16 Q4, ``woq_cpu`` otherwise), its buffers in the submodule ``segment<i>``; the
-  blocks are dropped.
-* every other format (``gguf_dequant.FORMATS``), and those above when the chosen
-  kernel is the built-in ``reference``: the segment's bytes stay in ``qweight`` (uint8, the
-  file's bytes, nothing else) and are dequantized to float32 on every call, cast,
-  ``F.linear``.
+* Q4_0 / Q4_1 / Q4_K and Q2_K / Q3_K (4 bit) and Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0
+  (8 bit): an ``IntWeight`` (``_int_weight``; ``gguf_dequant.int4_groups`` /
+  ``int8_groups``) on the quant kernel ``vframe.quant.kernels.choose_kernel`` picks (on
+  the CPU: ``int4_cpu`` for bfloat16 Q4, ``woq_cpu`` otherwise), its buffers in the
+  submodule ``segment<i>``; the blocks are dropped.
+* the float formats (F32, F16, BF16), and those above when the chosen kernel is the
+  built-in ``reference``: the segment's bytes stay in ``qweight`` (uint8, the file's
+  bytes, nothing else) and are dequantized to float32 on every call, cast, ``F.linear``.
 
 The token embedding and the LM head tied to it are one ``GGUFEmbeddingMethod``
 (``get_embedding_method``; ``vframe/layers/embedding.py``): lookups dequantize the
@@ -54,7 +53,7 @@ from vframe.quant.gguf_dequant import (
 from vframe.quant.kernels import IntWeight
 
 NAME = "gguf"
-_INT4_GROUP = 32  # Q4_0 / Q4_1 blocks, Q4_K sub-blocks: one scale and offset per 32 inputs
+_INT4_GROUP = 32  # Q4_0 / Q4_1 blocks, Q4_K sub-blocks, Q8_0 blocks: one scale (and offset) per 32 inputs
 INT_TYPES = INT4_TYPES + INT8_TYPES  # the types with an IntWeight form (_int_weight)
 
 
@@ -396,13 +395,14 @@ _HEAD_ROWS = 4096  # vocabulary rows dequantized at once by the reference head: 
 
 def _int_weight(rows: torch.Tensor, ggml_type: str) -> IntWeight:
     """A segment's blocks (uint8 [out, row bytes]) as an ``IntWeight``: Q4_0 / Q4_1 /
-    Q4_K as ``gguf_dequant.int4_groups`` spells them (``scale * (q - 8) + zero`` per 32),
-    Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 as ``int8_groups`` does (8 bit, groups of 32; Q6_K 16)."""
+    Q4_K (groups of 32) and Q2_K / Q3_K (16) as ``gguf_dequant.int4_groups`` spells them
+    (4 bit, ``scale * (q - 8) + zero``), Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 as
+    ``int8_groups`` does (8 bit, groups of 32; Q6_K 16)."""
     if ggml_type in INT8_TYPES:
         q8, scale, offset, group = int8_groups(rows, ggml_type)
         return IntWeight(8, q8, scale, offset, group)
-    q, scale, zero = int4_groups(rows, ggml_type)  # [out, in], [out, in / 32] x 2
-    return IntWeight(4, q, scale, None if ggml_type == "Q4_0" else zero, _INT4_GROUP)
+    q, scale, zero, group = int4_groups(rows, ggml_type)
+    return IntWeight(4, q, scale, zero, group)
 
 
 def _ggml_type_name(value: int) -> str:

@@ -86,7 +86,9 @@ def q2_k(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q.reshape(n, 16, 16).float() - ml).reshape(n, QK_K)
 
 
-def q3_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q3_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_K blocks -> the scale ``d * sc`` of each 16 values (float32 [n, 16, 1]) and the
+    values in [-4, 4) (int8 [n, 16, 16])."""
     n, device = blocks.shape[0], blocks.device
     hmask, qs, packed_scales = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
     d = _f16(blocks, 108)
@@ -98,8 +100,12 @@ def q3_k(blocks: torch.Tensor) -> torch.Tensor:
     ql = (qs.reshape(n, 2, 1, 32) >> _shifts(0, 2, 4, 6, shape=(1, 1, 4, 1)).to(device)).reshape(n, 16, 16) & 3
     qh = hmask.reshape(n, 1, 1, 32) >> _bit_shifts(device)
     qh = (qh.reshape(n, 16, 16) & 1) ^ 1  # a clear high bit subtracts 4
-    q = ql.to(torch.int8) - (qh << 2).to(torch.int8)
-    return (dl * q.float()).reshape(n, QK_K)
+    return dl, ql.to(torch.int8) - (qh << 2).to(torch.int8)
+
+
+def q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    dl, q = _q3_k_parts(blocks)
+    return (dl * q.float()).reshape(blocks.shape[0], QK_K)
 
 
 def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [n, 12] -> 2 x [n, 8] uint8
@@ -179,17 +185,33 @@ FORMATS: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
 }
 
 
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit values with one scale and offset per 32 inputs
+# Formats whose values fit 4 bits, with one scale and offset per group of inputs
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K")
 
 
-def int4_groups(rows: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A 4-bit format's rows (``INT4_TYPES``) as ``w = scale * (q - 8) + zero`` per
-    group of 32 inputs: ``q`` uint8 [out, in] in [0, 16), ``scale`` and ``zero``
-    float32 [out, in / 32]. Q4_0 ``d (q - 8)``: scale d, zero 0; Q4_1 ``d q + m``:
-    zero ``m + 8 d``; Q4_K ``(d sc) q - dmin m`` per sub-block: scale ``d sc``, zero
-    ``8 d sc - dmin m``."""
+def int4_groups(
+    rows: torch.Tensor, ggml_type: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """A 4-bit-or-fewer format's rows (``INT4_TYPES``) as ``w = scale * (q - 8) + zero``
+    per group of inputs: ``q`` uint8 [out, in] in [0, 16), ``scale`` and ``zero`` float32
+    [out, in / group] (``zero`` None where the format has none), and the group size.
+    Per 32 inputs: Q4_0 ``d (q - 8)``, scale d; Q4_1 ``d q + m``: zero ``m + 8 d``; Q4_K
+    ``(d sc) q - dmin m`` per sub-block: scale ``d sc``, zero ``8 d sc - dmin m``. Per 16:
+    Q2_K ``(d sc) q - dmin m`` with q in [0, 4): q + 8 stored, scale ``d sc``, zero
+    ``-(dmin m)``; Q3_K ``(d sc) q`` with q in [-4, 4): q + 8 stored. For Q2_K and Q3_K the
+    products are the dequantizers' own, so ``scale * (q - 8) + zero`` gives their bits."""
     out, type_size = rows.shape[0], FORMATS[ggml_type][1]
     blocks = rows.reshape(-1, type_size)
+    n = blocks.shape[0]
+    if ggml_type == "Q2_K":
+        sub = blocks[:, :16]
+        scale = _f16(blocks, 80) * (sub & 0x0F).float()  # [blocks, 16]
+        zero = -(_f16(blocks, 82) * (sub >> 4).float())
+        q = (blocks[:, 16:80].reshape(n, 2, 1, 32) >> _shifts(0, 2, 4, 6, shape=(1, 1, 4, 1)).to(blocks.device)) & 3
+        return (q.reshape(out, -1) + 8), scale.reshape(out, -1), zero.reshape(out, -1), 16
+    if ggml_type == "Q3_K":
+        scale, q = _q3_k_parts(blocks)
+        return (q + 8).to(torch.uint8).reshape(out, -1), scale.reshape(out, -1), None, 16
     if ggml_type == "Q4_K":
         sub_scales, sub_mins = _k_scales_mins(blocks[:, 4:16])
         scale = _f16(blocks, 0) * sub_scales.float()  # [blocks, 8]
@@ -197,9 +219,9 @@ def int4_groups(rows: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch
         q = _k_nibbles(blocks[:, 16:])  # [blocks, 8, 32]
     else:
         scale = _f16(blocks, 0)  # [blocks, 1]
-        zero = _f16(blocks, 2) + 8 * scale if ggml_type == "Q4_1" else torch.zeros_like(scale)
+        zero = _f16(blocks, 2) + 8 * scale if ggml_type == "Q4_1" else None
         q = _nibbles(blocks[:, type_size - 16 :])  # [blocks, 32]
-    return q.reshape(out, -1), scale.reshape(out, -1), zero.reshape(out, -1)
+    return q.reshape(out, -1), scale.reshape(out, -1), None if zero is None else zero.reshape(out, -1), 32
 
 
 # ggml's type numbers (``gguf.GGMLQuantizationType``) of the formats above
