@@ -266,12 +266,12 @@ bool bf16_supported() {
 #endif
 }
 
-void gemm_bf16_u4(const at::Tensor& x, const at::Tensor& xsum, const at::Tensor& q, const at::Tensor& scales,
+void gemm_bf16_u4(const at::Tensor& x, const float* xsum, const at::Tensor& q, const at::Tensor& scales,
                   const at::Tensor& scaled_zeros, at::Tensor& y, int64_t group) {
 #if defined(__AVX512BF16__)
   const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0), groups = k / group;
   const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  const float* xs = scaled_zeros.numel() ? xsum.data_ptr<float>() : nullptr;
+  const float* xs = scaled_zeros.numel() ? xsum : nullptr;
   const float* zs = scaled_zeros.numel() ? scaled_zeros.data_ptr<float>() : nullptr;
   auto* out = y.data_ptr<c10::BFloat16>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
@@ -306,16 +306,31 @@ at::Tensor woq_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(!zeros || (scaled_zeros.sizes() == scales.sizes() && scaled_zeros.scalar_type() == at::kFloat &&
                          scaled_zeros.is_contiguous()),
               "woq_gemm: scaled_zeros must be empty or float32 like scales");
-  at::Tensor xsum;
-  if (zeros) xsum = x.view({m_rows, k / group, group}).sum(-1, false, at::kFloat).contiguous();
+  // Each group's input sum (for the zero term), in float32: a loop here, not an at::sum
+  // (whose dispatch costs more than a decode step's whole product at these sizes).
+  const int64_t groups = k / group;
+  std::vector<float> xsum(zeros ? m_rows * groups : 0);
+  auto sum_groups = [&](const auto* xp) {
+    for (int64_t r = 0; r < m_rows * groups; ++r) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < group; ++i) acc += static_cast<float>(xp[r * group + i]);
+      xsum[r] = acc;
+    }
+  };
+  if (zeros) {
+    if (bf16_path)
+      sum_groups(x.data_ptr<c10::BFloat16>());
+    else
+      sum_groups(x.data_ptr<float>());
+  }
   if (bf16_path) {
     at::Tensor y = at::empty({m_rows, n}, x.options());
-    gemm_bf16_u4(x, xsum, q, scales, scaled_zeros, y, group);
+    gemm_bf16_u4(x, xsum.data(), q, scales, scaled_zeros, y, group);
     return y;
   }
   at::Tensor y = at::empty({m_rows, n}, x.options().dtype(out_dtype));
   const float* zs = zeros ? scaled_zeros.data_ptr<float>() : nullptr;
-  const float* xs = zeros ? xsum.data_ptr<float>() : nullptr;
+  const float* xs = zeros ? xsum.data() : nullptr;
   auto run = [&](auto* out) {
     gemm(x.data_ptr<float>(), xs, q.data_ptr<uint8_t>(), scales.data_ptr<float>(), zs, out, m_rows, n, k, group, bits);
   };
