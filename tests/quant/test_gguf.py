@@ -199,13 +199,15 @@ def test_conforms_on_every_layer_kind(ggml_type: str, dtype: torch.dtype) -> Non
     [
         ("Q8_0", torch.float32, None, "woq_cpu"), ("Q8_0", torch.bfloat16, None, "woq_cpu"),
         ("Q8_0", torch.bfloat16, "reference", "planes"), ("Q8_0", torch.float32, "reference", "reference"),
-        ("Q4_1", torch.bfloat16, None, "reference"),
+        ("Q4_1", torch.bfloat16, None, "int4_cpu"), ("Q4_1", torch.bfloat16, "reference", "reference"),
+        ("Q4_K", torch.float32, None, "woq_cpu"), ("Q6_K", torch.float32, None, "woq_cpu"),
+        ("Q6_K", torch.bfloat16, None, "woq_cpu"), ("Q2_K", torch.float32, None, "woq_cpu"),
     ],
 )
 def test_embedding_looks_up_exact_rows_and_its_tied_head_multiplies_by_them(
     ggml_type: str, dtype: torch.dtype, kernel: str | None, head: str
 ) -> None:
-    vocab, hidden = 192, 64
+    vocab, hidden = 192, 256  # K-quant rows are whole blocks of 256
     rows = random_rows(ggml_type, vocab, hidden, seed=11)
     config = GGUFConfig()
     config.quant_kernel = kernel
@@ -220,7 +222,13 @@ def test_embedding_looks_up_exact_rows_and_its_tied_head_multiplies_by_them(
     weight = gguf_weight(rows, ggml_type)  # [vocab, hidden]
     method = embedding.quant_method
     assert ("planes" if method.q8_planes else method.segments[0].kernel) == head
-    assert looked_up.dtype == dtype and torch.equal(looked_up, weight[ids].to(dtype))  # the rows, bit for bit
+    assert looked_up.dtype == dtype
+    if head == "woq_cpu" and ggml_type in ("Q4_1", "Q4_K"):
+        # scale (q - 8) + zero, the zero 8 d + m (Q4_K: 8 d sc - dmin m): the file's d q + m up to
+        # a float32 rounding, and the rows looked up as the head multiplies them
+        assert float((method.dequantize_weight(embedding) - weight).abs().max()) <= 1e-6 * float(weight.abs().max())
+        weight = method.dequantize_weight(embedding)
+    assert torch.equal(looked_up, weight[ids].to(dtype))  # the rows, bit for bit
     assert torch.equal(method.dequantize_weight(embedding), weight)
     reference = x.double() @ weight.double().T
     # float32: float32 noise; bfloat16: its outputs (two, for the planes) and the planes' bfloat16 scales
@@ -229,7 +237,11 @@ def test_embedding_looks_up_exact_rows_and_its_tied_head_multiplies_by_them(
     assert float((logits.double() - reference).abs().max()) <= tolerance * float(reference.abs().max())
     expected_bytes = {
         "planes": vocab * hidden * (32 + 2 * 4 + 2) // 32,  # 1 byte per weight, 2 x (scale, zero) bf16, d f16
-        "woq_cpu": vocab * hidden * (32 + 4) // 32,  # the int8 values, a float32 scale per 32
+        # woq_cpu's integers (a byte each at 8 bit, two per byte at 4) and float32 scales (and offsets)
+        "woq_cpu": vocab * hidden * {"Q8_0": (32 + 4) / 32, "Q4_K": (16 + 8) / 32, "Q6_K": (16 + 4) / 16,
+                                     "Q2_K": (8 + 8) / 16}.get(ggml_type, 0),
+        # torch's int4 layout and a bfloat16 (scale, zero) per 32, beside the file's blocks for lookups
+        "int4_cpu": vocab * hidden * (16 + 4) // 32 + rows.nbytes,
         "reference": rows.nbytes,  # the file's blocks
     }[head]
     assert weight_bytes(embedding) - embedding.qweight_type.nbytes == expected_bytes
@@ -445,10 +457,12 @@ OTHERS = {"attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "
           "ffn_gate": "Q2_K", "ffn_up": "Q2_K", "ffn_down": "Q5_0"}
 
 
-def write_tiny_llama(path, layer_types: list[dict[str, str]], vocab: int = 96, output_type: str | None = None) -> None:
+def write_tiny_llama(path, layer_types: list[dict[str, str]], vocab: int = 96, output_type: str | None = None,
+                     embedding_type: str | None = None) -> None:
     """A 2-layer Llama GGUF of random blocks (hidden 256, 4 heads and 2 kv heads of 64,
     MLP 512) with a byte-level toy vocabulary, written by the ``gguf`` package; its LM
-    head tied to the float16 embedding, or an ``output.weight`` of ``output_type``."""
+    head tied to the embedding (float16, or random blocks of ``embedding_type``), or an
+    ``output.weight`` of ``output_type``."""
     from gguf import GGUFWriter
 
     hidden, heads, kv_heads, head_dim, inter = 256, 4, 2, 64, 512
@@ -468,7 +482,11 @@ def write_tiny_llama(path, layer_types: list[dict[str, str]], vocab: int = 96, o
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
     rng = np.random.default_rng(0)
-    writer.add_tensor("token_embd.weight", rng.normal(0, 1, (vocab, hidden)).astype(np.float16))
+    if embedding_type is None:
+        writer.add_tensor("token_embd.weight", rng.normal(0, 1, (vocab, hidden)).astype(np.float16))
+    else:
+        rows = random_rows(embedding_type, vocab, hidden, seed=98)
+        writer.add_tensor("token_embd.weight", rows, raw_dtype=GGMLQuantizationType[embedding_type])
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     if output_type is not None:
         rows = random_rows(output_type, vocab, hidden, seed=99)
@@ -537,6 +555,30 @@ def test_an_untied_q8_0_head_runs_on_woq_cpu_as_its_dense_conversion(tmp_path, m
     assert [s.kernel for s in model.lm_head.quant_method.segments] == ["woq_cpu"]
     assert weight_bytes(model.lm_head) - model.lm_head.qweight_type.nbytes == 96 * 256 + 96 * 256 // 32 * 4
     assert isinstance(model.model.embed_tokens, VocabEmbedding)
+    assert ours.token_ids == dense.token_ids
+    assert [lp[t].logprob for t, lp in zip(ours.token_ids, ours.logprobs)] == pytest.approx(
+        [lp[t].logprob for t, lp in zip(dense.token_ids, dense.logprobs)], abs=1e-4
+    )
+
+
+def test_a_tied_q6_k_embedding_runs_its_head_on_woq_cpu_as_its_dense_conversion(tmp_path, monkeypatch) -> None:
+    """Llama 3.2's Q4_K_M files tie a Q6_K token_embd to the head: without a kernel the
+    head dequantized the whole table every step."""
+    monkeypatch.setenv("VFRAME_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tied.gguf"
+    write_tiny_llama(path, [Q4_K_M], embedding_type="Q6_K")
+    prompts = [{"prompt_token_ids": [0, 5, 17, 33, 2]}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
+    kw = dict(model=str(path), max_model_len=128, num_threads=1, attention_backend="torch", dtype="float32")
+
+    dense = LLM(**kw).generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(**kw, quantization="gguf")
+    ours = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+
+    embedding = llm.llm_engine.model_runner.model.model.embed_tokens
+    assert [s.kernel for s in embedding.quant_method.segments] == ["woq_cpu"]
+    # held once: woq_cpu's int8 values and a float32 scale per 16 (the file: 210 bytes per 256)
+    assert weight_bytes(embedding) - embedding.qweight_type.nbytes == 96 * 256 + 96 * 256 // 16 * 4
     assert ours.token_ids == dense.token_ids
     assert [lp[t].logprob for t, lp in zip(ours.token_ids, ours.logprobs)] == pytest.approx(
         [lp[t].logprob for t, lp in zip(dense.token_ids, dense.logprobs)], abs=1e-4

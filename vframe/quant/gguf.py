@@ -50,7 +50,7 @@ from vframe.quant.base import EmbeddingMethodBase, LinearMethodBase, Quantizatio
 from vframe.quant.gguf_dequant import (
     FORMATS, GGML_TYPE_NAMES, INT4_TYPES, INT8_TYPES, dequantize, int4_groups, int8_groups, row_bytes,
 )
-from vframe.quant.kernels import IntWeight
+from vframe.quant.kernels import IntWeight, reads_rows
 
 NAME = "gguf"
 _INT4_GROUP = 32  # Q4_0 / Q4_1 blocks, Q4_K sub-blocks, Q8_0 blocks: one scale (and offset) per 32 inputs
@@ -278,8 +278,11 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
     A GGUF embedding row is one token's vector (blocks along the hidden size), so a
     lookup dequantizes only the looked-up rows. Head kernels:
 
-    * Q8_0: the quant kernel chosen for its ``IntWeight`` (``woq_cpu`` on the CPU), in
-      the submodule ``segment0``; lookups through the kernel's ``dequantize_rows``.
+    * the integer types (``INT_TYPES``: Q2_K to Q8_0): the quant kernel chosen for the
+      table's ``IntWeight``, as for a linear segment, in the submodule ``segment0``;
+      lookups through the kernel's ``dequantize_rows`` where it reads rows on its own
+      (``woq_cpu``: the table is held once), else from the file's bytes, kept beside the
+      kernel's copy (``int4_cpu`` for a bfloat16 Q4 table: 0.56 + 0.63 bytes per weight).
     * Q8_0 where that choice is the built-in ``reference``, in a bfloat16 model on the
       CPU (vocabulary a multiple of 64): each
       ``q = 16 hi + lo`` is split into two 4-bit planes, each run through torch's
@@ -288,28 +291,35 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
       added. The planes hold the file's int8 values, the float16 ``d`` stay for
       lookups: 1.31 bytes per weight (the file: 1.06; bfloat16: 2). The kernel's
       bfloat16 scales round ``d`` to 8 bits, as a dense bfloat16 weight rounds ``d q``.
-    * otherwise the file's bytes stay in ``qweight`` and the head dequantizes
+    * otherwise (float types, or the ``reference`` kernel) the file's bytes stay in
+      ``qweight`` and the head dequantizes
       ``_HEAD_ROWS`` vocabulary rows at a time, casts and multiplies: exact, but
       a dequantization of the whole table per step (docs/quantization.md has its cost).
     """
 
     repack = False
     q8_planes = False  # the Q8_0 int4 planes replace qweight (process_weights_after_loading)
+    lookup_segment: Segment | None = None  # the file's bytes that lookups read, beside a kernel's copy
     q8_tile = 64  # rows per tile of torch's int4 CPU layout here (64 with AVX-512, 32 with AVX2)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         super().process_weights_after_loading(layer)
         [segment] = self.segments
         vocab = layer.num_embeddings
-        # A Q8_0 table on the quant kernel chosen for it, as a linear segment would be (woq_cpu
-        # on the CPU: the int8 values and a float32 scale per 32, 1.125 bytes per weight),
-        # lookups through the kernel's dequantize_rows; else the int4 planes or the file's bytes.
+        # A table of an integer type on the quant kernel chosen for it, as a linear segment would
+        # be (woq_cpu on the CPU: Q8_0's int8 values and a float32 scale per 32, 1.125 bytes per
+        # weight). Lookups go through the kernel's dequantize_rows where it reads rows on its own;
+        # else (int4_cpu) the file's bytes stay for them. Without a kernel: the Q8_0 int4 planes
+        # or the file's bytes.
         on_kernel = None
-        if segment.ggml_type == "Q8_0":
+        if segment.ggml_type in INT_TYPES:
             on_kernel = self._on_kernel(layer, 0, segment, segment.rows(layer.qweight))
         if on_kernel is not None:
             self.segments[0] = on_kernel
-            layer.qweight.data = torch.empty(0, dtype=torch.uint8)
+            if reads_rows(self.kernels[0]):
+                layer.qweight.data = torch.empty(0, dtype=torch.uint8)
+            else:
+                self.lookup_segment = segment
             return
         if not (
             segment.ggml_type == "Q8_0" and layer.qweight.device.type == "cpu" and vocab % 64 == 0
@@ -372,6 +382,8 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
 
     def _rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] float32, exact
         [segment] = self.segments
+        if self.lookup_segment is not None:  # the file's bytes, kept beside a kernel that cannot read rows
+            return dequantize(self.lookup_segment.rows(layer.qweight)[ids], segment.ggml_type)
         if self.kernels:
             return self.kernels[0].dequantize_rows(layer.segment0, ids)
         if not self.q8_planes:

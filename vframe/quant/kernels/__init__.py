@@ -141,7 +141,8 @@ class QuantLinearKernel(ABC):
     def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         """Output rows ``rows`` (int64 [R]) of ``dequantize_weight``, [R, in] float32: what a
         quantized token embedding looks up. Default: the whole weight, then the rows;
-        override where a kernel can read rows on their own."""
+        override where a kernel can read rows on their own (``reads_rows``: a GGUF
+        embedding then keeps no other copy of its table)."""
         return self.dequantize_weight(layer)[rows]
 
     def buffer(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -149,6 +150,12 @@ class QuantLinearKernel(ABC):
 
     def get(self, layer: nn.Module, name: str) -> torch.Tensor:
         return getattr(layer, f"{self.name}_{name}")
+
+
+def reads_rows(kernel: QuantLinearKernel) -> bool:
+    """Whether ``kernel`` looks rows up on its own (overrides ``dequantize_rows``)
+    rather than dequantizing its whole weight for them."""
+    return type(kernel).dequantize_rows is not QuantLinearKernel.dequantize_rows
 
 
 def choose_kernel(spec: QuantLinearSpec, name: str | None = None) -> QuantLinearKernel:
@@ -191,4 +198,5 @@ __all__ = [
     "QuantLinearKernel",
     "QuantLinearSpec",
     "choose_kernel",
+    "reads_rows",
 ]
