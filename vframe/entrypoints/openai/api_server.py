@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from vframe.core.async_engine import AsyncLLMEngine
 from vframe.core.config import EngineConfig
 from vframe.core.engine import EMBEDDED_MODEL_NAME, LLMEngine
+from vframe.core.worker.model_runner import resolve_device
 from vframe.entrypoints.openai.chat import create_chat_completion
 from vframe.entrypoints.openai.completions import create_completion
 from vframe.entrypoints.openai.responses import ResponsesRequest, create_response
@@ -263,6 +264,27 @@ def _endpoint(path: str) -> str:
 # --------------------------------------------------------------------------- #
 
 
+SERVER_CPU_TOKEN_BUDGET = 2048  # a serving step's token budget on the CPU, unless set
+
+
+def apply_server_defaults(config: EngineConfig) -> EngineConfig:
+    """What ``vframe serve`` changes in an engine configuration left at its defaults: on
+    the CPU, a step budget of ``SERVER_CPU_TOKEN_BUDGET`` tokens instead of the engine's
+    4096 (vLLM's CPU server makes the same choice). Clients that arrive together are
+    then prefilled in smaller chunks with the running requests' decode tokens riding
+    along, rather than in one long step that stalls every stream: at concurrency 16
+    (SmolLM2, float32, 2 threads, AVX2 EPYC) TTFT p50 10.2 s -> 4.8 s, TPOT p50 170 ->
+    146 ms, output 68 -> 82 tok/s; 1024 tokens cut TTFT further but lost throughput."""
+    scheduler = config.scheduler
+    if (
+        scheduler.max_num_batched_tokens is None
+        and scheduler.enable_chunked_prefill
+        and resolve_device(config.device.device).type == "cpu"
+    ):
+        scheduler.max_num_batched_tokens = SERVER_CPU_TOKEN_BUDGET
+    return config
+
+
 def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     """``vframe serve``: returns the process exit status."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -273,7 +295,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
             )
         engine_kwargs["model"] = args.model_tag
     policy = ServerPolicy.from_args(args, loopback=is_loopback(args.host))
-    config = EngineConfig.from_sources(config_file=args.config_file, **engine_kwargs)
+    config = apply_server_defaults(EngineConfig.from_sources(config_file=args.config_file, **engine_kwargs))
     if config.model.skip_tokenizer_init:
         raise ConfigError("vframe serve needs the tokenizer (texts, chat templates): drop skip_tokenizer_init")
     served_names = args.served_model_name or [config.model.model or EMBEDDED_MODEL_NAME]

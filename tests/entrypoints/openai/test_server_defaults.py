@@ -1,0 +1,29 @@
+"""What ``vframe serve`` changes in an engine configuration left at its defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from vframe.core.config import EngineConfig
+from vframe.entrypoints.openai.api_server import SERVER_CPU_TOKEN_BUDGET, apply_server_defaults
+
+
+def test_a_cpu_server_steps_2048_tokens_unless_told_otherwise() -> None:
+    assert SERVER_CPU_TOKEN_BUDGET == 2048
+    config = apply_server_defaults(EngineConfig.from_sources(device="cpu"))
+    assert config.scheduler.max_num_batched_tokens == 2048
+    # the offline engine keeps its own default (4096, chosen when the engine starts)
+    assert EngineConfig.from_sources(device="cpu").scheduler.max_num_batched_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"max_num_batched_tokens": 4096}, 4096),  # a user's value stands
+        ({"max_num_batched_tokens": 512}, 512),
+        ({"enable_chunked_prefill": False}, None),  # the engine sizes it to max_model_len
+    ],
+)
+def test_a_server_keeps_what_the_user_chose(settings: dict, expected: int | None) -> None:
+    config = apply_server_defaults(EngineConfig.from_sources(device="cpu", **settings))
+    assert config.scheduler.max_num_batched_tokens == expected
