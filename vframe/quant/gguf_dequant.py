@@ -208,7 +208,7 @@ def int4_groups(
         scale = _f16(blocks, 80) * (sub & 0x0F).float()  # [blocks, 16]
         zero = -(_f16(blocks, 82) * (sub >> 4).float())
         q = (blocks[:, 16:80].reshape(n, 2, 1, 32) >> _shifts(0, 2, 4, 6, shape=(1, 1, 4, 1)).to(blocks.device)) & 3
-        return (q.reshape(out, -1) + 8), scale.reshape(out, -1), zero.reshape(out, -1), 16
+        return q.reshape(out, -1) + 8, scale.reshape(out, -1), zero.reshape(out, -1), 16
     if ggml_type == "Q3_K":
         scale, q = _q3_k_parts(blocks)
         return (q + 8).to(torch.uint8).reshape(out, -1), scale.reshape(out, -1), None, 16

@@ -9,8 +9,8 @@ kernel says it can run (``can_implement`` returns ``None``), and for each:
 * ``prepare`` on a bare ``nn.Module`` layer, then ``dequantize_weight(layer)``
   equals ``IntWeight.dequantize()`` within ``weight_tolerance(dtype)`` of each
   row's largest value (a kernel may round its scales to the activations' dtype);
-* ``apply(layer, x, bias)`` for 1, 5 and 40 tokens (one decode row, a small
-  batch, a prefill chunk) has shape ``[T, out]``, the activation dtype, and is
+* ``apply(layer, x, bias)`` for 1, 5, 20 and 40 tokens (one decode row, small and
+  larger decode batches, a prefill chunk) has shape ``[T, out]``, the activation dtype, and is
   within ``OUTPUT_TOLERANCES[dtype]`` (relative to the largest reference value) of
   ``x @ W.T + bias`` in float64 with ``W = IntWeight.dequantize()``; for W8A8
   the reference quantizes ``x`` per token as ``quantize_per_token`` does.
@@ -121,7 +121,7 @@ def check_quant_kernel(
         excess = float(((got_w - w).abs() - weight_tolerance(dtype) * row_max).max())
         assert excess <= 0, f"{case}: dequantize_weight differs from IntWeight.dequantize() by {excess:.3g} beyond tolerance"
         bias = torch.randn(spec.out_features, generator=generator)
-        for tokens in (1, 5, 40):
+        for tokens in (1, 5, 20, 40):
             x = torch.randn(tokens, spec.in_features, generator=generator).to(dtype)
             out = instance.apply(layer, x.to(device), bias.to(dtype).to(device))
             assert tuple(out.shape) == (tokens, spec.out_features), f"{case}, {tokens} tokens: shape {tuple(out.shape)}"

@@ -24,7 +24,7 @@ Built-in kernels (``vframe.quant.kernels.builtin``), by priority:
 * ``int4_cpu`` (30): torch's ``_weight_int4pack_mm_for_cpu``, 4-bit, bfloat16 on the CPU.
 * ``woq_cpu`` (20): vframe's C++ weight-only kernel (``csrc/woq_gemm.cpp``), 4 and
   8 bit, any even group that divides the inputs, act order by permuting the inputs;
-  activations of up to 16 tokens are multiplied in place, larger batches
+  activations of up to 16 tokens (32 in float32) are multiplied in place, larger batches
   dequantize the weight into the model's dtype (one C++ pass) for one GEMM.
 * ``int8_dynamic`` (20): W8A8 with per-token int8 activations through ``torch._int_mm``
   (quantization, product and scaling in one C++ call where ``woq_cpu``'s library builds).
