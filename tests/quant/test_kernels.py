@@ -203,3 +203,32 @@ def test_int_weight_dequantize_is_the_definition() -> None:
     assert w.tolist() == [[0.5 * (0 - 8) + 1, 0.5 * (15 - 8) + 1, 2.0 * (8 - 8) - 1, 2.0 * (3 - 8) - 1]]
     act_order = IntWeight(4, q, scales, None, group_size=2, g_idx=torch.tensor([1, 0, 0, 1])).dequantize()
     assert act_order.tolist() == [[2.0 * -8, 0.5 * 7, 0.5 * 0, 2.0 * -5]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_woq_cpu_multiplies_a_large_weight_by_many_rows_a_block_of_outputs_at_a_time(monkeypatch, dtype) -> None:
+    """Above MAX_ROWS rows the weight is dequantized for a GEMM; above CHUNK_BYTES of it (an
+    LM head) a block of output rows at a time, the last block partial: the same products,
+    up to the GEMM's own summation order for another output width."""
+    from vframe.quant.kernels.builtin import WoqCpuKernel
+
+    generator = torch.Generator().manual_seed(3)
+    out_features, in_features, group = 100, 128, 32
+    weight = IntWeight(
+        4, torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8),
+        torch.rand(out_features, in_features // group, generator=generator) * 0.1,
+        torch.randn(out_features, in_features // group, generator=generator) * 0.1, group,
+    )
+    kernel = choose_kernel(QuantLinearSpec.for_weight(weight, activations=WEIGHT_ONLY, dtype=dtype, layer="head"),
+                           "woq_cpu")
+    layer = nn.Module()
+    kernel.prepare(layer, weight)
+    x = torch.randn(40, in_features, generator=generator).to(dtype)  # more than MAX_ROWS in either dtype
+    whole = kernel.apply(layer, x, None)
+    # 30 output rows a block: 30, 30, 30 and 10
+    monkeypatch.setattr(WoqCpuKernel, "CHUNK_BYTES", 30 * in_features * x.element_size())
+    blocks = kernel.apply(layer, x, None)
+    assert float((blocks.double() - whole.double()).abs().max()) <= 1e-6 * float(whole.double().abs().max())
+    reference = x.double() @ weight.dequantize().double().T
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    assert float((blocks.double() - reference).abs().max()) <= tolerance * float(reference.abs().max())

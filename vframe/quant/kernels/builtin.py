@@ -175,6 +175,7 @@ class WoqCpuKernel(_Permuted):
 
     priority = 20
     MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
+    CHUNK_BYTES = 4 << 20  # most bytes of dequantized weight one GEMM of more rows reads
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
@@ -206,7 +207,7 @@ class WoqCpuKernel(_Permuted):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x = self._inputs(layer, x)
         if x.shape[0] > self.MAX_ROWS[x.dtype]:
-            out = F.linear(x, self._dequantized(layer, x.dtype))
+            out = self._dequantized_product(layer, x)
         else:
             out = _woq_ops().woq_gemm(  # reads bfloat16 x as it is (4 bit, AVX512-BF16), else as float32
                 x, self.get(layer, "q"), self.get(layer, "scales"),
@@ -214,7 +215,25 @@ class WoqCpuKernel(_Permuted):
             )
         return out if bias is None else out + bias
 
-    def _dequantized(self, layer: nn.Module, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def _dequantized_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` through the weight dequantized into ``x``'s dtype: a weight of more
+        than ``CHUNK_BYTES`` so dequantized (an LM head) a block of output rows at a time,
+        so that its float copy stays in cache and never exists whole (the SmolLM2 Q8_0
+        head, [64, 576] x [576 -> 49152] float32, 2 threads, AVX2 EPYC: 167 ms in one
+        piece, 74 ms in blocks of 4 MiB, 92 ms of 8, 77 ms of 2)."""
+        out_features, in_features = self.spec.out_features, self.spec.in_features
+        rows = max(1, self.CHUNK_BYTES // (in_features * x.element_size()))
+        if rows >= out_features:
+            return F.linear(x, self._dequantized(layer, x.dtype))
+        out = x.new_empty(x.shape[0], out_features)
+        for start in range(0, out_features, rows):
+            block = slice(start, min(start + rows, out_features))
+            out[:, block] = F.linear(x, self._dequantized(layer, x.dtype, block))
+        return out
+
+    def _dequantized(
+        self, layer: nn.Module, dtype: torch.dtype, rows: torch.Tensor | slice | None = None
+    ) -> torch.Tensor:
         """Output rows ``rows`` (all: None) of the weight in ``dtype``, the inputs in group
         order: the C++ operator's one pass, bit for bit ``IntWeight.dequantize`` then cast."""
         def pick(t: torch.Tensor) -> torch.Tensor:
