@@ -59,14 +59,16 @@ def test_each_builtin_kernel_equals_the_dequantized_weight_on_every_spec_it_runs
     ],
 )
 def test_the_woq_builds_without_avx512_pass_the_same_check(cxxflags: str) -> None:
+    """Also W8A8's int8 products, which take vframe's own AVX2 loop where the CPU has no VNNI."""
     code = (
         "import torch\nfrom vframe.testing import check_quant_kernel\n"
+        "print(len(check_quant_kernel('int8_dynamic', dtype=torch.float32, quick=True)))\n"
         "print(len(check_quant_kernel('woq_cpu', dtype=torch.bfloat16, quick=True)))"
     )
     env = {**os.environ, "VFRAME_CPU_PAGED_CXXFLAGS": cxxflags}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split()[-1] == "12"
+    assert result.stdout.split()[-2:] == ["1", "12"]
 
 
 def test_a_kernel_that_computes_wrong_fails_the_check() -> None:
@@ -232,3 +234,21 @@ def test_woq_cpu_multiplies_a_large_weight_by_many_rows_a_block_of_outputs_at_a_
     reference = x.double() @ weight.dequantize().double().T
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
     assert float((blocks.double() - reference).abs().max()) <= tolerance * float(reference.abs().max())
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 9, 40])
+def test_w8a8_in_one_call_equals_its_pytorch_spelling_bit_for_bit(tokens: int) -> None:
+    """int8_dynamic's C++ call (its own exact int8 products on AVX2 CPUs without VNNI,
+    torch._int_mm elsewhere) against quantize_per_token, torch._int_mm and the scaling in
+    PyTorch: int32 sums are exact, so the outputs are equal."""
+    from vframe.quant.kernels.builtin import _scaled, _woq_ops, quantize_per_token
+
+    generator = torch.Generator().manual_seed(tokens)
+    weight = torch.randint(-127, 128, (48, 192), generator=generator, dtype=torch.int8)
+    w_scale = torch.rand(48, generator=generator) * 0.01
+    x = torch.randn(tokens, 192, generator=generator) * 3
+    xq, x_scale = quantize_per_token(x)
+    acc = torch._int_mm(xq, weight.T)
+    assert int(acc.abs().max()) > 1000  # sums large enough that a dropped or doubled product shows
+    assert torch.equal(_woq_ops().int8_dynamic_mm(x, weight, w_scale), _scaled(acc.float(), x_scale, w_scale,
+                                                                               torch.float32, None))
