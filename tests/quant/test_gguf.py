@@ -537,10 +537,9 @@ def test_a_k_quant_llama_runs_from_its_blocks_as_its_dense_conversion(tmp_path, 
     assert ours == [b.token_ids for b in dense]
 
 
-def test_an_untied_q8_0_head_runs_on_woq_cpu_as_its_dense_conversion(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("VFRAME_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "untied.gguf"
-    write_tiny_llama(path, [Q4_K_M], output_type="Q8_0")
+def _gguf_engine_equal_to_its_dense_conversion(path) -> LLM:
+    """The GGUF at ``path`` kept quantized, in float32, after asserting that its greedy
+    tokens equal its dense conversion's and their logprobs are within 1e-4."""
     prompts = [{"prompt_token_ids": [0, 5, 17, 33, 2]}]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
     kw = dict(model=str(path), max_model_len=128, num_threads=1, attention_backend="torch", dtype="float32")
@@ -548,6 +547,19 @@ def test_an_untied_q8_0_head_runs_on_woq_cpu_as_its_dense_conversion(tmp_path, m
     dense = LLM(**kw).generate(prompts, params, use_tqdm=False)[0].outputs[0]
     llm = LLM(**kw, quantization="gguf")
     ours = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    assert ours.token_ids == dense.token_ids
+    assert [lp[t].logprob for t, lp in zip(ours.token_ids, ours.logprobs)] == pytest.approx(
+        [lp[t].logprob for t, lp in zip(dense.token_ids, dense.logprobs)], abs=1e-4
+    )
+    return llm
+
+
+def test_an_untied_q8_0_head_runs_on_woq_cpu_as_its_dense_conversion(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("VFRAME_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "untied.gguf"
+    write_tiny_llama(path, [Q4_K_M], output_type="Q8_0")
+
+    llm = _gguf_engine_equal_to_its_dense_conversion(path)
 
     model = llm.llm_engine.model_runner.model
     assert isinstance(model.lm_head, ReplicatedLinear) and isinstance(model.lm_head.quant_method, GGUFLinearMethod)
@@ -555,10 +567,6 @@ def test_an_untied_q8_0_head_runs_on_woq_cpu_as_its_dense_conversion(tmp_path, m
     assert [s.kernel for s in model.lm_head.quant_method.segments] == ["woq_cpu"]
     assert weight_bytes(model.lm_head) - model.lm_head.qweight_type.nbytes == 96 * 256 + 96 * 256 // 32 * 4
     assert isinstance(model.model.embed_tokens, VocabEmbedding)
-    assert ours.token_ids == dense.token_ids
-    assert [lp[t].logprob for t, lp in zip(ours.token_ids, ours.logprobs)] == pytest.approx(
-        [lp[t].logprob for t, lp in zip(dense.token_ids, dense.logprobs)], abs=1e-4
-    )
 
 
 def test_a_tied_q6_k_embedding_runs_its_head_on_woq_cpu_as_its_dense_conversion(tmp_path, monkeypatch) -> None:
@@ -567,22 +575,13 @@ def test_a_tied_q6_k_embedding_runs_its_head_on_woq_cpu_as_its_dense_conversion(
     monkeypatch.setenv("VFRAME_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tied.gguf"
     write_tiny_llama(path, [Q4_K_M], embedding_type="Q6_K")
-    prompts = [{"prompt_token_ids": [0, 5, 17, 33, 2]}]
-    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
-    kw = dict(model=str(path), max_model_len=128, num_threads=1, attention_backend="torch", dtype="float32")
 
-    dense = LLM(**kw).generate(prompts, params, use_tqdm=False)[0].outputs[0]
-    llm = LLM(**kw, quantization="gguf")
-    ours = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    llm = _gguf_engine_equal_to_its_dense_conversion(path)
 
     embedding = llm.llm_engine.model_runner.model.model.embed_tokens
     assert [s.kernel for s in embedding.quant_method.segments] == ["woq_cpu"]
     # held once: woq_cpu's int8 values and a float32 scale per 16 (the file: 210 bytes per 256)
     assert weight_bytes(embedding) - embedding.qweight_type.nbytes == 96 * 256 + 96 * 256 // 16 * 4
-    assert ours.token_ids == dense.token_ids
-    assert [lp[t].logprob for t, lp in zip(ours.token_ids, ours.logprobs)] == pytest.approx(
-        [lp[t].logprob for t, lp in zip(dense.token_ids, dense.logprobs)], abs=1e-4
-    )
 
 
 @pytest.mark.parametrize(
