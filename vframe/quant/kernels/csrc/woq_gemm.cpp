@@ -436,8 +436,9 @@ at::Tensor int8_products(const at::Tensor& xq, const at::Tensor& weight) {
 
 // W8A8 with dynamic per-token activations, as vframe.quant.kernels.builtin.quantize_per_token
 // and Int8DynamicKernel spell it in PyTorch, in one call: each row of x scaled by
-// max(|x|, 1e-12) / 127 and rounded half to even into int8, torch's _int_mm against the
-// int8 weight [N, K], then (acc * x_scale) * w_scale in float32, cast to x's dtype.
+// max(|x|, 1e-12) / 127 and rounded half to even into int8, its exact int32 products with
+// the int8 weight [N, K] (int8_products: torch's _int_mm, or the AVX2 loop above where the
+// CPU has no VNNI), then (acc * x_scale) * w_scale in float32, cast to x's dtype.
 at::Tensor int8_dynamic_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == at::kChar && x.size(1) == weight.size(1),
               "int8_dynamic_mm: x [T, K] and an int8 weight [N, K]");
