@@ -14,7 +14,10 @@ warm-up, 2 threads) on each variant, one after another in this process:
 - the llm-compressor / auto-round checkpoints that ``make test-quant`` caches in
   ``$VFRAME_CACHE_DIR/quant-checkpoints`` (W8A16 and W4A16 groups of 64, W8A8, GPTQ
   and AWQ 4 bit groups of 64), bfloat16 activations; the kernel each layer got is shown;
-- ``gguf-q4_1``: the embedded GGUF kept quantized (``quantization="gguf"``);
+- ``gguf-q4_1``: the embedded GGUF kept quantized (``quantization="gguf"``), float
+  activations (``woq_cpu``: exact against its dense conversion);
+- ``gguf-q4_1-a8``: the same with ``quant_kernel="woq_cpu_a8"``: activations quantized to
+  int8 per block of 32 for integer dot products, llama.cpp's own numerics;
 - ``llama.cpp``: the same GGUF through ``llama-cpp-python`` in ``--llama-cpp-python``
   (its own environment; ``benchmarks/llama_cpp_peer.py``), fed the same prompt ids.
 
@@ -53,6 +56,7 @@ def main() -> None:
     variants: list[tuple[str, str | None, dict]] = [(base, None, {})]
     variants += [(name, str(cache / name), {}) for name in CHECKPOINTS if (cache / name).exists()]
     variants.append(("gguf-q4_1", None, {"quantization": "gguf"}))
+    variants.append(("gguf-q4_1-a8", None, {"quantization": "gguf", "quant_kernel": "woq_cpu_a8"}))
     if args.only:
         keep = set(args.only.split(","))
         variants = [v for v in variants if v[0] in keep or v[0] == base]
@@ -80,8 +84,9 @@ def main() -> None:
         ttft, tpot = min(x[0] for x in runs), min(x[1] for x in runs)
         print(f"{'llama.cpp q4_1':>15}: TTFT {ttft:7.1f} ms  TPOT {tpot:6.2f} ms  "
               f"x {base} {tpot / results[base].tpot_ms:.2f}")
-        if "gguf-q4_1" in results:
-            print(f"vframe gguf-q4_1 / llama.cpp TPOT: {results['gguf-q4_1'].tpot_ms / tpot:.2f}x")
+        for name in ("gguf-q4_1", "gguf-q4_1-a8"):
+            if name in results:
+                print(f"vframe {name} / llama.cpp TPOT: {results[name].tpot_ms / tpot:.2f}x")
 
 
 if __name__ == "__main__":

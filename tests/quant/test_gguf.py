@@ -22,6 +22,7 @@ from vframe.models.loader.resolve import embedded_default_gguf, gguf_cache_path,
 from vframe.plugins import get_registry
 from vframe.quant import gguf_dequant
 from vframe.quant.gguf import GGUFConfig, GGUFLinearMethod
+from vframe.quant.kernels.builtin import quantize_per_block
 from vframe.quant.onednn_packed import onednn_fp32_available
 from vframe.testing.quant import check_quant_method
 
@@ -158,6 +159,32 @@ def test_bfloat16_mixed_fused_layer_runs_each_segment_on_its_kernel() -> None:
     # the Q4_K rows in int4_cpu's 20 bytes per 32 weights, the Q6_K rows in woq_cpu's byte per
     # weight and float32 scale per 16
     assert weight_bytes(layer) - layer.qweight_type.nbytes - bias.nbytes == 384 * 256 * 20 // 32 + 128 * 256 * 20 // 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_woq_cpu_a8_named_runs_llama_cpp_s_numerics_where_the_blocks_are_32_wide(dtype: torch.dtype) -> None:
+    """quant_kernel="woq_cpu_a8": the 32-wide Q4_K rows multiply activations quantized to int8
+    per block of 32 (the reference spelled in PyTorch, quantize_per_block), the Q6_K rows
+    (16-wide groups, which it does not run) take woq_cpu by priority, with float activations."""
+    config = GGUFConfig()
+    config.quant_kernel = "woq_cpu_a8"
+    layer = QKVParallelLinear(256, 64, 4, 2, bias=False, quant_config=config, params_dtype=dtype)
+    q, k, v = (random_rows(t, n, 256, seed=i) for i, (t, n) in enumerate([("Q4_K", 256), ("Q4_K", 128), ("Q6_K", 128)]))
+    load_layer(layer, [("q", "Q4_K", q), ("k", "Q4_K", k), ("v", "Q6_K", v)])
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+    out = layer(x).double()
+
+    assert [s.kernel for s in layer.quant_method.segments] == ["woq_cpu_a8", "woq_cpu"]
+    w_qk = torch.cat([gguf_weight(q, "Q4_K"), gguf_weight(k, "Q4_K")]).double()
+    w_v = gguf_weight(v, "Q6_K").double()
+    x_blocks = quantize_per_block(x).double()
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    for got, want in ((out[:, :384], x_blocks @ w_qk.T), (out[:, 384:], x.double() @ w_v.T)):
+        assert float((got - want).abs().max()) <= tolerance * float(want.abs().max())
+    if dtype == torch.float32:  # the activations are quantized indeed: the float product is further off
+        float_product = x.double() @ w_qk.T
+        assert float((out[:, :384] - float_product).abs().max()) > 20 * tolerance * float(float_product.abs().max())
 
 
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q4_K"])
@@ -339,6 +366,32 @@ def test_smollm2_float32_q4_1_runs_on_woq_cpu_in_a_fifth_of_the_dense_bytes(gguf
     assert embedding.quant_method.segments[0].kernel == "woq_cpu"
     assert total == linear_bytes + 49152 * 576 * 36 // 32 + 4 * SMOLLM_NORM_VALUES
     assert total <= 0.21 * SMOLLM_DENSE_FP32_BYTES
+
+
+A8_TEXT = (
+    "Once upon a time, the city of Nova Haven was a thriving metropolis, with towering skyscrapers and "
+    "bustling streets. But as the years went by, the water that boils at 100 degrees became scarce."
+)
+
+
+def test_smollm2_with_woq_cpu_a8_stays_near_the_dense_logprobs(llm_fp32: LLM, tokenizer) -> None:
+    """llama.cpp's numerics on request: every Q4_1 layer and the Q8_0 head on woq_cpu_a8. Its
+    logprobs of a fixed text move from the dense model's by about what llama.cpp's own do
+    (docs/quantization.md): more than float32 noise, far less than a wrong kernel would."""
+    llm = LLM(dtype="float32", quantization="gguf", quant_kernel="woq_cpu_a8", max_model_len=256, num_threads=1)
+    model = llm.llm_engine.model_runner.model
+    assert {s.kernel for m in quantized_linear_layers(model) for s in m.quant_method.segments} == {"woq_cpu_a8"}
+    ids = tokenizer(A8_TEXT).input_ids
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(engine: LLM) -> np.ndarray:
+        [out] = engine.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+        return np.array([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
+
+    moved = np.abs(logprobs(llm) - logprobs(llm_fp32))
+    assert len(moved) == 41
+    # measured: mean 0.075, max 0.51 (llama.cpp 0.3.36 on the same file: mean 0.046, max 0.34)
+    assert 1e-2 < moved.max() < 1.0 and moved.mean() < 0.15, (moved.mean(), moved.max())
 
 
 def test_smollm2_bfloat16_int4_kernel_keeps_the_dense_greedy_tokens(dense_greedy: list[list[int]]) -> None:

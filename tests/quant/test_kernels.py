@@ -17,7 +17,7 @@ from torch import nn
 from vframe import LLM, SamplingParams
 from vframe.errors import ConfigError
 from vframe.plugins import get_registry, hookimpl, register_plugin, unregister_plugin
-from vframe.quant.kernels import INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight, QuantLinearSpec, choose_kernel
+from vframe.quant.kernels import INT8_PER_BLOCK, INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight, QuantLinearSpec, choose_kernel
 from vframe.quant.kernels.builtin import ReferenceKernel
 from vframe.testing import check_quant_kernel
 
@@ -38,8 +38,10 @@ def spec(bits: int = 4, group_size: int = 64, *, dtype: torch.dtype = torch.bflo
 @pytest.mark.parametrize(
     ("kernel", "dtype", "cases"),
     [
-        ("reference", torch.float32, 41), ("reference", torch.bfloat16, 41),
+        ("reference", torch.float32, 53), ("reference", torch.bfloat16, 53),
         ("woq_cpu", torch.float32, 28), ("woq_cpu", torch.bfloat16, 28), ("woq_cpu", torch.float16, 28),
+        # int8 activations per block of 32: 4 and 8 bit, groups of 32, 64 and per channel, sym and asym
+        ("woq_cpu_a8", torch.float32, 12), ("woq_cpu_a8", torch.bfloat16, 12), ("woq_cpu_a8", torch.float16, 12),
         ("int4_cpu", torch.bfloat16, 10),
         ("int8_dynamic", torch.float32, 1), ("int8_dynamic", torch.bfloat16, 1),
     ],
@@ -59,16 +61,32 @@ def test_each_builtin_kernel_equals_the_dequantized_weight_on_every_spec_it_runs
     ],
 )
 def test_the_woq_builds_without_avx512_pass_the_same_check(cxxflags: str) -> None:
-    """Also W8A8's int8 products, which take vframe's own AVX2 loop where the CPU has no VNNI."""
+    """Also W8A8's int8 products, which take vframe's own AVX2 loop where the CPU has no VNNI,
+    and the int8-activation loops of woq_cpu_a8."""
     code = (
         "import torch\nfrom vframe.testing import check_quant_kernel\n"
         "print(len(check_quant_kernel('int8_dynamic', dtype=torch.float32, quick=True)))\n"
+        "print(len(check_quant_kernel('woq_cpu_a8', dtype=torch.float32)))\n"
         "print(len(check_quant_kernel('woq_cpu', dtype=torch.bfloat16, quick=True)))"
     )
     env = {**os.environ, "VFRAME_CPU_PAGED_CXXFLAGS": cxxflags}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split()[-2:] == ["1", "12"]
+    assert result.stdout.split()[-3:] == ["1", "12", "12"]
+
+
+def test_woq_cpu_a8_quantizes_activation_blocks_as_quantize_per_block_spells_them() -> None:
+    """The C++ blocks (its prefill path) bit for bit the PyTorch definition: ties to even,
+    a block of zeros, blocks of very different scales."""
+    from vframe.quant.kernels.builtin import _woq_ops, quantize_per_block
+
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, 7)[:, None]
+    x[0, :32] = 0.0
+    x[1, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5] + [0.25] * 26)  # d = 1: halves round to even
+    assert quantize_per_block(x)[1, :6].tolist() == [127.0, 0.0, 2.0, 2.0, -0.0, -2.0]
+    assert quantize_per_block(x)[0, :32].abs().sum() == 0
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(_woq_ops().quantize_blocks(x.to(dtype)), quantize_per_block(x.to(dtype)))
 
 
 def test_a_kernel_that_computes_wrong_fails_the_check() -> None:
@@ -89,6 +107,9 @@ def test_a_kernel_that_computes_wrong_fails_the_check() -> None:
         (spec(8, 64), "woq_cpu"),
         (spec(4, 48), "woq_cpu"),  # torch's kernel takes groups of 32 .. 256 that tile the inputs
         (spec(8, 192, activations=INT8_PER_TOKEN), "int8_dynamic"),
+        (spec(4, 32, activations=INT8_PER_BLOCK), "woq_cpu_a8"),  # GGUF's blocks: llama.cpp's numerics
+        (spec(8, 32, activations=INT8_PER_BLOCK, dtype=torch.float32), "woq_cpu_a8"),
+        (spec(4, 48, activations=INT8_PER_BLOCK), "reference"),  # a block of 32 would straddle two groups
         (spec(4, 64, act_order=True, equal_groups=False), "reference"),  # q, k, v each in its own order
         (spec(4, 64, device=torch.device("cuda")), "reference"),  # no GPU kernel is built in
     ],

@@ -76,6 +76,7 @@ def vframe_register_quantizers(register: RegisterFn) -> None:
 def vframe_register_quant_kernels(register: RegisterFn) -> None:
     register("int4_cpu", "vframe.quant.kernels.builtin:TorchInt4CpuKernel")
     register("woq_cpu", "vframe.quant.kernels.builtin:WoqCpuKernel")
+    register("woq_cpu_a8", "vframe.quant.kernels.builtin:WoqCpuA8Kernel")
     register("int8_dynamic", "vframe.quant.kernels.builtin:Int8DynamicKernel")
     register("reference", "vframe.quant.kernels.builtin:ReferenceKernel")
 

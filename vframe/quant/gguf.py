@@ -22,7 +22,9 @@ Kernels, per segment:
   (8 bit): an ``IntWeight`` (``_int_weight``; ``gguf_dequant.int4_groups`` /
   ``int8_groups``) on the quant kernel ``vframe.quant.kernels.choose_kernel`` picks (on
   the CPU: ``int4_cpu`` for bfloat16 Q4, ``woq_cpu`` otherwise), its buffers in the
-  submodule ``segment<i>``; the blocks are dropped.
+  submodule ``segment<i>``; the blocks are dropped. ``quant_kernel="woq_cpu_a8"`` runs the
+  32-wide types with llama.cpp's numerics instead (activations quantized to int8 per
+  block of 32, integer dot products; ``_named_kernel``).
 * the float formats (F32, F16, BF16), and those above when the chosen kernel is the
   built-in ``reference``: the segment's bytes stay in ``qweight`` (uint8, the file's
   bytes, nothing else) and are dequantized to float32 on every call, cast, ``F.linear``.
@@ -50,7 +52,9 @@ from vframe.quant.base import EmbeddingMethodBase, LinearMethodBase, Quantizatio
 from vframe.quant.gguf_dequant import (
     FORMATS, GGML_TYPE_NAMES, INT4_TYPES, INT8_TYPES, dequantize, int4_groups, int8_groups, row_bytes,
 )
-from vframe.quant.kernels import IntWeight, reads_rows
+from vframe.quant.kernels import (
+    INT8_PER_BLOCK, WEIGHT_ONLY, IntWeight, QuantLinearKernel, QuantLinearSpec, choose_kernel, reads_rows,
+)
 
 NAME = "gguf"
 _INT4_GROUP = 32  # Q4_0 / Q4_1 blocks, Q4_K sub-blocks, Q8_0 blocks: one scale (and offset) per 32 inputs
@@ -233,8 +237,6 @@ class GGUFLinearMethod(LinearMethodBase):
         is, or None where its type has no integer form (``INT_TYPES``) or the choice is the
         built-in ``reference`` (which keeps a byte per weight: the file's bytes, dequantized
         per call, are better)."""
-        from vframe.quant.kernels import WEIGHT_ONLY, QuantLinearSpec, choose_kernel
-
         if segment.ggml_type not in INT_TYPES:
             return None
         weight = _int_weight(rows, segment.ggml_type)
@@ -242,7 +244,7 @@ class GGUFLinearMethod(LinearMethodBase):
             weight, activations=WEIGHT_ONLY, dtype=layer.params_dtype,
             layer=f"{self.where} rows {segment.start}..{segment.stop} ({segment.ggml_type})",
         )
-        kernel = choose_kernel(spec, self.kernel_name)
+        kernel = self._named_kernel(spec) or choose_kernel(spec)
         if kernel.name == "reference":
             return None
         holder = nn.Module()  # the kernel's buffers, one submodule per segment
@@ -250,6 +252,23 @@ class GGUFLinearMethod(LinearMethodBase):
         kernel.prepare(holder, weight)
         self.kernels[i] = kernel
         return dataclasses.replace(segment, kernel=kernel.name, byte_start=None)
+
+    def _named_kernel(self, spec: QuantLinearSpec) -> QuantLinearKernel | None:
+        """The ``quant_kernel`` setting's kernel for a segment of ``spec`` (float activations),
+        or where it runs only activations quantized to int8 per block of 32 (``woq_cpu_a8``:
+        llama.cpp's numerics, its Q8_0 / Q8_1 dot products), for the same spec so; None when
+        nothing is named or the named kernel runs neither (Q6_K's 16-wide groups on
+        ``woq_cpu_a8``): that segment takes the kernel chosen by priority. A GGUF file mixes
+        types, so a named kernel is a preference here, not a requirement."""
+        from vframe.plugins import get_registry
+
+        if self.kernel_name is None:
+            return None
+        cls = get_registry("quant_kernel").load(self.kernel_name)
+        for candidate in (spec, dataclasses.replace(spec, activations=INT8_PER_BLOCK)):
+            if cls.can_implement(candidate) is None:
+                return cls(candidate, self.kernel_name)
+        return None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # One segment at a time: a mixed-type layer never holds its whole float weight.

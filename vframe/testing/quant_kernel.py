@@ -3,7 +3,8 @@
 The check builds random ``IntWeight``s over a matrix of specs (4 and 8 bit;
 groups of 32, 64, an odd 48-wide group and one per output channel; symmetric
 and with offsets; inputs in order, in act order with equal groups, and in a
-different act order per fused shard; weight-only and W8A8), keeps those the
+different act order per fused shard; weight-only, W8A8, and int8 activations per
+block of 32 in groups of 32, 64 and per channel), keeps those the
 kernel says it can run (``can_implement`` returns ``None``), and for each:
 
 * ``prepare`` on a bare ``nn.Module`` layer, then ``dequantize_weight(layer)``
@@ -13,7 +14,8 @@ kernel says it can run (``can_implement`` returns ``None``), and for each:
   larger decode batches, a prefill chunk) has shape ``[T, out]``, the activation dtype, and is
   within ``OUTPUT_TOLERANCES[dtype]`` (relative to the largest reference value) of
   ``x @ W.T + bias`` in float64 with ``W = IntWeight.dequantize()``; for W8A8
-  the reference quantizes ``x`` per token as ``quantize_per_token`` does.
+  the reference quantizes ``x`` per token as ``quantize_per_token`` does, for
+  ``INT8_PER_BLOCK`` per block as ``quantize_per_block`` does.
 
 It raises ``AssertionError`` naming the case, or when the kernel runs none of
 the specs. Returns the names of the cases that ran.
@@ -26,7 +28,9 @@ from itertools import product
 import torch
 from torch import nn
 
-from vframe.quant.kernels import INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight, QuantLinearKernel, QuantLinearSpec
+from vframe.quant.kernels import (
+    INT8_PER_BLOCK, INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight, QuantLinearKernel, QuantLinearSpec,
+)
 
 # largest |apply - reference| / max |reference| per activation dtype
 OUTPUT_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 2e-5, torch.bfloat16: 2**-6, torch.float16: 2**-9}
@@ -75,13 +79,18 @@ def _specs(dtype: torch.dtype, device: torch.device, quick: bool) -> list[QuantL
         bits=8, group_size=inp, symmetric=True, act_order=False, equal_groups=True, activations=INT8_PER_TOKEN,
         in_features=inp, out_features=out, dtype=dtype, device=device,
     ))
+    for bits, gs, symmetric in product((4, 8), (32, inp) if quick else (32, 64, inp), (True, False)):
+        specs.append(QuantLinearSpec(
+            bits=bits, group_size=gs, symmetric=symmetric, act_order=False, equal_groups=True,
+            activations=INT8_PER_BLOCK, in_features=inp, out_features=out, dtype=dtype, device=device,
+        ))
     return specs
 
 
 def _name(spec: QuantLinearSpec) -> str:
     group = "channel" if spec.group_size == spec.in_features else f"g{spec.group_size}"
     order = "" if not spec.act_order else "-actorder" if spec.equal_groups else "-actorder-per-shard"
-    act = "-w8a8" if spec.activations == INT8_PER_TOKEN else ""
+    act = {INT8_PER_TOKEN: "-w8a8", INT8_PER_BLOCK: "-a8block"}.get(spec.activations, "")
     return f"int{spec.bits}-{group}-{'sym' if spec.symmetric else 'asym'}{order}{act}"
 
 
@@ -94,7 +103,7 @@ def check_quant_kernel(
 ) -> list[str]:
     """Check ``kernel`` (a class, or its ``quant_kernel`` registry name) on every
     spec of the matrix it can run; see the module."""
-    from vframe.quant.kernels.builtin import quantize_per_token
+    from vframe.quant.kernels.builtin import quantize_per_block, quantize_per_token
 
     name = kernel if isinstance(kernel, str) else kernel.__name__
     if isinstance(kernel, str):
@@ -130,6 +139,8 @@ def check_quant_kernel(
             if spec.activations == INT8_PER_TOKEN:
                 xq, x_scale = quantize_per_token(x)
                 ref = (xq.double() * x_scale.double()) @ w.double().T
+            elif spec.activations == INT8_PER_BLOCK:
+                ref = quantize_per_block(x).double() @ w.double().T
             else:
                 ref = x.double() @ w.double().T
             ref = ref + bias.to(dtype).double()

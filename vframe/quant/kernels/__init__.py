@@ -26,6 +26,9 @@ Built-in kernels (``vframe.quant.kernels.builtin``), by priority:
   8 bit, any even group that divides the inputs, act order by permuting the inputs;
   activations of up to 16 tokens (32 in float32) are multiplied in place, larger batches
   dequantize the weight into the model's dtype (one C++ pass) for one GEMM.
+* ``woq_cpu_a8`` (20): ``woq_cpu``'s weights against activations quantized to int8 per block
+  of 32 inputs (``INT8_PER_BLOCK``, what GGUF layers ask for): integer dot products, as
+  llama.cpp computes them; groups that are multiples of 32.
 * ``int8_dynamic`` (20): W8A8 with per-token int8 activations through ``torch._int_mm``
   (quantization, product and scaling in one C++ call where ``woq_cpu``'s library builds).
 * ``reference`` (0): dequantize in float32, cast, ``F.linear``; every spec, every device.
@@ -46,6 +49,12 @@ from vframe.errors import ConfigError
 
 WEIGHT_ONLY = "float"  # activations stay in the model's dtype
 INT8_PER_TOKEN = "int8-token"  # activations quantized per token to int8 (dynamic), W8A8
+# Activations quantized to int8 per block of 32 consecutive inputs (scale max |x| / 127,
+# rounded half to even), the weights' products summed in integers: llama.cpp's numerics
+# for its block formats (its Q8_0 / Q8_1 dot products), which GGUF layers ask for
+# (plugin API 1.10). vframe.quant.kernels.builtin.quantize_per_block spells it.
+INT8_PER_BLOCK = "int8-block"
+ACTIVATION_BLOCK = 32  # inputs per INT8_PER_BLOCK block
 
 
 @dataclass(frozen=True)
@@ -59,7 +68,7 @@ class QuantLinearSpec:
     # With act order: every group holds group_size of this rank's inputs, the same for
     # every output row, so sorting the inputs by group makes the groups consecutive.
     equal_groups: bool
-    activations: str  # WEIGHT_ONLY or INT8_PER_TOKEN
+    activations: str  # WEIGHT_ONLY, INT8_PER_TOKEN or INT8_PER_BLOCK
     in_features: int  # this rank's
     out_features: int  # this rank's
     dtype: torch.dtype  # the activations' (the model's)
@@ -185,13 +194,16 @@ def _describe(spec: QuantLinearSpec) -> str:
     parts = [
         f"{spec.layer + ': ' if spec.layer else ''}{spec.bits}-bit {'symmetric' if spec.symmetric else 'asymmetric'}",
         group, *(["act order" + ("" if spec.equal_groups else " (unequal groups)")] if spec.act_order else []),
-        "int8 activations" if spec.activations == INT8_PER_TOKEN else "weight-only",
+        {INT8_PER_TOKEN: "int8 activations", INT8_PER_BLOCK: "int8 activations per block of 32"}.get(
+            spec.activations, "weight-only"),
         f"[{spec.out_features}, {spec.in_features}]", f"{str(spec.dtype).removeprefix('torch.')} on {spec.device.type}",
     ]
     return ", ".join(parts)
 
 
 __all__ = [
+    "ACTIVATION_BLOCK",
+    "INT8_PER_BLOCK",
     "INT8_PER_TOKEN",
     "WEIGHT_ONLY",
     "IntWeight",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cache
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from vframe.quant import int4_cpu
-from vframe.quant.kernels import INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight, QuantLinearKernel, QuantLinearSpec
+from vframe.quant.kernels import (
+    ACTIVATION_BLOCK, INT8_PER_BLOCK, INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight, QuantLinearKernel, QuantLinearSpec,
+)
 
 INT8_MAX = 127
 
@@ -24,6 +27,8 @@ class ReferenceKernel(QuantLinearKernel):
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        if spec.activations == INT8_PER_BLOCK and spec.in_features % ACTIVATION_BLOCK:
+            return f"int8 activations per block of {ACTIVATION_BLOCK} need a multiple of {ACTIVATION_BLOCK} inputs"
         return None
 
     def prepare(self, layer: nn.Module, weight: IntWeight) -> None:
@@ -46,6 +51,8 @@ class ReferenceKernel(QuantLinearKernel):
             xq, x_scale = quantize_per_token(x)
             acc = xq.float() @ (w.q.float() - 128).T  # [T, out]
             return _scaled(acc, x_scale, w.scales[:, 0], x.dtype, bias)
+        if self.spec.activations == INT8_PER_BLOCK:
+            x = quantize_per_block(x).to(x.dtype)
         return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
@@ -96,6 +103,16 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 [T, in] and the float32 scale [T, 1] of each token (max |x| / 127)."""
     x_scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX
     return torch.round(x.float() / x_scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), x_scale
+
+
+def quantize_per_block(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, in] as ``INT8_PER_BLOCK`` activations stand for it, float32: each block
+    of 32 inputs ``d * round(x * (1 / d))`` with ``d = max |x| / 127`` (0 for a block of
+    zeros), rounded half to even; what ``woq_cpu_a8``'s C++ operator computes with."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, ACTIVATION_BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / INT8_MAX
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv).clamp(-INT8_MAX, INT8_MAX) * d).reshape(x.shape)
 
 
 def _scaled(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype,
@@ -247,6 +264,39 @@ class WoqCpuKernel(_Permuted):
 
     def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         return self._columns_back(layer, self._dequantized(layer, torch.float32, rows))
+
+
+class WoqCpuA8Kernel(WoqCpuKernel):
+    """``woq_cpu``'s weights (the same buffers) for ``INT8_PER_BLOCK`` specs: the C++
+    operator ``woq_gemm_a8`` quantizes each block of 32 inputs to int8 and sums its
+    products with the weight's integers exactly (AVX2: ``vpmaddubsw`` / ``vpmaddwd``,
+    eight groups of 32 reduced together), then scales them in float32, as llama.cpp's
+    dot products do. The float path widens every weight to float32 instead; AVX2 EPYC,
+    one thread, [1, 576] x [576 -> 1536] 4 bit, groups of 32: 0.125 -> 0.058 ms, 8 bit
+    0.187 -> 0.064 ms. More rows than ``MAX_ROWS``: the blocks quantized (the C++
+    operator ``quantize_blocks``, bit for bit ``quantize_per_block``), then the
+    dequantized weight's GEMM, as ``woq_cpu``."""
+
+    @classmethod
+    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        if spec.activations != INT8_PER_BLOCK:
+            return "it runs int8 activations per block of 32 only"
+        if spec.group_size % ACTIVATION_BLOCK:
+            return f"its groups must be multiples of {ACTIVATION_BLOCK} inputs"
+        if spec.act_order:
+            return "activation blocks follow the inputs' order; act order permutes them"
+        weight_only = dataclasses.replace(spec, activations=WEIGHT_ONLY)
+        return super().can_implement(weight_only)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] > self.MAX_ROWS[x.dtype]:  # the blocks as quantize_per_block spells them, in one C++ pass
+            out = self._dequantized_product(layer, _woq_ops().quantize_blocks(x).to(x.dtype))
+        else:
+            out = _woq_ops().woq_gemm_a8(
+                x, self.get(layer, "q"), self.get(layer, "scales"),
+                self.get(layer, "neg_offsets"), self.group_size, self.bits, x.dtype,
+            )
+        return out if bias is None else out + bias
 
 
 class TorchInt4CpuKernel(_Permuted):
