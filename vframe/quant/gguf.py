@@ -275,7 +275,7 @@ class GGUFLinearMethod(LinearMethodBase):
         outs = []
         for i, segment in enumerate(self.segments):
             if i in self.kernels:
-                outs.append(self.kernels[i].apply(getattr(layer, f"segment{i}"), x, None))
+                outs.append(self.kernels[i].apply(layer._modules[f"segment{i}"], x, None))
             else:
                 outs.append(F.linear(x, self._dequantize(layer, i).to(x.dtype)))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [T, out]

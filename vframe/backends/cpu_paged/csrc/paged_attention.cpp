@@ -22,7 +22,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -281,6 +281,137 @@ void attend_request_avx512(
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The AVX2 path (CPUs without AVX-512), head sizes a multiple of 8 (NC = D / 8 vectors),
+// one KV head and its group of query heads per call, so that a single request's
+// heads spread over the threads. Scores 8 tokens at a time, their 8 partial vectors
+// reduced together (reduce8); the softmax's exp vectorized (exp_nonpositive8); the
+// value pass keeps one query head's accumulator in registers. Against the portable
+// loop (a horizontal sum and a scalar exp per score, one task per request): AVX2 EPYC,
+// SmolLM2's 9 query / 3 KV heads of 64, float32, 2 threads: one request of 300 tokens
+// 45-60 -> 32-40 us, of 2,000 tokens 347 -> 140-150 us, 16 of 300 540 -> 250 us; 64 of
+// 300 (29 MB of K and V, read at the memory's speed) 2.46 ms either way.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// r[i] = sum of the 8 lanes of v[i]
+inline __m256 reduce8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// exp(x) for x <= 0, as exp_nonpositive (AVX-512) computes it: x = n ln2 + r, exp(r)
+// by its Taylor polynomial to r^6, times 2^n built in the exponent bits (n >= -126).
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// s[0 .. len) <- softmax(s)
+inline void softmax_avx2(float* s, int64_t len) {
+  const int64_t full = len / 8 * 8;
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < full; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  float m = *std::max_element(lanes, lanes + 8);
+  for (int64_t t = full; t < len; ++t) m = std::max(m, s[t]);
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < full; t += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(s + t, e);
+  }
+  _mm256_store_ps(lanes, sum);
+  float total = 0.f;
+  for (float l : lanes) total += l;
+  if (full < len) {  // the last tokens through the same exp
+    for (int64_t t = full; t < len; ++t) lanes[t - full] = s[t] - m;
+    for (int64_t t = len - full; t < 8; ++t) lanes[t] = -INFINITY;
+    _mm256_store_ps(lanes, exp_nonpositive8(_mm256_load_ps(lanes)));
+    for (int64_t t = full; t < len; ++t) total += (s[t] = lanes[t - full]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / total);
+  for (int64_t t = 0; t < full; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
+  for (int64_t t = full; t < len; ++t) s[t] *= 1.f / total;
+}
+
+constexpr int64_t kMaxGroup8 = 16;
+
+// KV head h of one request: its `group` query heads q [group, D] (pre-scaled) against
+// the keys and values of the `len` cache slots `slots` (the request's tokens from its
+// window's start, looked up in the block table once: no division per token);
+// scores [group, len], acc [group, D].
+template <typename T, int NC>
+void attend_kv_head_avx2(int64_t h, int64_t num_kv_heads, int64_t group, const float* q, const T* k_cache,
+                         const T* v_cache, const int64_t* slots, int64_t len, float* scores, float* acc) {
+  constexpr int64_t D = NC * 8;
+  const int64_t slot_size = num_kv_heads * D;
+  __m256 partial[kMaxGroup8][8];
+  // pass 1: scores, 8 tokens at a time
+  for (int64_t t0 = 0; t0 < len; t0 += 8) {
+    const int64_t nt = std::min<int64_t>(8, len - t0);
+    for (int64_t i = 0; i < 8; ++i) {
+      __m256 k[NC];
+      if (i < nt) {
+        const int64_t t = t0 + i;
+        if (t + kPrefetchDistance < len)
+          prefetch_slot(k_cache + slots[t + kPrefetchDistance] * slot_size + h * D, D);
+        const T* kr = k_cache + slots[t] * slot_size + h * D;
+        for (int c = 0; c < NC; ++c) k[c] = load8(kr + c * 8);
+      } else {
+        for (int c = 0; c < NC; ++c) k[c] = _mm256_setzero_ps();
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * D;
+        __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qg), k[0]);
+        for (int c = 1; c < NC; ++c) s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + c * 8), k[c], s);
+        partial[g][i] = s;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      alignas(32) float r[8];
+      _mm256_store_ps(r, reduce8(partial[g]));
+      std::copy(r, r + nt, scores + g * len + t0);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) softmax_avx2(scores + g * len, len);
+  // pass 2: the probability-weighted sum of values, one query head at a time
+  for (int64_t g = 0; g < group; ++g) {
+    __m256 a[NC];
+    for (int c = 0; c < NC; ++c) a[c] = _mm256_setzero_ps();
+    const float* sg = scores + g * len;
+    for (int64_t t = 0; t < len; ++t) {
+      if (g == 0 && t + kPrefetchDistance < len)
+        prefetch_slot(v_cache + slots[t + kPrefetchDistance] * slot_size + h * D, D);
+      const T* vr = v_cache + slots[t] * slot_size + h * D;
+      const __m256 p = _mm256_set1_ps(sg[t]);
+      for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(p, load8(vr + c * 8), a[c]);
+    }
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + g * D + c * 8, a[c]);
+  }
+}
+#define VFRAME_PAGED_AVX2 1
+#endif
+
 template <typename T, int HD>
 void decode_attention(
     at::Tensor& out,             // [T, H, D]
@@ -312,6 +443,41 @@ void decode_attention(
   const int64_t* rows = query_rows.const_data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
 
+#if defined(VFRAME_PAGED_AVX2)
+  if constexpr (HD > 0 && HD % 8 == 0) {
+    if (group <= kMaxGroup8) {  // one task per (request, KV head)
+      at::parallel_for(0, n * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> q(group * D), acc(group * D), scores;
+        std::vector<int64_t> slots;
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t i = task / num_kv_heads, h = task % num_kv_heads;
+          const int64_t b = reqs[i], r = rows[i];
+          const int64_t seq_len = lens[b];
+          const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+          slots.resize(seq_len - start);
+          const int32_t* blocks = table + b * table_stride;
+          for (int64_t t = start; t < seq_len;) {  // block by block
+            const int64_t base = static_cast<int64_t>(blocks[t / block_size]) * block_size;
+            for (const int64_t end_t = std::min(seq_len, (t / block_size + 1) * block_size); t < end_t; ++t)
+              slots[t - start] = base + t % block_size;
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            load_row(q_ptr + r * q_row_stride + (h * group + g) * q_head_stride, q.data() + g * D, D);
+            for (int64_t d = 0; d < D; ++d) q[g * D + d] *= fscale;
+          }
+          scores.resize(group * (seq_len - start));
+          attend_kv_head_avx2<T, HD / 8>(h, num_kv_heads, group, q.data(), k_ptr, v_ptr, slots.data(),
+                                         seq_len - start, scores.data(), acc.data());
+          for (int64_t g = 0; g < group; ++g) {
+            T* oh = o_ptr + r * o_row_stride + (h * group + g) * o_head_stride;
+            for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[g * D + d]);
+          }
+        }
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(num_heads * D), acc(num_heads * D), row(num_kv_heads * D), scores;
     for (int64_t i = begin; i < end; ++i) {
