@@ -11,6 +11,7 @@ import torch
 from vframe import LLM
 from vframe.errors import ConfigError
 from vframe.layers.linear import QKVParallelLinear, ReplicatedLinear
+from vframe.models.loader.load import quantized_linear_layers, weight_bytes
 from vframe.quant.fp8 import Fp8Config
 from vframe.testing.models import assert_matches_transformers
 from vframe.testing.quant import check_quant_method
@@ -116,9 +117,13 @@ def test_block_scales_stay_with_their_shard_across_partial_blocks() -> None:
     # e4m3 rounding: within 1/16 of each value, plus the subnormal step of its block
     w = torch.cat(list(shards.values()))
     assert float((w_deq - w).abs().max()) <= float(w.abs().max()) / 16
-    x = torch.randn(3, 576, generator=g)
-    reference = x.double() @ w_deq.double().T
-    assert float((layer(x).double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
+    # on fp8_cpu: the e4m3 bytes in place, each row with its shard's block-row scales
+    assert layer.quant_method.kernel.name == "fp8_cpu"
+    assert torch.equal(layer.quant_method.kernel.dequantize_weight(layer), w_deq)
+    for tokens in (3, 40):  # in place, and dequantized for one GEMM
+        x = torch.randn(tokens, 576, generator=g)
+        reference = x.double() @ w_deq.double().T
+        assert float((layer(x).double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
 
 
 def test_block_scales_a_rank_cannot_cut_whole_are_refused() -> None:
@@ -160,3 +165,7 @@ def test_an_fp8_llama_generates_what_transformers_does_with_the_dequantized_weig
 
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 23)]
     assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
+    # every layer on fp8_cpu, which reads the e4m3 bytes and per-row scales in place: held once
+    qkv = ours.model.layers[0].self_attn.qkv_proj
+    assert {m.quant_method.kernel.name for m in quantized_linear_layers(ours)} == {"fp8_cpu"}
+    assert weight_bytes(qkv) == qkv.weight.numel() + 4 * qkv.weight.shape[0] == 192 * 64 + 4 * 192

@@ -17,7 +17,9 @@ from torch import nn
 from vframe import LLM, SamplingParams
 from vframe.errors import ConfigError
 from vframe.plugins import get_registry, hookimpl, register_plugin, unregister_plugin
-from vframe.quant.kernels import INT8_PER_BLOCK, INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight, QuantLinearSpec, choose_kernel
+from vframe.quant.kernels import (
+    FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, WEIGHT_ONLY, IntWeight, QuantLinearSpec, choose_kernel,
+)
 from vframe.quant.kernels.builtin import ReferenceKernel
 from vframe.testing import check_quant_kernel
 
@@ -29,19 +31,21 @@ CPU = torch.device("cpu")
 
 def spec(bits: int = 4, group_size: int = 64, *, dtype: torch.dtype = torch.bfloat16, device: torch.device = CPU,
          act_order: bool = False, equal_groups: bool = True, activations: str = WEIGHT_ONLY,
-         symmetric: bool = True) -> QuantLinearSpec:
+         symmetric: bool = True, weight_type: str = INT_WEIGHT) -> QuantLinearSpec:
     return QuantLinearSpec(bits=bits, group_size=group_size, symmetric=symmetric, act_order=act_order,
                            equal_groups=equal_groups, activations=activations, in_features=192, out_features=48,
-                           dtype=dtype, device=device, layer="model.layers.0.mlp.down_proj")
+                           dtype=dtype, device=device, layer="model.layers.0.mlp.down_proj", weight_type=weight_type)
 
 
 @pytest.mark.parametrize(
     ("kernel", "dtype", "cases"),
     [
-        ("reference", torch.float32, 53), ("reference", torch.bfloat16, 53),
+        ("reference", torch.float32, 56), ("reference", torch.bfloat16, 56),
         ("woq_cpu", torch.float32, 28), ("woq_cpu", torch.bfloat16, 28), ("woq_cpu", torch.float16, 28),
         # int8 activations per block of 32: 4 and 8 bit, groups of 32, 64 and per channel, sym and asym
         ("woq_cpu_a8", torch.float32, 12), ("woq_cpu_a8", torch.bfloat16, 12), ("woq_cpu_a8", torch.float16, 12),
+        # FP8 weights: a scale per row, per 64 inputs, per 128 with a shorter last group
+        ("fp8_cpu", torch.float32, 3), ("fp8_cpu", torch.bfloat16, 3), ("fp8_cpu", torch.float16, 3),
         ("int4_cpu", torch.bfloat16, 10),
         ("int8_dynamic", torch.float32, 1), ("int8_dynamic", torch.bfloat16, 1),
     ],
@@ -62,17 +66,18 @@ def test_each_builtin_kernel_equals_the_dequantized_weight_on_every_spec_it_runs
 )
 def test_the_woq_builds_without_avx512_pass_the_same_check(cxxflags: str) -> None:
     """Also W8A8's int8 products, which take vframe's own AVX2 loop where the CPU has no VNNI,
-    and the int8-activation loops of woq_cpu_a8."""
+    and the int8-activation loops of woq_cpu_a8 and the FP8 loops of fp8_cpu (F16C)."""
     code = (
         "import torch\nfrom vframe.testing import check_quant_kernel\n"
         "print(len(check_quant_kernel('int8_dynamic', dtype=torch.float32, quick=True)))\n"
         "print(len(check_quant_kernel('woq_cpu_a8', dtype=torch.float32)))\n"
+        "print(len(check_quant_kernel('fp8_cpu', dtype=torch.float32)))\n"
         "print(len(check_quant_kernel('woq_cpu', dtype=torch.bfloat16, quick=True)))"
     )
     env = {**os.environ, "VFRAME_CPU_PAGED_CXXFLAGS": cxxflags}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split()[-3:] == ["1", "12", "12"]
+    assert result.stdout.split()[-4:] == ["1", "12", "3", "12"]
 
 
 def test_woq_cpu_a8_quantizes_activation_blocks_as_quantize_per_block_spells_them() -> None:
@@ -110,6 +115,8 @@ def test_a_kernel_that_computes_wrong_fails_the_check() -> None:
         (spec(4, 32, activations=INT8_PER_BLOCK), "woq_cpu_a8"),  # GGUF's blocks: llama.cpp's numerics
         (spec(8, 32, activations=INT8_PER_BLOCK, dtype=torch.float32), "woq_cpu_a8"),
         (spec(4, 48, activations=INT8_PER_BLOCK), "reference"),  # a block of 32 would straddle two groups
+        (spec(8, 128, weight_type=FP8_E4M3), "fp8_cpu"),  # FP8 weights: only kernels that name the form
+        (spec(8, 192, weight_type=FP8_E4M3, device=torch.device("cuda")), "reference"),
         (spec(4, 64, act_order=True, equal_groups=False), "reference"),  # q, k, v each in its own order
         (spec(4, 64, device=torch.device("cuda")), "reference"),  # no GPU kernel is built in
     ],
@@ -132,6 +139,12 @@ def test_a_named_kernel_that_cannot_run_a_layer_is_refused_saying_why() -> None:
         r"inputs, in the same order for every output",
     ):
         choose_kernel(spec(4, 64, act_order=True, equal_groups=False), "woq_cpu")
+    with pytest.raises(
+        ConfigError,
+        match=r"quant_kernel='woq_cpu' cannot run model.layers.0.mlp.down_proj: FP8 e4m3, groups of 128, "
+        r"weight-only, \[48, 192\], bfloat16 on cpu: it takes int weights, not fp8-e4m3",
+    ):
+        choose_kernel(spec(8, 128, weight_type=FP8_E4M3), "woq_cpu")
 
 
 class DoubleCheckedKernel(ReferenceKernel):

@@ -38,13 +38,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight
-from vframe.quant.fp8 import FP8_DTYPE, BlockFp8Method, _per_shard_loader, block_structure
+from vframe.quant.fp8 import FP8_DTYPE, BlockFp8Method, Fp8KernelMethod, _per_shard_loader, block_structure
 from vframe.quant.kernels import INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
@@ -134,10 +133,10 @@ class CompressedTensorsConfig(QuantizationConfig):
         if scheme is None:
             return None
         if scheme.strategy == "block":
-            return BlockFp8Method(scheme.block, "weight_scale")
+            return BlockFp8Method(scheme.block, "weight_scale", self.quant_kernel)
         if scheme.format == "pack-quantized":
             return PackedMethod(scheme, self.quant_kernel)
-        return Int8Method(scheme, self.quant_kernel) if scheme.type == "int" else NaiveMethod(scheme)
+        return Int8Method(scheme, self.quant_kernel) if scheme.type == "int" else NaiveMethod(scheme, self.quant_kernel)
 
     def _scheme_of(self, name: str) -> Scheme | None:
         """The scheme of checkpoint module ``name``: ignored first, then the most
@@ -285,10 +284,12 @@ class PackedMethod(IntKernelMethod):
         return IntWeight(bits, q.to(torch.uint8), layer.weight_scale, offsets, self.group_size)
 
 
-class NaiveMethod(LinearMethodBase):
-    """FP8 weights stored as they are (activations stay in the model's dtype)."""
+class NaiveMethod(Fp8KernelMethod):
+    """FP8 weights stored as they are (activations stay in the model's dtype), on an FP8
+    quant kernel after loading (``fp8_cpu`` on the CPU)."""
 
-    def __init__(self, scheme: Scheme) -> None:
+    def __init__(self, scheme: Scheme, kernel_name: str | None = None) -> None:
+        super().__init__(kernel_name)
         self.scheme = scheme
 
     def create_weights(
@@ -318,9 +319,7 @@ class NaiveMethod(LinearMethodBase):
         layer.weight_scale = nn.Parameter(_row_scales(layer, self.scheme), requires_grad=False)  # [out] float32
         if self.scheme.activations == "fp8-static":
             layer.input_scale = None
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
+        self.attach_kernel(layer)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
         return layer.weight.float() * layer.weight_scale[:, None]

@@ -27,7 +27,12 @@ Per-tensor and on the fly, the layer ends with::
   A fused layer keeps each shard's block rows (``BlockFp8Method``): q's last
   partial block and k's first are different blocks.
 
-The kernel is the reference: dequantize, then ``F.linear``.
+After loading, every method hands its layer's weight to a quant kernel as an
+``Fp8Weight`` (``vframe.quant.kernels``, plugin API 1.10: ``e4m3(q) * scales`` with a
+scale per output row, or per row and block of ``bk`` inputs): on the CPU ``fp8_cpu``
+(vframe's C++ operator, the e4m3 bytes read in place), elsewhere the reference
+(dequantize, then ``F.linear``). The kernel's buffers share the layer's ``weight``
+(and per-row ``weight_scale``) storage: nothing is held twice.
 """
 
 from __future__ import annotations
@@ -107,11 +112,45 @@ class Fp8Config(QuantizationConfig):
         if not isinstance(layer, LinearBase) or any(name in prefix for name in self.ignored_layers):
             return None
         if self.weight_block_size is not None:
-            return BlockFp8Method(self.weight_block_size, "weight_scale_inv")
-        return Fp8CheckpointMethod(self) if self.is_checkpoint_fp8 else Fp8OnTheFlyMethod()
+            return BlockFp8Method(self.weight_block_size, "weight_scale_inv", self.quant_kernel)
+        if self.is_checkpoint_fp8:
+            return Fp8CheckpointMethod(self, self.quant_kernel)
+        return Fp8OnTheFlyMethod(self.quant_kernel)
 
 
-class Fp8OnTheFlyMethod(LinearMethodBase):
+class Fp8KernelMethod(LinearMethodBase):
+    """An FP8 layer on a quant kernel: after loading, ``attach_kernel`` hands
+    ``fp8_weight(layer)`` to the kernel the ``quant_kernel`` setting names, else the one
+    chosen by priority (``fp8_cpu`` on the CPU)."""
+
+    kernel: Any = None  # vframe.quant.kernels.QuantLinearKernel, once loaded
+
+    def __init__(self, kernel_name: str | None = None) -> None:
+        self.kernel_name = kernel_name
+
+    def fp8_weight(self, layer: nn.Module) -> Any:  # vframe.quant.kernels.Fp8Weight
+        """The loaded weight: e4m3 ``weight`` with one float32 ``weight_scale`` per row."""
+        from vframe.quant.kernels import Fp8Weight
+
+        return Fp8Weight(layer.weight.view(torch.uint8), layer.weight_scale[:, None], layer.input_size_per_partition)
+
+    def attach_kernel(self, layer: nn.Module) -> None:
+        from vframe.quant.kernels import WEIGHT_ONLY, QuantLinearSpec, choose_kernel
+
+        weight = self.fp8_weight(layer)
+        spec = QuantLinearSpec.for_weight(
+            weight, activations=WEIGHT_ONLY, dtype=layer.params_dtype, layer=layer.prefix or type(layer).__name__
+        )
+        self.kernel = choose_kernel(spec, self.kernel_name)
+        self.kernel.prepare(layer, weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kernel is None:  # not loaded yet
+            return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
+        return self.kernel.apply(layer, x, bias)
+
+
+class Fp8OnTheFlyMethod(Fp8KernelMethod):
     """A float checkpoint's weight, quantized to e4m3 with a scale per output row."""
 
     def create_weights(
@@ -132,9 +171,7 @@ class Fp8OnTheFlyMethod(LinearMethodBase):
         q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         layer.weight = nn.Parameter(q, requires_grad=False)  # [out, in] e4m3
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)  # [out] float32
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
+        self.attach_kernel(layer)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
         return layer.weight.float() * layer.weight_scale[:, None]
@@ -143,7 +180,8 @@ class Fp8OnTheFlyMethod(LinearMethodBase):
 class Fp8CheckpointMethod(Fp8OnTheFlyMethod):
     """An FP8 checkpoint's e4m3 weight and per-tensor scales."""
 
-    def __init__(self, config: Fp8Config) -> None:
+    def __init__(self, config: Fp8Config, kernel_name: str | None = None) -> None:
+        super().__init__(kernel_name)
         self.config = config
 
     def create_weights(
@@ -168,9 +206,10 @@ class Fp8CheckpointMethod(Fp8OnTheFlyMethod):
         scale = layer.weight_scale.repeat_interleave(sizes)  # [out]
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         layer.input_scale = None  # weight-only: activations are not quantized
+        self.attach_kernel(layer)
 
 
-class BlockFp8Method(LinearMethodBase):
+class BlockFp8Method(Fp8KernelMethod):
     """e4m3 weights with one scale per ``bn x bk`` block, kept per fused shard.
 
     The scale parameter (``scale_name``: ``weight_scale_inv`` in ``quant_method:
@@ -178,7 +217,8 @@ class BlockFp8Method(LinearMethodBase):
     shards' block rows: ``[sum(ceil(shard_out / bn)), ceil(in / bk)]``.
     Tensor-parallel ranks must cut whole blocks."""
 
-    def __init__(self, block: tuple[int, int], scale_name: str) -> None:
+    def __init__(self, block: tuple[int, int], scale_name: str, kernel_name: str | None = None) -> None:
+        super().__init__(kernel_name)
         self.block = block
         self.scale_name = scale_name
 
@@ -211,8 +251,20 @@ class BlockFp8Method(LinearMethodBase):
         register_weight(layer, self.scale_name, scale,  # [shard block rows, in blocks]
                         {"output_dim": None, "weight_loader": _block_scale_loader(layer, self.block)})
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.attach_kernel(layer)
+
+    def fp8_weight(self, layer: nn.Module) -> Any:  # vframe.quant.kernels.Fp8Weight
+        """Each row with its shard's block-row scales: [out, ceil(in / bk)], groups of bk."""
+        from vframe.quant.kernels import Fp8Weight
+
+        block_n, block_k = self.block
+        scale, parts, row = getattr(layer, self.scale_name), [], 0
+        for size in layer.output_partition_sizes:
+            rows = _cdiv(size, block_n)
+            parts.append(scale[row : row + rows].repeat_interleave(block_n, dim=0)[:size])
+            row += rows
+        return Fp8Weight(layer.weight.view(torch.uint8), torch.cat(parts).float(), block_k)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
         return dequantize_blocks(layer.weight, getattr(layer, self.scale_name), self.block, layer.output_partition_sizes)

@@ -4,11 +4,13 @@ The check builds random ``IntWeight``s over a matrix of specs (4 and 8 bit;
 groups of 32, 64, an odd 48-wide group and one per output channel; symmetric
 and with offsets; inputs in order, in act order with equal groups, and in a
 different act order per fused shard; weight-only, W8A8, and int8 activations per
-block of 32 in groups of 32, 64 and per channel), keeps those the
+block of 32 in groups of 32, 64 and per channel), and random ``Fp8Weight``s (a scale
+per row, per 64 inputs, per 128 with a shorter last group) for kernels whose
+``weight_types`` name ``FP8_E4M3``, keeps those the
 kernel says it can run (``can_implement`` returns ``None``), and for each:
 
 * ``prepare`` on a bare ``nn.Module`` layer, then ``dequantize_weight(layer)``
-  equals ``IntWeight.dequantize()`` within ``weight_tolerance(dtype)`` of each
+  equals ``IntWeight.dequantize()`` (``Fp8Weight.dequantize()``) within ``weight_tolerance(dtype)`` of each
   row's largest value (a kernel may round its scales to the activations' dtype);
 * ``apply(layer, x, bias)`` for 1, 5, 20 and 40 tokens (one decode row, small and
   larger decode batches, a prefill chunk) has shape ``[T, out]``, the activation dtype, and is
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 
 from vframe.quant.kernels import (
-    INT8_PER_BLOCK, INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight, QuantLinearKernel, QuantLinearSpec,
+    FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, WEIGHT_ONLY, Fp8Weight, IntWeight, QuantLinearKernel, QuantLinearSpec,
 )
 
 # largest |apply - reference| / max |reference| per activation dtype
@@ -84,11 +86,30 @@ def _specs(dtype: torch.dtype, device: torch.device, quick: bool) -> list[QuantL
             bits=bits, group_size=gs, symmetric=symmetric, act_order=False, equal_groups=True,
             activations=INT8_PER_BLOCK, in_features=inp, out_features=out, dtype=dtype, device=device,
         ))
+    for gs in (inp, 128) if quick else (inp, 64, 128):  # 128: a last group of 64 (block FP8's cut padding)
+        specs.append(QuantLinearSpec(
+            bits=8, group_size=gs, symmetric=True, act_order=False, equal_groups=inp % gs == 0,
+            activations=WEIGHT_ONLY, in_features=inp, out_features=out, dtype=dtype, device=device,
+            weight_type=FP8_E4M3,
+        ))
     return specs
+
+
+def _fp8_weight(spec: QuantLinearSpec, generator: torch.Generator) -> Fp8Weight:
+    """Random float weights rounded to e4m3, each group's largest |w| on 448."""
+    out, inp, gs = spec.out_features, spec.in_features, spec.group_size
+    w = torch.randn(out, inp, generator=generator) / inp**0.5
+    groups = -(-inp // gs)
+    padded = torch.nn.functional.pad(w, (0, groups * gs - inp)).view(out, groups, gs)
+    scales = padded.abs().amax(dim=-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max  # [out, groups]
+    q = (w / scales.repeat_interleave(gs, dim=1)[:, :inp]).to(torch.float8_e4m3fn)
+    return Fp8Weight(q.view(torch.uint8), scales, gs)
 
 
 def _name(spec: QuantLinearSpec) -> str:
     group = "channel" if spec.group_size == spec.in_features else f"g{spec.group_size}"
+    if spec.weight_type == FP8_E4M3:
+        return f"fp8-{group}"
     order = "" if not spec.act_order else "-actorder" if spec.equal_groups else "-actorder-per-shard"
     act = {INT8_PER_TOKEN: "-w8a8", INT8_PER_BLOCK: "-a8block"}.get(spec.activations, "")
     return f"int{spec.bits}-{group}-{'sym' if spec.symmetric else 'asym'}{order}{act}"
@@ -113,17 +134,21 @@ def check_quant_kernel(
     device = torch.device(device)
     ran = []
     for i, spec in enumerate(_specs(dtype, device, quick)):
-        if kernel.can_implement(spec) is not None:
+        if spec.weight_type not in kernel.weight_types or kernel.can_implement(spec) is not None:
             continue
         case = f"quant kernel {name}, {_name(spec)}, {str(dtype).removeprefix('torch.')}"
         generator = torch.Generator().manual_seed(i)
-        weight = _int_weight(spec, shards=3, generator=generator)
-        w = weight.dequantize()  # [out, in] float32
         layer = nn.Module()
         instance = kernel(spec, name)
-        instance.prepare(layer, IntWeight(weight.bits, weight.q.to(device), weight.scales.to(device),
-                                          None if weight.offsets is None else weight.offsets.to(device),
-                                          weight.group_size, None if weight.g_idx is None else weight.g_idx.to(device)))
+        if spec.weight_type == FP8_E4M3:
+            weight = _fp8_weight(spec, generator)
+            instance.prepare(layer, Fp8Weight(weight.q.to(device), weight.scales.to(device), weight.group_size))
+        else:
+            weight = _int_weight(spec, shards=3, generator=generator)
+            instance.prepare(layer, IntWeight(weight.bits, weight.q.to(device), weight.scales.to(device),
+                                              None if weight.offsets is None else weight.offsets.to(device),
+                                              weight.group_size, None if weight.g_idx is None else weight.g_idx.to(device)))
+        w = weight.dequantize()  # [out, in] float32
         got_w = instance.dequantize_weight(layer).float().cpu()
         assert got_w.shape == w.shape, f"{case}: dequantize_weight has shape {tuple(got_w.shape)}, not {tuple(w.shape)}"
         row_max = w.abs().amax(dim=1, keepdim=True)

@@ -11,6 +11,16 @@ with ``g(i) = i // group_size`` or, for act-order checkpoints, ``g_idx[i]``;
 ``offsets`` is ``None`` for symmetric weights (zero point at the midpoint). A
 GPTQ / AWQ zero point ``z`` is the offset ``scales * (2**(bits - 1) - z)``.
 
+FP8 formats (on-the-fly ``fp8``, FP8 checkpoints per tensor, channel or 128 x 128 block,
+compressed-tensors FP8) hand over an ``Fp8Weight`` (plugin API 1.10)::
+
+    W[o, i] = e4m3(q[o, i]) * scales[o, i // group_size]
+
+``q`` the e4m3 bytes (uint8 [out, in]), the last group possibly shorter. A spec says
+which form its layer holds (``QuantLinearSpec.weight_type``: ``INT_WEIGHT`` or
+``FP8_E4M3``); a kernel names the forms it takes in ``weight_types`` (default: integers
+only) and is never offered another.
+
 Choosing: each layer describes itself as a ``QuantLinearSpec``; the kernel named
 by the ``quant_kernel`` setting is used (a layer it cannot run is a
 ``ConfigError`` naming why), else the registered kernels are tried by
@@ -31,6 +41,9 @@ Built-in kernels (``vframe.quant.kernels.builtin``), by priority:
   llama.cpp computes them; groups that are multiples of 32.
 * ``int8_dynamic`` (20): W8A8 with per-token int8 activations through ``torch._int_mm``
   (quantization, product and scaling in one C++ call where ``woq_cpu``'s library builds).
+* ``fp8_cpu`` (20): vframe's C++ FP8 kernel: e4m3 bytes read in place (as float16 bits,
+  converted eight at a time with F16C) for up to 16 tokens (32 in float32), dequantized
+  for one GEMM above.
 * ``reference`` (0): dequantize in float32, cast, ``F.linear``; every spec, every device.
 
 ``vframe.testing.check_quant_kernel`` checks a kernel against ``IntWeight.dequantize``.
@@ -56,6 +69,9 @@ INT8_PER_TOKEN = "int8-token"  # activations quantized per token to int8 (dynami
 INT8_PER_BLOCK = "int8-block"
 ACTIVATION_BLOCK = 32  # inputs per INT8_PER_BLOCK block
 
+INT_WEIGHT = "int"  # an IntWeight
+FP8_E4M3 = "fp8-e4m3"  # an Fp8Weight (plugin API 1.10)
+
 
 @dataclass(frozen=True)
 class QuantLinearSpec:
@@ -74,12 +90,22 @@ class QuantLinearSpec:
     dtype: torch.dtype  # the activations' (the model's)
     device: torch.device
     layer: str = ""  # the layer's name, for messages
+    weight_type: str = INT_WEIGHT  # INT_WEIGHT (an IntWeight) or FP8_E4M3 (an Fp8Weight)
 
     @classmethod
-    def for_weight(cls, weight: IntWeight, *, activations: str, dtype: torch.dtype, layer: str) -> QuantLinearSpec:
+    def for_weight(
+        cls, weight: IntWeight | Fp8Weight, *, activations: str, dtype: torch.dtype, layer: str
+    ) -> QuantLinearSpec:
         """The spec of a layer holding ``weight`` (its sizes, group, symmetry and act order
         read off the weight) whose activations are ``activations`` in ``dtype``."""
         out_features, in_features = weight.q.shape
+        if isinstance(weight, Fp8Weight):
+            return cls(
+                bits=8, group_size=weight.group_size, symmetric=True, act_order=False,
+                equal_groups=in_features % weight.group_size == 0, activations=activations,
+                in_features=in_features, out_features=out_features, dtype=dtype, device=weight.q.device,
+                layer=layer, weight_type=FP8_E4M3,
+            )
         return cls(
             bits=weight.bits, group_size=weight.group_size, symmetric=weight.offsets is None,
             act_order=weight.g_idx is not None, equal_groups=weight.equal_groups(), activations=activations,
@@ -120,10 +146,25 @@ class IntWeight:
         return w if self.offsets is None else w + self.offsets.float().gather(1, g)
 
 
+@dataclass
+class Fp8Weight:
+    """One layer's FP8 (e4m3fn) weight in the form FP8 kernels read (see the module)."""
+
+    q: torch.Tensor  # [out, in] uint8: the e4m3 bytes
+    scales: torch.Tensor  # [out, ceil(in / group_size)] float32
+    group_size: int  # inputs sharing a scale; in_features for one scale per output row
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] float32, exact
+        scales = self.scales.float().repeat_interleave(self.group_size, dim=1)[:, : self.q.shape[1]]
+        return self.q.view(torch.float8_e4m3fn).float() * scales
+
+
 class QuantLinearKernel(ABC):
-    """Multiplies activations by one layer's ``IntWeight``. One instance per layer."""
+    """Multiplies activations by one layer's ``IntWeight`` (or ``Fp8Weight``, for a
+    kernel whose ``weight_types`` names ``FP8_E4M3``). One instance per layer."""
 
     priority: ClassVar[int] = 10  # higher is tried first when no kernel is named
+    weight_types: ClassVar[tuple[str, ...]] = (INT_WEIGHT,)  # the weight forms it takes (plugin API 1.10)
 
     @classmethod
     @abstractmethod
@@ -135,7 +176,7 @@ class QuantLinearKernel(ABC):
         self.name = name  # its registry name: the prefix of its buffers on the layer
 
     @abstractmethod
-    def prepare(self, layer: nn.Module, weight: IntWeight) -> None:
+    def prepare(self, layer: nn.Module, weight: IntWeight | Fp8Weight) -> None:
         """Keep what ``apply`` needs as buffers on ``layer``
         (``layer.register_buffer(f"{self.name}_...", t, persistent=False)``)."""
 
@@ -180,23 +221,32 @@ def choose_kernel(spec: QuantLinearSpec, name: str | None = None) -> QuantLinear
     registry = get_registry("quant_kernel")
     if name is not None:
         cls = registry.load(name)
-        if (reason := cls.can_implement(spec)) is not None:
+        if (reason := _refusal(cls, spec)) is not None:
             raise ConfigError(f"quant_kernel={name!r} cannot run {_describe(spec)}: {reason}")
         return cls(spec, name)
     candidates = sorted(((registry.load(n), n) for n in registry.names()), key=lambda c: (-c[0].priority, c[1]))
     reasons = []
     for cls, kernel_name in candidates:
-        reason = cls.can_implement(spec)
+        reason = _refusal(cls, spec)
         if reason is None:
             return cls(spec, kernel_name)
         reasons.append(f"{kernel_name}: {reason}")
     raise ConfigError(f"no quant_kernel runs {_describe(spec)} ({'; '.join(reasons) or 'none registered'})")
 
 
+def _refusal(cls: type[QuantLinearKernel], spec: QuantLinearSpec) -> str | None:
+    """Why ``cls`` cannot run ``spec``, or None: a weight form it does not name in
+    ``weight_types`` is never offered to its ``can_implement``."""
+    if spec.weight_type not in cls.weight_types:
+        return f"it takes {' and '.join(cls.weight_types)} weights, not {spec.weight_type}"
+    return cls.can_implement(spec)
+
+
 def _describe(spec: QuantLinearSpec) -> str:
     group = "per channel" if spec.group_size == spec.in_features else f"groups of {spec.group_size}"
+    kind = "FP8 e4m3" if spec.weight_type == FP8_E4M3 else f"{spec.bits}-bit {'symmetric' if spec.symmetric else 'asymmetric'}"
     parts = [
-        f"{spec.layer + ': ' if spec.layer else ''}{spec.bits}-bit {'symmetric' if spec.symmetric else 'asymmetric'}",
+        f"{spec.layer + ': ' if spec.layer else ''}{kind}",
         group, *(["act order" + ("" if spec.equal_groups else " (unequal groups)")] if spec.act_order else []),
         {INT8_PER_TOKEN: "int8 activations", INT8_PER_BLOCK: "int8 activations per block of 32"}.get(
             spec.activations, "weight-only"),
@@ -207,6 +257,9 @@ def _describe(spec: QuantLinearSpec) -> str:
 
 __all__ = [
     "ACTIVATION_BLOCK",
+    "FP8_E4M3",
+    "INT_WEIGHT",
+    "Fp8Weight",
     "INT8_PER_BLOCK",
     "INT8_PER_TOKEN",
     "WEIGHT_ONLY",

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -857,6 +858,151 @@ at::Tensor int8_dynamic_mm(const at::Tensor& x, const at::Tensor& weight, const 
   return out;
 }
 
+// FP8 (e4m3fn) weights, a float32 scale per group of `group` consecutive inputs (the
+// last group may be shorter: block-wise checkpoints cut their padding off):
+//
+//   y[m, o] = sum_g  s[o, g] * sum_{i in g} x[m, i] * e4m3(q[o, i])
+//
+// read in place, never dequantized into a float weight. e4m3's bits (s eeee mmm, bias 7)
+// shifted into a float16's (s 0eeee mmm0000000, bias 15) give the same value times 2^-8
+// (subnormals included), which F16C converts to float32 eight at a time; the 2^8 goes
+// into the scale. The NaN bytes (0x7F, 0xFF) would read as 480: the kernel's prepare
+// refuses weights holding them.
+float e4m3_value(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  if (e == 15 && m == 7) return std::numeric_limits<float>::quiet_NaN();
+  const float v = e == 0 ? std::ldexp(static_cast<float>(m) / 8.f, -6) : std::ldexp(1.f + static_cast<float>(m) / 8.f, e - 7);
+  return (b & 0x80) ? -v : v;
+}
+
+const float* e4m3_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) t[b] = e4m3_value(static_cast<uint8_t>(b));
+    return t;
+  }();
+  return table.data();
+}
+
+constexpr int64_t kFp8Rows = 4;  // activation rows per pass over a weight row
+
+template <typename T>
+void fp8_rows_scalar(const float* x, const uint8_t* q, const float* scales, T* y, int64_t m_rows, int64_t n,
+                     int64_t k, int64_t group, int64_t begin, int64_t end) {
+  const float* table = e4m3_table();
+  const int64_t groups = (k + group - 1) / group;
+  std::vector<float> w(k);
+  for (int64_t o = begin; o < end; ++o) {
+    for (int64_t i = 0; i < k; ++i) w[i] = table[q[o * k + i]];
+    for (int64_t m = 0; m < m_rows; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float d = 0.f;
+        for (int64_t i = g * group; i < std::min(k, (g + 1) * group); ++i) d += x[m * k + i] * w[i];
+        acc += scales[o * groups + g] * d;
+      }
+      y[m * n + o] = static_cast<T>(acc);
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+template <int64_t MR, typename T>
+void fp8_rows_avx2(const float* x, const uint8_t* q, const float* scales, T* y, int64_t n, int64_t k, int64_t group,
+                   int64_t begin, int64_t end) {
+  const int64_t groups = (k + group - 1) / group;
+  const __m256i magnitude = _mm256_set1_epi16(0x7F), sign = _mm256_set1_epi16(0x80);
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = q + o * k;
+    __m256 acc[MR];
+    for (int64_t m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 part[MR];
+      for (int64_t m = 0; m < MR; ++m) part[m] = _mm256_setzero_ps();
+      for (int64_t i = g * group; i < std::min(k, (g + 1) * group); i += 16) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, magnitude), 7),
+                                          _mm256_slli_epi16(_mm256_and_si256(b, sign), 8));
+        const __m256 w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+        for (int64_t m = 0; m < MR; ++m) {
+          part[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * k + i), w0, part[m]);
+          part[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * k + i + 8), w1, part[m]);
+        }
+      }
+      const __m256 s = _mm256_set1_ps(scales[o * groups + g] * 256.f);  // float16's 2^-8 undone
+      for (int64_t m = 0; m < MR; ++m) acc[m] = _mm256_fmadd_ps(part[m], s, acc[m]);
+    }
+    for (int64_t m = 0; m < MR; ++m) {
+      __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+      v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+      y[m * n + o] = static_cast<T>(_mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v))));
+    }
+  }
+}
+#endif
+
+// x: [M, K] any float dtype (read as float32); q: uint8 [N, K], the e4m3 bits; scales:
+// float32 [N, ceil(K / group)]. Returns [M, N] of out_dtype.
+at::Tensor fp8_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales, int64_t group,
+                    at::ScalarType out_dtype) {
+  TORCH_CHECK(x_in.dim() == 2, "fp8_gemm: x must be [M, K]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0), groups = (k + group - 1) / group;
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2 && q.size(1) == k,
+              "fp8_gemm: q must be contiguous uint8 [N, ", k, "]");
+  TORCH_CHECK(group > 0 && scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == n &&
+                  scales.size(1) == groups,
+              "fp8_gemm: scales must be float32 [N, ceil(K / group)]");
+  at::Tensor y = at::empty({m_rows, n}, x.options().dtype(out_dtype));
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  auto run = [&](auto* out) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m0 = 0; m0 < m_rows; m0 += kFp8Rows) {
+        const int64_t rows = std::min(kFp8Rows, m_rows - m0);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        if (group % 16 == 0 && k % 16 == 0) {
+          switch (rows) {
+            case 1: fp8_rows_avx2<1>(xp + m0 * k, qp, sp, out + m0 * n, n, k, group, begin, end); break;
+            case 2: fp8_rows_avx2<2>(xp + m0 * k, qp, sp, out + m0 * n, n, k, group, begin, end); break;
+            case 3: fp8_rows_avx2<3>(xp + m0 * k, qp, sp, out + m0 * n, n, k, group, begin, end); break;
+            default: fp8_rows_avx2<4>(xp + m0 * k, qp, sp, out + m0 * n, n, k, group, begin, end); break;
+          }
+          continue;
+        }
+#endif
+        fp8_rows_scalar(xp + m0 * k, qp, sp, out + m0 * n, rows, n, k, group, begin, end);
+      }
+    });
+  };
+  AT_DISPATCH_V2(out_dtype, "fp8_gemm", AT_WRAP([&] { run(y.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
+  return y;
+}
+
+// The float weight [N, K] of out_dtype: e4m3(q) * s in float32 (the PyTorch expression
+// Fp8Weight.dequantize() spells), then cast.
+at::Tensor fp8_dequantize(const at::Tensor& q, const at::Tensor& scales, int64_t group, at::ScalarType out_dtype) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2, "fp8_dequantize: q must be contiguous uint8 [N, K]");
+  const int64_t n = q.size(0), k = q.size(1), groups = (k + group - 1) / group;
+  TORCH_CHECK(group > 0 && scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == n &&
+                  scales.size(1) == groups,
+              "fp8_dequantize: scales must be float32 [N, ceil(K / group)]");
+  const float* table = e4m3_table();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  at::Tensor w = at::empty({n, k}, q.options().dtype(out_dtype));
+  auto fill = [&](auto* out) {
+    using T = std::remove_pointer_t<decltype(out)>;
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t o = begin; o < end; ++o)
+        for (int64_t i = 0; i < k; ++i) out[o * k + i] = static_cast<T>(table[qp[o * k + i]] * sp[o * groups + i / group]);
+    });
+  };
+  AT_DISPATCH_V2(out_dtype, "fp8_dequantize", AT_WRAP([&] { fill(w.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vframe_quant_cpu, m) {
@@ -864,6 +1010,8 @@ TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("int8_dynamic_mm(Tensor x, Tensor weight, Tensor w_scale) -> Tensor");
   m.def("woq_gemm_a8(Tensor x, Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("quantize_blocks(Tensor x) -> Tensor");
+  m.def("fp8_gemm(Tensor x, Tensor q, Tensor scales, int group, ScalarType out_dtype) -> Tensor");
+  m.def("fp8_dequantize(Tensor q, Tensor scales, int group, ScalarType out_dtype) -> Tensor");
   m.def("woq_dequantize(Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
 }
 
@@ -872,5 +1020,7 @@ TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
   m.impl("int8_dynamic_mm", &int8_dynamic_mm);
   m.impl("woq_gemm_a8", &woq_gemm_a8);
   m.impl("quantize_blocks", &quantize_blocks_dequantized);
+  m.impl("fp8_gemm", &fp8_gemm);
+  m.impl("fp8_dequantize", &fp8_dequantize);
   m.impl("woq_dequantize", &woq_dequantize);
 }
