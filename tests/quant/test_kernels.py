@@ -205,7 +205,7 @@ def test_a_registered_kernel_of_higher_priority_runs_every_layer_and_quant_kerne
 
 
 def test_an_unknown_quant_kernel_is_refused_naming_the_known_ones(gptq_llama: Path) -> None:
-    with pytest.raises(Exception, match=r"int4_cpu, int8_dynamic, reference, woq_cpu"):
+    with pytest.raises(Exception, match=r"fp8_cpu, int4_cpu, int8_dynamic, reference, woq_cpu, woq_cpu_a8"):
         LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", quant_kernel="marlin")
 
 
