@@ -146,5 +146,6 @@ def test_the_portable_path_conforms_and_its_build_is_reused(tmp_path) -> None:
     )
     second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert second.stdout.strip() == path and "built" not in second.stderr
+    # (the fused KV write, vframe.layers.cpu_ops, is a library of its own, built there once)
+    assert second.stdout.strip() == path and "built the cpu_paged" not in second.stderr
     assert os.stat(path).st_mtime_ns == mtime

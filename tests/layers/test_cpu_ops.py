@@ -116,3 +116,33 @@ def test_the_layers_take_the_operators_up_to_the_dtype_s_limit(
             rope(torch.arange(tokens) % 8, x.view(tokens, 1, 64), x.view(tokens, 1, 64).clone())
     fused = 4 if limit is None else 2
     assert calls == ["norm", "rope"] * fused
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_what_two_index_copies_write(dtype: torch.dtype) -> None:
+    """The fused qkv output's k and v views (rows not contiguous with each other), three of
+    five rows stored (the rest are padding past the slot mapping), slots in any order."""
+    torch.manual_seed(0)
+    qkv = torch.randn(5, (9 + 3 + 3) * 64).to(dtype)
+    _, k, v = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    k, v = k.view(5, 3, 64), v.view(5, 3, 64)
+    kv_cache = torch.full((2, 6, 16, 3, 64), float("nan"), dtype=dtype)
+    slots = torch.tensor([37, 2, 95])
+    expected = kv_cache.clone()
+    expected[0].view(-1, 3, 64).index_copy_(0, slots, k[:3])
+    expected[1].view(-1, 3, 64).index_copy_(0, slots, v[:3])
+
+    assert cpu_ops.stores_kv(k, v, kv_cache, slots)
+    cpu_ops.store_kv(k, v, kv_cache, slots)
+
+    assert torch.equal(kv_cache.nan_to_num(7.0), expected.nan_to_num(7.0))
+    assert kv_cache[0].view(-1, 3, 64)[37].equal(k[0]) and kv_cache[1].view(-1, 3, 64)[95].equal(v[2])
+
+
+def test_store_kv_refuses_a_slot_outside_the_cache_and_leaves_fp8_caches_to_pytorch() -> None:
+    k = v = torch.randn(1, 3, 64)
+    kv_cache = torch.zeros(2, 6, 16, 3, 64)
+    with pytest.raises(RuntimeError, match=r"store_kv: slot 96 outside the cache's 96"):
+        cpu_ops.store_kv(k, v, kv_cache, torch.tensor([96]))
+    assert not cpu_ops.stores_kv(k, v, kv_cache.to(torch.float8_e4m3fn), torch.tensor([0]))
+    assert not cpu_ops.stores_kv(k, v, kv_cache, torch.tensor([0], dtype=torch.int32))

@@ -35,6 +35,7 @@ from vframe.core.interfaces import (
     MLAAttentionImpl,
 )
 from vframe.core.kv_cache_spec import is_fp8
+from vframe.layers import cpu_ops
 
 
 @dataclass
@@ -232,8 +233,11 @@ def write_kv_cache(
     n = slot_mapping.shape[0]
     key_cache = kv_cache[0].view(-1, *key.shape[1:])
     value_cache = kv_cache[1].view(-1, *value.shape[1:])
-    store_rows(key_cache, slot_mapping, key[:n])
-    store_rows(value_cache, slot_mapping, value[:n])
+    if cpu_ops.stores_kv(key, value, kv_cache, slot_mapping):
+        cpu_ops.store_kv(key, value, kv_cache, slot_mapping)  # one C++ call for both
+    else:
+        store_rows(key_cache, slot_mapping, key[:n])
+        store_rows(value_cache, slot_mapping, value[:n])
     return key_cache, value_cache
 
 

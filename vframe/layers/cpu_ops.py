@@ -1,4 +1,4 @@
-"""Fused C++ RMSNorm and neox rotary embedding for CPU tensors (``csrc/cpu_ops.cpp``,
+"""Fused C++ RMSNorm, neox rotary embedding and KV-cache write for CPU tensors (``csrc/cpu_ops.cpp``,
 built once per machine like ``cpu_paged``'s operators). A decode step of a small
 model is mostly these short elementwise chains between its matmuls: one operator
 each instead of eight to fourteen PyTorch calls. Their loops are plain C++ (scalar
@@ -63,6 +63,25 @@ def applies(x: torch.Tensor) -> bool:
         (limit is None or x.shape[0] <= limit)
         and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and available()
     )
+
+
+def stores_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Whether ``store_kv`` takes this KV write: CPU tensors of one float dtype (an FP8
+    cache rounds on the way, in PyTorch), each K / V row contiguous (``[T, KVH, D]`` views
+    of the fused qkv output are), int64 slots, outside tracing, the library built."""
+    return (
+        key.device.type == "cpu" and key.dtype == kv_cache.dtype == value.dtype and key.dtype in MAX_TOKENS
+        and slots.dtype == torch.int64 and kv_cache.is_contiguous()
+        and key.stride(2) == 1 and key.stride(1) == key.shape[2]
+        and value.stride(2) == 1 and value.stride(1) == value.shape[2]
+        and not torch.compiler.is_compiling() and available()
+    )
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Slot ``slots[i]`` of ``kv_cache[0]`` / ``kv_cache[1]`` ([2, num_blocks, block_size,
+    KVH, D]) takes ``key[i]`` / ``value[i]``, for ``i < len(slots)``."""
+    torch.ops.vframe_cpu_ops.store_kv(key, value, kv_cache, slots)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, E] -> [T, E]

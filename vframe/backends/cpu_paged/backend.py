@@ -32,6 +32,7 @@ from vframe.core.interfaces import (
     CommonAttentionMetadata,
 )
 from vframe.core.kv_cache_spec import refuse_fp8_kv_cache
+from vframe.layers import cpu_ops
 
 
 @dataclass
@@ -80,8 +81,12 @@ class CpuPagedAttentionImpl(TorchAttentionImpl):
             prefill_plan = TorchAttentionMetadata.from_common(prefill_plan.common, self.sliding_window, False)
 
         output = torch.zeros_like(query)  # padding rows past the step's tokens stay zero
-        key_cache, value_cache = write_kv_cache(key, value, kv_cache, prefill_plan.slot_mapping)
-        attend_prefills(output, query, key, value, key_cache, value_cache, prefill_plan.prefills, self.scale)
+        slots = prefill_plan.slot_mapping
+        if not prefill_plan.prefills and cpu_ops.stores_kv(key, value, kv_cache, slots):
+            cpu_ops.store_kv(key, value, kv_cache, slots)  # decodes only: no cache views needed
+        else:
+            key_cache, value_cache = write_kv_cache(key, value, kv_cache, slots)
+            attend_prefills(output, query, key, value, key_cache, value_cache, prefill_plan.prefills, self.scale)
         if meta.decode_req_ids.numel():
             torch.ops.vframe_cpu.paged_decode_attention(
                 output, query, kv_cache[0], kv_cache[1], meta.block_table, meta.seq_lens,

@@ -5,6 +5,7 @@
 //   rotary_neox_(pos, q, k, c) q, k rotated in place: [x1*cos - x2*sin, x2*cos + x1*sin]
 //                              with cos / sin = c[pos].to(q.dtype), every product and sum
 //                              rounded to q's dtype as PyTorch's separate operators round them
+//   store_kv(k, v, kv, s)      kv[0] slot s[i] = k[i], kv[1] slot s[i] = v[i] (two index_copy_ calls)
 //
 // Built with -ffp-contract=off so that no product and sum fuse into one rounding.
 // rms_norm's mean adds the squares in another order than PyTorch's reduction: its
@@ -19,6 +20,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -112,14 +114,49 @@ void rotary_neox_(const at::Tensor& positions, const at::Tensor& query, const at
   }
 }
 
+// kv_cache[0] slot slots[i] = key[i] and kv_cache[1] slot slots[i] = value[i] for the
+// first n = len(slots) rows: what two index_copy_ calls on the caches' [num_slots, KVH,
+// D] views do, in one operator (a decode step's KV write took about 20 us of dispatch a
+// layer). key / value [T, KVH, D] with each row's KVH * D values contiguous (a split of
+// the fused qkv output); kv_cache [2, num_blocks, block_size, KVH, D] contiguous, of
+// key's dtype.
+void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache, const at::Tensor& slots) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "store_kv: slots int64 [n]");
+  const int64_t n = slots.size(0);
+  for (const auto* t : {&key, &value}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) >= n && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
+                    t->scalar_type() == kv_cache.scalar_type(),
+                "store_kv: key and value must be [T, KVH, D] rows of the cache's dtype, each row contiguous");
+  }
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.size(3) == key.size(1) && kv_cache.size(4) == key.size(2),
+              "store_kv: kv_cache must be a contiguous [2, num_blocks, block_size, KVH, D] like key");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "store_kv: slot ", sp[i], " outside the cache's ", num_slots);
+  auto* kc = static_cast<char*>(kv_cache.data_ptr());
+  char* vc = kc + num_slots * row_bytes;
+  const auto* kp = static_cast<const char*>(key.data_ptr());
+  const auto* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(kc + sp[i] * row_bytes, kp + i * ks, row_bytes);
+    std::memcpy(vc + sp[i] * row_bytes, vp + i * vs, row_bytes);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vframe_cpu_ops, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_neox_(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache) -> ()");
+  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vframe_cpu_ops, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_neox_", &rotary_neox_);
+  m.impl("store_kv", &store_kv);
 }
