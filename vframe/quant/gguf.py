@@ -271,6 +271,9 @@ class GGUFLinearMethod(LinearMethodBase):
         return None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if len(self.segments) == 1 and 0 in self.kernels:  # the common case, in fewer Python steps
+            out = self.kernels[0].apply(layer._modules["segment0"], x, None)
+            return out if bias is None else out + bias
         # One segment at a time: a mixed-type layer never holds its whole float weight.
         outs = []
         for i, segment in enumerate(self.segments):

@@ -239,29 +239,49 @@ void block_bf16_u4(int64_t rows, const uint16_t* x, const float* xsum, const uin
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// float32 activations, groups of exactly 32 (GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K layout), one
-// activation row (decode): the rows_grouped frame spends more on each group's scalar work
-// (its scale, zero term and chains) than on its 32 weights; here eight groups' products
-// are reduced together into one vector (a lane a group), so that their scales and zero
-// terms are one vector FMA each, and the midpoint moves into the zero term
-// (sum x (q - c) = sum x q - c sum x). AVX2 EPYC, 4 bit, with offsets: [1, 1536] x
-// [1536 -> 576] 168 -> 115 us on one thread; [1, 576] x [576 -> 3072] 188 -> 149 us on two.
+// float32 activations, groups that are multiples of 32 (GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K
+// blocks of 32, GPTQ / AWQ groups of 64 or 128), one activation row (decode): the
+// rows_grouped frame spends more on each group's scalar work (its scale, zero term and
+// chains) than on its weights; here eight groups' products are reduced together into
+// one vector (a lane a group), so that their scales and zero terms are one vector FMA
+// each, and the midpoint moves into the zero term (sum x (q - c) = sum x q - c sum x).
+// AVX2 EPYC, 4 bit, with offsets: [1, 1536] x [1536 -> 576] 168 -> 115 us on one
+// thread; [1, 576] x [576 -> 3072] 188 -> 149 us on two.
+//
+// 32 weights: 4 bit, 16 bytes whose low nibbles are the inputs at x_lo and high ones
+// those at x_hi (a group's byte j holds its inputs j and j + group / 2); 8 bit, 32
+// bytes, the inputs at x_lo.
 template <int64_t BITS>
-inline __m256 float_group_products(const uint8_t* qg, const float* xg) {
+inline __m256 float_products32(const uint8_t* qc, const float* x_lo, const float* x_hi) {
   __m256i w[4];
+  const float* xs[4];
   if constexpr (BITS == 8) {
-    for (int64_t j = 0; j < 4; ++j) w[j] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + 8 * j)));
-  } else {  // byte j: input j (low nibble) and input j + 16 (high)
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)), low = _mm_set1_epi8(15);
+    for (int64_t j = 0; j < 4; ++j) {
+      w[j] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qc + 8 * j)));
+      xs[j] = x_lo + 8 * j;
+    }
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qc)), low = _mm_set1_epi8(15);
     const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
     w[0] = _mm256_cvtepu8_epi32(lo), w[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
     w[2] = _mm256_cvtepu8_epi32(hi), w[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+    xs[0] = x_lo, xs[1] = x_lo + 8, xs[2] = x_hi, xs[3] = x_hi + 8;
   }
-  __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xg), _mm256_cvtepi32_ps(w[0]));
-  __m256 b = _mm256_mul_ps(_mm256_loadu_ps(xg + 8), _mm256_cvtepi32_ps(w[1]));
-  a = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16), _mm256_cvtepi32_ps(w[2]), a);
-  b = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 24), _mm256_cvtepi32_ps(w[3]), b);
+  __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xs[0]), _mm256_cvtepi32_ps(w[0]));
+  __m256 b = _mm256_mul_ps(_mm256_loadu_ps(xs[1]), _mm256_cvtepi32_ps(w[1]));
+  a = _mm256_fmadd_ps(_mm256_loadu_ps(xs[2]), _mm256_cvtepi32_ps(w[2]), a);
+  b = _mm256_fmadd_ps(_mm256_loadu_ps(xs[3]), _mm256_cvtepi32_ps(w[3]), b);
   return _mm256_add_ps(a, b);
+}
+
+// One group's products as a vector of 8 partial sums.
+template <int64_t BITS>
+inline __m256 float_group_products(const uint8_t* qg, const float* xg, int64_t group) {
+  const int64_t half = group / 2, step = BITS == 8 ? 32 : 16;
+  const int64_t bytes = BITS == 8 ? group : half;
+  __m256 sum = float_products32<BITS>(qg, xg, xg + half);
+  for (int64_t c = step; c < bytes; c += step) sum = _mm256_add_ps(sum, float_products32<BITS>(qg + c, xg + c, xg + half + c));
+  return sum;
 }
 
 // [sum(v[0]), ..., sum(v[7])]: each vector's 8 lanes added.
@@ -273,19 +293,20 @@ inline __m256 sum_lanes8(const __m256* v) {
 
 template <int64_t BITS, typename T>
 void float_g32_row(const float* x, const float* xsum, const uint8_t* q, const float* scales, const float* sz, T* y,
-                   int64_t k, int64_t begin, int64_t end) {
-  constexpr int64_t kGroupBytes = BITS == 8 ? 32 : 16;
-  const int64_t groups = k / 32, full = groups / 8 * 8;
+                   int64_t k, int64_t group, int64_t begin, int64_t end) {
+  const int64_t group_bytes = BITS == 8 ? group : group / 2;
+  const int64_t groups = k / group, full = groups / 8 * 8;
   const float mid = BITS == 8 ? 128.f : 8.f;
   const __m256 mid8 = _mm256_set1_ps(mid);
   for (int64_t o = begin; o < end; ++o) {
-    const uint8_t* row = q + o * groups * kGroupBytes;
+    const uint8_t* row = q + o * groups * group_bytes;
     const float* so = scales + o * groups;
     const float* zo = sz == nullptr ? nullptr : sz + o * groups;
     __m256 acc = _mm256_setzero_ps(), zero_acc = _mm256_setzero_ps();
     __m256 parts[8];
     for (int64_t g = 0; g < full; g += 8) {
-      for (int64_t j = 0; j < 8; ++j) parts[j] = float_group_products<BITS>(row + (g + j) * kGroupBytes, x + (g + j) * 32);
+      for (int64_t j = 0; j < 8; ++j)
+        parts[j] = float_group_products<BITS>(row + (g + j) * group_bytes, x + (g + j) * group, group);
       const __m256 s = _mm256_loadu_ps(so + g);
       acc = _mm256_fmadd_ps(sum_lanes8(parts), s, acc);
       __m256 z = _mm256_mul_ps(s, mid8);  // each group's factor of its inputs' sum
@@ -298,8 +319,9 @@ void float_g32_row(const float* x, const float* xsum, const uint8_t* q, const fl
     float total = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
     if (full < groups) {  // the last groups, fewer than 8
       for (int64_t j = 0; j < 8; ++j)
-        parts[j] = full + j < groups ? float_group_products<BITS>(row + (full + j) * kGroupBytes, x + (full + j) * 32)
-                                     : _mm256_setzero_ps();
+        parts[j] = full + j < groups
+                       ? float_group_products<BITS>(row + (full + j) * group_bytes, x + (full + j) * group, group)
+                       : _mm256_setzero_ps();
       alignas(32) float tail[8];
       _mm256_store_ps(tail, sum_lanes8(parts));
       for (int64_t g = full; g < groups; ++g)
@@ -321,11 +343,11 @@ void gemm(const float* x, const float* xsum, const uint8_t* q, const float* scal
       const float* xm = x + m0 * k;
       const float* xs = xsum == nullptr ? nullptr : xsum + m0 * groups;
 #if defined(VFRAME_WOQ_FLOAT_G32)
-      if (group == 32 && rows == 1) {
+      if (group % 32 == 0 && rows == 1) {
         if (bits == 8)
-          float_g32_row<8>(xm, xs, q, scales, sz, y + m0 * n, k, begin, end);
+          float_g32_row<8>(xm, xs, q, scales, sz, y + m0 * n, k, group, begin, end);
         else
-          float_g32_row<4>(xm, xs, q, scales, sz, y + m0 * n, k, begin, end);
+          float_g32_row<4>(xm, xs, q, scales, sz, y + m0 * n, k, group, begin, end);
         continue;
       }
 #endif
@@ -394,8 +416,8 @@ at::Tensor woq_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tenso
   // Each group's input sum (for the zero term), in float32: a loop here, not an at::sum
   // (whose dispatch costs more than a decode step's whole product at these sizes).
   const int64_t groups = k / group;
-  // Groups of 32 on AVX2 take the midpoint through the sums too (float_g32_row).
-  const bool sums = zeros || group == 32;
+  // Groups of 32, 64, ... on AVX2 take the midpoint through the sums too (float_g32_row).
+  const bool sums = zeros || group % 32 == 0;
   std::vector<float> xsum(sums ? m_rows * groups : 0);
   auto sum_groups = [&](const auto* xp) {
     for (int64_t r = 0; r < m_rows * groups; ++r) {
