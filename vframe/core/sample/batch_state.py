@@ -142,12 +142,11 @@ class SamplingBatch:
 
     def _replay_draws(self, state: RequestSamplingState, vocab_size: int) -> None:
         """Advance a re-admitted seeded request's generator past the draws it made
-        before its preemption: one ``[V]`` exponential draw per sampled token."""
-        if state.num_draws_to_replay:
-            scratch = torch.empty(vocab_size, device=self.device)
-            for _ in range(state.num_draws_to_replay):
-                scratch.exponential_(generator=state.generator)
-            state.num_draws_to_replay = 0
+        before its preemption: one float64 uniform per sampled token
+        (``vframe.core.sample.sampler.sample_from_probs``), drawn as it draws them."""
+        for _ in range(state.num_draws_to_replay):
+            torch.rand(1, dtype=torch.float64, generator=state.generator, device=self.device)
+        state.num_draws_to_replay = 0
 
     def _add_processing(self, md: SamplingMetadata, states: list[RequestSamplingState], vocab_size: int) -> None:
         dev = self.device

@@ -65,7 +65,7 @@ class SamplingMetadata:
         generators: ``row -> torch.Generator`` (on the logits' device) for rows
             with a ``seed``: their random draws come from it alone, so their
             tokens do not depend on the rest of the batch. Each sampled token
-            takes one ``[V]`` exponential draw (``Tensor.exponential_``); a
+            takes one float64 uniform draw (``sampler.sample_from_probs``); a
             re-admitted request's generator has been advanced past the draws
             it made before its preemption.
         max_num_logprobs: the largest ``logprobs`` asked by any row (0 = only

@@ -13,9 +13,9 @@ Order of operations on the logits ``[B, V]``::
          └─ / temperature ─► argmax-invariant batch processors ─► min_p ─► top_k
               ─► top_p ─► sample                                     (random rows)
 
-Random rows sample with the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``,
-which draws from ``p`` without a cumulative sum; seeded rows draw ``q`` from
-their own generator so their tokens do not depend on the rest of the batch.
+Random rows sample by inverting each row's cumulative distribution (float64) with
+one uniform number (``sample_from_probs``); seeded rows draw it from their own
+generator so their tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -63,11 +63,7 @@ class DefaultSampler(Sampler):
             logits = apply_min_p(logits, md.min_p)
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = torch.softmax(logits, dim=-1)  # [B, V]
-        q = torch.empty_like(probs).exponential_()
-        for row, generator in md.generators.items():
-            q[row].exponential_(generator=generator)
-        return probs.div_(q).argmax(dim=-1)
+        return sample_from_probs(torch.softmax(logits, dim=-1), md.generators)
 
     @staticmethod
     def _gather_logprobs(
@@ -75,6 +71,25 @@ class DefaultSampler(Sampler):
     ) -> None:
         top_ids, top_lp, ranks = gather_logprobs(logprobs, sampled, k)
         out.logprob_token_ids, out.logprobs, out.sampled_ranks = top_ids, top_lp, ranks
+
+
+def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token per row of ``probs [B, V]``, drawn by inverting its cumulative
+    distribution with one uniform number: the first token whose running sum (float64)
+    passes ``u`` times the row's total. A zero-probability token is never drawn. Rows
+    in ``generators`` (seeded requests) take their number from their own generator,
+    one ``torch.rand(1, dtype=float64)`` per token; the others from the global one.
+
+    The exponential race (``argmax(probs / Exp(1))``, vLLM's) draws V random numbers
+    per row, which on the CPU cost more than the rest of the sampler: SmolLM2's 49,152
+    tokens, 2 threads, 64 rows 67 ms against 3.7 ms here, one row 1.06 against 0.09 ms."""
+    rows = probs.shape[0]
+    u = torch.rand(rows, 1, dtype=torch.float64, device=probs.device)
+    for row, generator in generators.items():
+        u[row] = torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device)
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    # u < 1, so the target stays below the total and some token passes it
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
 
 
 def gather_logprobs(
