@@ -168,16 +168,57 @@ def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
     """Keep each row's ``top_k`` largest logits (0 = all), then the smallest set
-    whose probability reaches ``top_p``. Ties at the boundary are kept."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)  # ascending [B, V]
+    whose probability reaches ``top_p``. Ties at the boundary are kept.
+
+    Without sorting the vocabulary: ``topk`` of the largest ``top_k`` finds each row's
+    k-th logit; for ``top_p`` the 256, else 4,096 most likely tokens hold the boundary
+    (``TOP_P_CANDIDATES``), and only rows whose boundary lies further are sorted whole.
+    A full sort per row cost more than the model's step at large batches on the CPU
+    (SmolLM2's 49,152 tokens, 2 threads, 64 rows: top_k 162 ms, top_p 177 ms a step)."""
     vocab = logits.shape[-1]
     if top_k is not None:
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))  # [B, 1]
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        limited = (top_k > 0) & (top_k < vocab)
+        if bool(limited.any()):
+            k = torch.where(limited, top_k, torch.ones_like(top_k))
+            kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
+            kth = kth.masked_fill(~limited.unsqueeze(1), float("-inf"))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # ascending cumulative mass
-        drop = cum <= (1.0 - top_p).unsqueeze(1)
-        drop[:, -1] = False  # always keep the most likely token
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+        logits = _apply_top_p(logits, top_p)
+    return logits
+
+
+# How many of a row's most likely tokens are searched for its top_p boundary, in turn;
+# rows whose boundary lies past the last are sorted whole. SmolLM2 at temperature 1 on
+# text: 0.9 of the mass lies in a median 14 tokens, past 256 in 20% of positions, past
+# 4,096 in none of 216.
+TOP_P_CANDIDATES = (256, 4096)
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the tokens whose more likely tokens hold less than ``top_p`` of the mass
+    (the most likely always), and any token tied with the last one kept."""
+    rows = top_p < 1.0
+    if not bool(rows.any()):
+        return logits
+    probs = logits.softmax(dim=-1)  # [B, V]
+    vocab = probs.shape[-1]
+    threshold = torch.zeros(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)  # 0: keep everything
+    pending, flat = rows.nonzero().flatten(), torch.zeros(0, dtype=torch.long, device=probs.device)
+    for size in (*(c for c in TOP_P_CANDIDATES if c < vocab), vocab):
+        if size == vocab:
+            pending = torch.cat([pending, flat])
+        rows_p = probs[pending]
+        descending = rows_p.topk(size, dim=-1).values if size < vocab else rows_p.sort(dim=-1, descending=True).values
+        before = descending.cumsum(dim=-1) - descending  # each token's more likely tokens' mass
+        p = top_p[pending].unsqueeze(1)
+        kept = (before < p).sum(dim=-1)  # >= 1
+        found = kept < size if size < vocab else torch.ones_like(kept, dtype=torch.bool)
+        threshold[pending[found]] = descending[found].gather(1, (kept[found] - 1).unsqueeze(1))
+        # a row whose candidates hold under half its top_p is flat: straight to the sort
+        very_flat = ~found & (descending.sum(dim=-1) < 0.5 * p.squeeze(1))
+        flat = torch.cat([flat, pending[very_flat]])
+        pending = pending[~found & ~very_flat]
+        if not pending.numel() and not flat.numel():
+            break
+    return logits.masked_fill(probs < threshold, float("-inf"))
