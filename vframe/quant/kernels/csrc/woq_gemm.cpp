@@ -37,6 +37,66 @@
 
 namespace {
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The 8 lanes of v added.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// [sum(v[0]), ..., sum(v[7])]: each vector's 8 lanes added (int32 lanes exactly, then
+// converted once).
+inline __m256 sum_lanes8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+inline __m256 sum_lanes8(const __m256i* v) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_cvtepi32_ps(
+      _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31)));
+}
+
+// One output of a one-token product whose groups of inputs each give a vector of 8
+// partial sums (products(g): floats, or exact int32 sums): eight groups at a time, their vectors reduced into one (a
+// lane a group) so that the eight scales and zero terms are one vector FMA each, where a
+// group at a time spent more on that scalar work than on its weights:
+//
+//   sum_g  scales[g] * factors[g] * sum(products(g))  -  (scales[g] * mid + zeros[g]) * sums[g]
+//
+// (factors: an activation block's scale, or none; zeros: the group's zero term, or none;
+// sums: the group's sum of inputs, for the midpoint mid and the zero term).
+template <typename Products>
+float eight_groups(int64_t groups, const Products& products, const float* scales, const float* factors,
+                   const float* zeros, float mid, const float* sums) {
+  using V = decltype(products(0));  // __m256 or __m256i
+  const int64_t full = groups / 8 * 8;
+  const __m256 mid8 = _mm256_set1_ps(mid);
+  __m256 acc = _mm256_setzero_ps(), zero_acc = _mm256_setzero_ps();
+  V parts[8];
+  for (int64_t g = 0; g < full; g += 8) {
+    for (int64_t j = 0; j < 8; ++j) parts[j] = products(g + j);
+    const __m256 s = _mm256_loadu_ps(scales + g);
+    acc = _mm256_fmadd_ps(sum_lanes8(parts), factors ? _mm256_mul_ps(s, _mm256_loadu_ps(factors + g)) : s, acc);
+    __m256 z = _mm256_mul_ps(s, mid8);
+    if (zeros != nullptr) z = _mm256_add_ps(z, _mm256_loadu_ps(zeros + g));
+    zero_acc = _mm256_fmadd_ps(z, _mm256_loadu_ps(sums + g), zero_acc);
+  }
+  float total = hsum8(_mm256_sub_ps(acc, zero_acc));
+  if (full < groups) {  // the last groups, fewer than 8
+    for (int64_t j = 0; j < 8; ++j) parts[j] = full + j < groups ? products(full + j) : V{};
+    alignas(32) float tail[8];
+    _mm256_store_ps(tail, sum_lanes8(parts));
+    for (int64_t g = full; g < groups; ++g)
+      total += scales[g] * (factors ? factors[g] : 1.f) * tail[g - full] -
+               (scales[g] * mid + (zeros != nullptr ? zeros[g] : 0.f)) * sums[g];
+  }
+  return total;
+}
+#endif
+
 // Output rows begin .. end for m_rows (<= kMaxRows) activation rows.
 constexpr int64_t kMaxRows = 8;
 
@@ -103,11 +163,7 @@ struct Lanes {
   static V set1(float v) { return _mm256_set1_ps(v); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(V v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
+  static float sum(V v) { return hsum8(v); }
   static __m128i load_bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
   static V widen(__m128i b, int32_t mid) {
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(b), _mm256_set1_epi32(mid)));
@@ -284,50 +340,15 @@ inline __m256 float_group_products(const uint8_t* qg, const float* xg, int64_t g
   return sum;
 }
 
-// [sum(v[0]), ..., sum(v[7])]: each vector's 8 lanes added.
-inline __m256 sum_lanes8(const __m256* v) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
 template <int64_t BITS, typename T>
 void float_g32_row(const float* x, const float* xsum, const uint8_t* q, const float* scales, const float* sz, T* y,
                    int64_t k, int64_t group, int64_t begin, int64_t end) {
-  const int64_t group_bytes = BITS == 8 ? group : group / 2;
-  const int64_t groups = k / group, full = groups / 8 * 8;
-  const float mid = BITS == 8 ? 128.f : 8.f;
-  const __m256 mid8 = _mm256_set1_ps(mid);
+  const int64_t group_bytes = BITS == 8 ? group : group / 2, groups = k / group;
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = q + o * groups * group_bytes;
-    const float* so = scales + o * groups;
-    const float* zo = sz == nullptr ? nullptr : sz + o * groups;
-    __m256 acc = _mm256_setzero_ps(), zero_acc = _mm256_setzero_ps();
-    __m256 parts[8];
-    for (int64_t g = 0; g < full; g += 8) {
-      for (int64_t j = 0; j < 8; ++j)
-        parts[j] = float_group_products<BITS>(row + (g + j) * group_bytes, x + (g + j) * group, group);
-      const __m256 s = _mm256_loadu_ps(so + g);
-      acc = _mm256_fmadd_ps(sum_lanes8(parts), s, acc);
-      __m256 z = _mm256_mul_ps(s, mid8);  // each group's factor of its inputs' sum
-      if (zo != nullptr) z = _mm256_add_ps(z, _mm256_loadu_ps(zo + g));
-      zero_acc = _mm256_fmadd_ps(z, _mm256_loadu_ps(xsum + g), zero_acc);
-    }
-    acc = _mm256_sub_ps(acc, zero_acc);
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    float total = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
-    if (full < groups) {  // the last groups, fewer than 8
-      for (int64_t j = 0; j < 8; ++j)
-        parts[j] = full + j < groups
-                       ? float_group_products<BITS>(row + (full + j) * group_bytes, x + (full + j) * group, group)
-                       : _mm256_setzero_ps();
-      alignas(32) float tail[8];
-      _mm256_store_ps(tail, sum_lanes8(parts));
-      for (int64_t g = full; g < groups; ++g)
-        total += so[g] * tail[g - full] - (so[g] * mid + (zo != nullptr ? zo[g] : 0.f)) * xsum[g];
-    }
-    y[o] = static_cast<T>(total);
+    const auto products = [&](int64_t g) { return float_group_products<BITS>(row + g * group_bytes, x + g * group, group); };
+    y[o] = static_cast<T>(eight_groups(groups, products, scales + o * groups, nullptr,
+                                       sz == nullptr ? nullptr : sz + o * groups, BITS == 8 ? 128.f : 8.f, xsum));
   }
 }
 #define VFRAME_WOQ_FLOAT_G32 1
@@ -391,6 +412,20 @@ void gemm_bf16_u4(const at::Tensor& x, const float* xsum, const at::Tensor& q, c
 #endif
 }
 
+// The weight operands of woq_gemm / woq_gemm_a8 for K inputs: q uint8 [N, K] (8 bit) or
+// [N, K / 2] (4 bit), scales float32 [N, K / group], scaled_zeros empty or like scales.
+void check_weight(const char* op, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& scaled_zeros,
+                  int64_t k, int64_t group, int64_t bits) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) == (bits == 8 ? k : k / 2), op,
+              ": q must be contiguous uint8 [N, ", bits == 8 ? k : k / 2, "]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == q.size(0) &&
+                  scales.size(1) == k / group,
+              op, ": scales must be float32 [N, K / group]");
+  TORCH_CHECK(scaled_zeros.numel() == 0 || (scaled_zeros.sizes() == scales.sizes() &&
+                                            scaled_zeros.scalar_type() == at::kFloat && scaled_zeros.is_contiguous()),
+              op, ": scaled_zeros must be empty or float32 like scales");
+}
+
 // x: [M, K] any float dtype (bfloat16 with 4 bit and AVX512-BF16 is read as it is, else as float32); q: uint8 [N, K] (8 bit) or [N, K / 2] (4 bit); scales: [N, K / group]
 // float32; scaled_zeros: the same shape or empty (symmetric). Returns [M, N] of out_dtype.
 at::Tensor woq_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
@@ -404,15 +439,8 @@ at::Tensor woq_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tenso
   const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0);
   TORCH_CHECK(group > 0 && k % group == 0 && (bits == 8 || group % 2 == 0), "woq_gemm: group ", group,
               " does not divide K=", k);
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) == (bits == 8 ? k : k / 2),
-              "woq_gemm: q must be contiguous uint8 [N, ", bits == 8 ? k : k / 2, "]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == n &&
-                  scales.size(1) == k / group,
-              "woq_gemm: scales must be float32 [N, K / group]");
+  check_weight("woq_gemm", q, scales, scaled_zeros, k, group, bits);
   const bool zeros = scaled_zeros.numel() > 0;
-  TORCH_CHECK(!zeros || (scaled_zeros.sizes() == scales.sizes() && scaled_zeros.scalar_type() == at::kFloat &&
-                         scaled_zeros.is_contiguous()),
-              "woq_gemm: scaled_zeros must be empty or float32 like scales");
   // Each group's input sum (for the zero term), in float32: a loop here, not an at::sum
   // (whose dispatch costs more than a decode step's whole product at these sizes).
   const int64_t groups = k / group;
@@ -637,20 +665,14 @@ void a8_rows_avx2(const XRows& xr, const uint8_t* q, const float* scales, const 
         }
       }
     }
-    for (int64_t m = 0; m < MR; ++m) {
-      __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-      v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-      v = _mm_add_ss(v, _mm_movehdup_ps(v));
-      y[m * n + o] = static_cast<T>(_mm_cvtss_f32(v) - zero_term[m]);
-    }
+    for (int64_t m = 0; m < MR; ++m) y[m * n + o] = static_cast<T>(hsum8(acc[m]) - zero_term[m]);
   }
 }
 
-// Groups of exactly 32 (every GGUF block type on this path): eight groups at a time
-// per output row, their int32 sums reduced into one vector of 8 (one lane a group),
-// so that the weight scales, the block scales and the zero terms of 8 groups are
-// each one vector load and one FMA rather than scalar work per group (AVX2 EPYC,
-// one thread, [1, 576] x [576 -> 1536] 4 bit: 167 us group by group, 58 us so).
+// Groups of exactly 32 (every GGUF block type on this path), through eight_groups: eight
+// groups' exact int32 sums reduced and converted together, the weight scales, the block scales and the zero
+// terms of 8 groups one vector load and one FMA each rather than scalar work per group
+// (AVX2 EPYC, one thread, [1, 576] x [576 -> 1536] 4 bit: 167 us group by group, 58 us so).
 template <int64_t BITS>
 inline __m256i a8_group_sums(const uint8_t* qg, const int8_t* xg) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -667,53 +689,20 @@ inline __m256i a8_group_sums(const uint8_t* qg, const int8_t* xg) {
   }
 }
 
-// [sum(v[0]), ..., sum(v[7])]: each vector's 8 lanes added.
-inline __m256i sum_lanes8(const __m256i* v) {
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
-
 template <int64_t BITS, typename T>
 void a8_g32_avx2(const XRows& xr, const uint8_t* q, const float* scales, const float* sz, T* y, int64_t m_rows,
                  int64_t n, int64_t k, int64_t begin, int64_t end) {
   constexpr int64_t kGroupBytes = BITS == 8 ? 32 : 16;
-  const int64_t groups = k / 32, full = groups / 8 * 8;
-  const __m256 mid = _mm256_set1_ps(BITS == 8 ? 0.f : 8.f);
+  const int64_t groups = k / 32;
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = q + o * groups * kGroupBytes;
-    const float* so = scales + o * groups;
-    const float* zo = sz == nullptr ? nullptr : sz + o * groups;
     for (int64_t m = 0; m < m_rows; ++m) {
       const int8_t* xm = xr.q + m * k;
-      const float* dm = xr.d + m * groups;
-      const float* qsm = xr.qsum + m * groups;
-      __m256 acc = _mm256_setzero_ps(), zero_acc = _mm256_setzero_ps();
-      __m256i sums[8];
-      for (int64_t g = 0; g < full; g += 8) {
-        for (int64_t j = 0; j < 8; ++j) sums[j] = a8_group_sums<BITS>(row + (g + j) * kGroupBytes, xm + (g + j) * 32);
-        const __m256 s = _mm256_loadu_ps(so + g);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(sums)), _mm256_mul_ps(s, _mm256_loadu_ps(dm + g)), acc);
-        __m256 z = _mm256_mul_ps(s, mid);  // the group's weight for its inputs' sum
-        if (zo != nullptr) z = _mm256_add_ps(z, _mm256_loadu_ps(zo + g));
-        zero_acc = _mm256_fmadd_ps(z, _mm256_loadu_ps(qsm + g), zero_acc);
-      }
-      acc = _mm256_sub_ps(acc, zero_acc);
-      __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-      v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-      float total = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
-      if (full < groups) {  // the last groups, fewer than 8
-        for (int64_t j = 0; j < 8; ++j)
-          sums[j] = full + j < groups ? a8_group_sums<BITS>(row + (full + j) * kGroupBytes, xm + (full + j) * 32)
-                                      : _mm256_setzero_si256();
-        alignas(32) int32_t tail[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(tail), sum_lanes8(sums));
-        for (int64_t g = full; g < groups; ++g) {
-          const float z = so[g] * (BITS == 8 ? 0.f : 8.f) + (zo != nullptr ? zo[g] : 0.f);
-          total += so[g] * dm[g] * static_cast<float>(tail[g - full]) - z * qsm[g];
-        }
-      }
-      y[m * n + o] = static_cast<T>(total);
+      const auto products = [&](int64_t g) { return a8_group_sums<BITS>(row + g * kGroupBytes, xm + g * 32); };
+      // each group's integer sums times its weight scale and its block's activation scale
+      y[m * n + o] = static_cast<T>(eight_groups(groups, products, scales + o * groups, xr.d + m * groups,
+                                                 sz == nullptr ? nullptr : sz + o * groups, BITS == 8 ? 0.f : 8.f,
+                                                 xr.qsum + m * groups));
     }
   }
 }
@@ -753,15 +742,8 @@ at::Tensor woq_gemm_a8(const at::Tensor& x_in, const at::Tensor& q, const at::Te
   const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0);
   TORCH_CHECK(group > 0 && group % kBlock == 0 && k % group == 0, "woq_gemm_a8: group ", group,
               " must be a multiple of 32 that divides K=", k);
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) == (bits == 8 ? k : k / 2),
-              "woq_gemm_a8: q must be contiguous uint8 [N, ", bits == 8 ? k : k / 2, "]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == n &&
-                  scales.size(1) == k / group,
-              "woq_gemm_a8: scales must be float32 [N, K / group]");
+  check_weight("woq_gemm_a8", q, scales, scaled_zeros, k, group, bits);
   const bool zeros = scaled_zeros.numel() > 0;
-  TORCH_CHECK(!zeros || (scaled_zeros.sizes() == scales.sizes() && scaled_zeros.scalar_type() == at::kFloat &&
-                         scaled_zeros.is_contiguous()),
-              "woq_gemm_a8: scaled_zeros must be empty or float32 like scales");
   const QuantizedRows xr = quantize_blocks(x.data_ptr<float>(), m_rows, k, group);
   at::Tensor y = at::empty({m_rows, n}, x.options().dtype(out_dtype));
   const float* zs = zeros ? scaled_zeros.data_ptr<float>() : nullptr;
@@ -954,11 +936,7 @@ void fp8_rows_avx2(const float* x, const uint8_t* q, const float* scales, T* y, 
       const __m256 s = _mm256_set1_ps(scales[o * groups + g] * 256.f);  // float16's 2^-8 undone
       for (int64_t m = 0; m < MR; ++m) acc[m] = _mm256_fmadd_ps(part[m], s, acc[m]);
     }
-    for (int64_t m = 0; m < MR; ++m) {
-      __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-      v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-      y[m * n + o] = static_cast<T>(_mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v))));
-    }
+    for (int64_t m = 0; m < MR; ++m) y[m * n + o] = static_cast<T>(hsum8(acc[m]));
   }
 }
 #endif
