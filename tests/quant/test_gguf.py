@@ -187,6 +187,20 @@ def test_woq_cpu_a8_named_runs_llama_cpp_s_numerics_where_the_blocks_are_32_wide
         assert float((out[:, :384] - float_product).abs().max()) > 20 * tolerance * float(float_product.abs().max())
 
 
+def test_a_named_kernel_that_takes_no_integer_weights_leaves_gguf_segments_to_the_priority_choice() -> None:
+    """quant_kernel="fp8_cpu" names a kernel for FP8 weights only: it is never handed a
+    segment's IntWeight (its can_implement does not look at the weight form)."""
+    config = GGUFConfig()
+    config.quant_kernel = "fp8_cpu"
+    layer = ReplicatedLinear(256, 64, bias=False, quant_config=config)
+    rows = random_rows("Q4_1", 64, 256, seed=4)
+    load_layer(layer, [(None, "Q4_1", rows)])
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+
+    assert [s.kernel for s in layer.quant_method.segments] == ["woq_cpu"]
+    reference = x.double() @ gguf_weight(rows, "Q4_1").double().T
+    assert float((layer(x).double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
+
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q4_K"])
 def test_bfloat16_q4_takes_torch_s_int4_kernel_in_q4_1_s_bytes(ggml_type: str) -> None:
     in_features, out_features = 512, 96

@@ -54,6 +54,7 @@ from vframe.quant.gguf_dequant import (
 )
 from vframe.quant.kernels import (
     INT8_PER_BLOCK, WEIGHT_ONLY, IntWeight, QuantLinearKernel, QuantLinearSpec, choose_kernel, reads_rows,
+    refusal,
 )
 
 NAME = "gguf"
@@ -266,7 +267,7 @@ class GGUFLinearMethod(LinearMethodBase):
             return None
         cls = get_registry("quant_kernel").load(self.kernel_name)
         for candidate in (spec, dataclasses.replace(spec, activations=INT8_PER_BLOCK)):
-            if cls.can_implement(candidate) is None:
+            if refusal(cls, candidate) is None:
                 return cls(candidate, self.kernel_name)
         return None
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from vframe.quant.kernels import (
     FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, WEIGHT_ONLY, Fp8Weight, IntWeight, QuantLinearKernel, QuantLinearSpec,
+    refusal,
 )
 
 # largest |apply - reference| / max |reference| per activation dtype
@@ -134,7 +135,7 @@ def check_quant_kernel(
     device = torch.device(device)
     ran = []
     for i, spec in enumerate(_specs(dtype, device, quick)):
-        if spec.weight_type not in kernel.weight_types or kernel.can_implement(spec) is not None:
+        if refusal(kernel, spec) is not None:
             continue
         case = f"quant kernel {name}, {_name(spec)}, {str(dtype).removeprefix('torch.')}"
         generator = torch.Generator().manual_seed(i)

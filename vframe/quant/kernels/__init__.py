@@ -221,20 +221,20 @@ def choose_kernel(spec: QuantLinearSpec, name: str | None = None) -> QuantLinear
     registry = get_registry("quant_kernel")
     if name is not None:
         cls = registry.load(name)
-        if (reason := _refusal(cls, spec)) is not None:
+        if (reason := refusal(cls, spec)) is not None:
             raise ConfigError(f"quant_kernel={name!r} cannot run {_describe(spec)}: {reason}")
         return cls(spec, name)
     candidates = sorted(((registry.load(n), n) for n in registry.names()), key=lambda c: (-c[0].priority, c[1]))
     reasons = []
     for cls, kernel_name in candidates:
-        reason = _refusal(cls, spec)
+        reason = refusal(cls, spec)
         if reason is None:
             return cls(spec, kernel_name)
         reasons.append(f"{kernel_name}: {reason}")
     raise ConfigError(f"no quant_kernel runs {_describe(spec)} ({'; '.join(reasons) or 'none registered'})")
 
 
-def _refusal(cls: type[QuantLinearKernel], spec: QuantLinearSpec) -> str | None:
+def refusal(cls: type[QuantLinearKernel], spec: QuantLinearSpec) -> str | None:
     """Why ``cls`` cannot run ``spec``, or None: a weight form it does not name in
     ``weight_types`` is never offered to its ``can_implement``."""
     if spec.weight_type not in cls.weight_types:
@@ -268,4 +268,5 @@ __all__ = [
     "QuantLinearSpec",
     "choose_kernel",
     "reads_rows",
+    "refusal",
 ]
