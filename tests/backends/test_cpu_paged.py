@@ -40,7 +40,22 @@ def test_conforms(dtype: torch.dtype) -> None:
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# AVX2 splits few requests (under 4 per thread) by KV head and takes many whole: one thread
+# and these six requests take the second path, two or more threads the first.
+@pytest.mark.parametrize("threads", [1, max(2, torch.get_num_threads())])
 def test_decode_operator_against_the_definition(
+    num_heads: int, num_kv_heads: int, head_size: int, block_size: int, window: int | None, dtype: torch.dtype,
+    threads: int,
+) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_decode_operator(num_heads, num_kv_heads, head_size, block_size, window, dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_decode_operator(
     num_heads: int, num_kv_heads: int, head_size: int, block_size: int, window: int | None, dtype: torch.dtype
 ) -> None:
     torch.manual_seed(0)
