@@ -1,4 +1,4 @@
-"""The fused CPU RMSNorm and rotary operators (vframe/layers/cpu_ops.py) against the
+"""The fused CPU operators (RMSNorm, rotary, KV write, SwiGLU activation; vframe/layers/cpu_ops.py) against the
 PyTorch expressions they replace, and the layers taking them."""
 
 from __future__ import annotations
@@ -146,3 +146,40 @@ def test_store_kv_refuses_a_slot_outside_the_cache_and_leaves_fp8_caches_to_pyto
         cpu_ops.store_kv(k, v, kv_cache, torch.tensor([96]))
     assert not cpu_ops.stores_kv(k, v, kv_cache.to(torch.float8_e4m3fn), torch.tensor([0]))
     assert not cpu_ops.stores_kv(k, v, kv_cache, torch.tensor([0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "inter"), [(1, 1536), (7, 1536), (300, 1536), (5, 37), (3, 24)])
+def test_silu_and_mul_equals_the_swiglu_expression(dtype: torch.dtype, tokens: int, inter: int) -> None:
+    """Widths that 16 divides and ones with a remainder (the scalar tail), saturated
+    inputs (exp(-g) overflowing and vanishing), rows of a wider tensor (a stride)."""
+    g = torch.Generator().manual_seed(tokens * inter)
+    wide = (torch.randn(tokens, 2 * inter + 5, generator=g) * 4).to(dtype)
+    wide[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).to(dtype)
+    gate_up = wide[:, : 2 * inter]  # row stride 2 * inter + 5
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+
+    got = torch.ops.vframe_cpu_ops.silu_and_mul(gate_up)
+
+    assert got.shape == (tokens, inter) and got.dtype == dtype
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":  # torch's kernels and the operator: one expf
+        assert torch.equal(got, expected)
+    else:  # AVX-512 kernels take SLEEF's 16-wide expf, which may round differently
+        torch.testing.assert_close(got, expected, rtol=4 * torch.finfo(dtype).eps, atol=1e-30)
+
+
+def test_the_mlp_takes_silu_and_mul_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    fused = torch.ops.vframe_cpu_ops.silu_and_mul
+    monkeypatch.setattr(torch.ops.vframe_cpu_ops, "silu_and_mul", lambda x: calls.append(x.shape[0]) or fused(x))
+    x = torch.randn(20, 64)
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            for tokens in (1, 17):
+                cpu_ops.silu_and_mul(x[:tokens].to(dtype))
+    assert calls == [1, 17, 1]  # bfloat16 beyond 16 tokens keeps PyTorch's kernels
+    with torch.enable_grad():
+        y = torch.randn(2, 64, requires_grad=True)
+        cpu_ops.silu_and_mul(y).sum().backward()  # autograd keeps the expression, which has a gradient
+    assert calls == [1, 17, 1] and y.grad is not None

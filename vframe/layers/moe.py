@@ -24,10 +24,10 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vframe.errors import ConfigError, ModelLoadError
+from vframe.layers import cpu_ops
 from vframe.layers.parallel import all_reduce, divide, get_tp_rank, get_tp_size
 from vframe.quant.base import QuantizationConfig
 
@@ -148,8 +148,7 @@ def _grouped_swiglu(
     gate_up = torch.empty(x.shape[0], w13.shape[1], dtype=x.dtype, device=x.device)  # [S, 2I]
     for e, start, end in segments:
         torch.mm(x[start:end], w13[e].t(), out=gate_up[start:end])
-    gate, up = gate_up.chunk(2, dim=-1)  # [S, I] each
-    act = F.silu(gate).mul_(up)  # [S, I]
+    act = cpu_ops.silu_and_mul(gate_up)  # [S, I]
     out = torch.empty(x.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)  # [S, H]
     for e, start, end in segments:
         torch.mm(act[start:end], w2[e].t(), out=out[start:end])
