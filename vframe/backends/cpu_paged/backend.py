@@ -81,7 +81,8 @@ class CpuPagedAttentionImpl(TorchAttentionImpl):
             prefill_plan = TorchAttentionMetadata.from_common(prefill_plan.common, self.sliding_window, False)
 
         output = torch.empty_like(query)  # every token's row is written below (a decode or a prefill)
-        output[prefill_plan.num_actual_tokens :] = 0  # padding rows past the step's tokens stay zero
+        if prefill_plan.num_actual_tokens < output.shape[0]:
+            output[prefill_plan.num_actual_tokens :] = 0  # padding rows past the step's tokens stay zero
         slots = prefill_plan.slot_mapping
         if not prefill_plan.prefills and cpu_ops.stores_kv(key, value, kv_cache, slots):
             cpu_ops.store_kv(key, value, kv_cache, slots)  # decodes only: no cache views needed
