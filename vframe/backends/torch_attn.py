@@ -206,8 +206,9 @@ class TorchAttentionImpl(AttentionImpl):
             meta = TorchAttentionMetadata.from_common(meta.common, self.sliding_window)
 
         output = torch.zeros_like(query)  # padding rows past n stay zero
-        key_cache, value_cache = write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-        attend_prefills(output, query, key, value, key_cache, value_cache, meta.prefills, self.scale)
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        if meta.prefills:
+            attend_prefills(output, query, key, value, *kv_cache_views(kv_cache), meta.prefills, self.scale)
 
         group = self.num_heads // self.num_kv_heads
         for dec in meta.decode_groups:
@@ -228,17 +229,22 @@ def write_kv_cache(
     value: torch.Tensor,  # [T, KVH, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
     slot_mapping: torch.Tensor,  # [num_actual_tokens] int64
-) -> tuple[torch.Tensor, torch.Tensor]:  # key and value caches, each [num_slots, KVH, D]
-    """Store the step's new keys and values at their slots."""
-    n = slot_mapping.shape[0]
-    key_cache = kv_cache[0].view(-1, *key.shape[1:])
-    value_cache = kv_cache[1].view(-1, *value.shape[1:])
+) -> None:
+    """Store the step's new keys and values at their slots: ``cpu_ops.store_kv`` (one C++
+    call for both) where it takes them, else an ``index_copy_`` into each cache's view."""
     if cpu_ops.stores_kv(key, value, kv_cache, slot_mapping):
-        cpu_ops.store_kv(key, value, kv_cache, slot_mapping)  # one C++ call for both
-    else:
-        store_rows(key_cache, slot_mapping, key[:n])
-        store_rows(value_cache, slot_mapping, value[:n])
-    return key_cache, value_cache
+        cpu_ops.store_kv(key, value, kv_cache, slot_mapping)
+        return
+    n = slot_mapping.shape[0]
+    key_cache, value_cache = kv_cache_views(kv_cache)
+    store_rows(key_cache, slot_mapping, key[:n])
+    store_rows(value_cache, slot_mapping, value[:n])
+
+
+def kv_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value caches of ``kv_cache`` ([2, num_blocks, block_size, KVH, D]) as
+    rows of slots, each [num_slots, KVH, D]."""
+    return kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -148,14 +148,9 @@ class IntKernelMethod(LinearMethodBase):
         """The loaded layer's weight as an ``IntWeight`` ([out, in] integers, this rank's)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        from vframe.quant.kernels import QuantLinearSpec, choose_kernel
+        from vframe.quant.kernels import attach_kernel
 
-        weight = self.int_weight(layer)
-        spec = QuantLinearSpec.for_weight(
-            weight, activations=self.activations, dtype=layer.params_dtype, layer=layer.prefix or type(layer).__name__
-        )
-        self.kernel = choose_kernel(spec, self.kernel_name)
-        self.kernel.prepare(layer, weight)
+        self.kernel = attach_kernel(layer, self.int_weight(layer), self.activations, self.kernel_name)
         for name in self.checkpoint_params:
             if name in layer._parameters:
                 delattr(layer, name)

@@ -135,14 +135,9 @@ class Fp8KernelMethod(LinearMethodBase):
         return Fp8Weight(layer.weight.view(torch.uint8), layer.weight_scale[:, None], layer.input_size_per_partition)
 
     def attach_kernel(self, layer: nn.Module) -> None:
-        from vframe.quant.kernels import WEIGHT_ONLY, QuantLinearSpec, choose_kernel
+        from vframe.quant.kernels import attach_kernel
 
-        weight = self.fp8_weight(layer)
-        spec = QuantLinearSpec.for_weight(
-            weight, activations=WEIGHT_ONLY, dtype=layer.params_dtype, layer=layer.prefix or type(layer).__name__
-        )
-        self.kernel = choose_kernel(spec, self.kernel_name)
-        self.kernel.prepare(layer, weight)
+        self.kernel = attach_kernel(layer, self.fp8_weight(layer), name=self.kernel_name)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.kernel is None:  # not loaded yet

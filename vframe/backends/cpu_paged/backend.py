@@ -24,6 +24,7 @@ from vframe.backends.torch_attn import (
     TorchAttentionImpl,
     TorchAttentionMetadata,
     attend_prefills,
+    kv_cache_views,
     write_kv_cache,
 )
 from vframe.core.interfaces import (
@@ -32,7 +33,6 @@ from vframe.core.interfaces import (
     CommonAttentionMetadata,
 )
 from vframe.core.kv_cache_spec import refuse_fp8_kv_cache
-from vframe.layers import cpu_ops
 
 
 @dataclass
@@ -83,12 +83,9 @@ class CpuPagedAttentionImpl(TorchAttentionImpl):
         output = torch.empty_like(query)  # every token's row is written below (a decode or a prefill)
         if prefill_plan.num_actual_tokens < output.shape[0]:
             output[prefill_plan.num_actual_tokens :] = 0  # padding rows past the step's tokens stay zero
-        slots = prefill_plan.slot_mapping
-        if not prefill_plan.prefills and cpu_ops.stores_kv(key, value, kv_cache, slots):
-            cpu_ops.store_kv(key, value, kv_cache, slots)  # decodes only: no cache views needed
-        else:
-            key_cache, value_cache = write_kv_cache(key, value, kv_cache, slots)
-            attend_prefills(output, query, key, value, key_cache, value_cache, prefill_plan.prefills, self.scale)
+        write_kv_cache(key, value, kv_cache, prefill_plan.slot_mapping)
+        if prefill_plan.prefills:
+            attend_prefills(output, query, key, value, *kv_cache_views(kv_cache), prefill_plan.prefills, self.scale)
         if meta.decode_req_ids.numel():
             torch.ops.vframe_cpu.paged_decode_attention(
                 output, query, kv_cache[0], kv_cache[1], meta.block_table, meta.seq_lens,

@@ -234,6 +234,20 @@ def choose_kernel(spec: QuantLinearSpec, name: str | None = None) -> QuantLinear
     raise ConfigError(f"no quant_kernel runs {_describe(spec)} ({'; '.join(reasons) or 'none registered'})")
 
 
+def attach_kernel(
+    layer: nn.Module, weight: IntWeight | Fp8Weight, activations: str = WEIGHT_ONLY, name: str | None = None
+) -> QuantLinearKernel:
+    """The kernel that runs ``layer`` from now on: ``choose_kernel`` for ``weight``'s spec
+    (``activations``, the layer's dtype and name; ``name``: the ``quant_kernel`` setting),
+    prepared on ``layer``. What a quant method calls in ``process_weights_after_loading``."""
+    spec = QuantLinearSpec.for_weight(
+        weight, activations=activations, dtype=layer.params_dtype, layer=layer.prefix or type(layer).__name__
+    )
+    kernel = choose_kernel(spec, name)
+    kernel.prepare(layer, weight)
+    return kernel
+
+
 def refusal(cls: type[QuantLinearKernel], spec: QuantLinearSpec) -> str | None:
     """Why ``cls`` cannot run ``spec``, or None: a weight form it does not name in
     ``weight_types`` is never offered to its ``can_implement``."""
@@ -266,6 +280,7 @@ __all__ = [
     "IntWeight",
     "QuantLinearKernel",
     "QuantLinearSpec",
+    "attach_kernel",
     "choose_kernel",
     "reads_rows",
     "refusal",

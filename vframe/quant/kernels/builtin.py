@@ -187,11 +187,34 @@ def woq_cpu_available() -> str | None:
 
 
 class _DequantizedGemm:
-    """Many tokens times a weight dequantized into their dtype (``_dequantized``, which
-    the kernel defines), a block of output rows at a time where the whole would pass
-    ``CHUNK_BYTES``."""
+    """A C++ kernel's two ways through ``apply``: up to ``MAX_ROWS`` activation rows its
+    product in place (``_in_place_product``, which the kernel defines); more rows (prefill)
+    times the weight dequantized into their dtype (``_dequantized``, also the kernel's), a
+    block of output rows at a time where the whole would pass ``CHUNK_BYTES``: there
+    oneDNN's GEMM is faster than any weight-only loop.
+
+    The bound per activation dtype: bfloat16 / float16 GEMMs are 2-3x faster than
+    float32 ones on CPUs with native bfloat16, so 16 rows there (measured on Zen 4); in
+    float32 the dequantized GEMM catches up later (AVX2 EPYC, 2 threads, [M, 576] x
+    [576 -> 1536] over 40 weights streamed from memory: 4 bit in place 1.30 ms against
+    1.79 at 32 rows, 1.96 against 2.02 at 48; 8 bit 0.88 against 0.92 at 32)."""
 
     CHUNK_BYTES = 4 << 20  # most bytes of dequantized weight one GEMM reads
+    MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] > self.MAX_ROWS[x.dtype]:
+            out = self._dequantized_product(layer, self._gemm_inputs(x))
+        else:
+            out = self._in_place_product(layer, x)
+        return out if bias is None else out + bias
+
+    def _in_place_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _gemm_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """The activations as the dequantized GEMM takes them (the kernel's numerics)."""
+        return x
 
     def _dequantized_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` through the weight dequantized into ``x``'s dtype: a weight of more
@@ -214,16 +237,9 @@ class WoqCpuKernel(_DequantizedGemm, _Permuted):
     """vframe's C++ kernel (``csrc/woq_gemm.cpp``): up to ``MAX_ROWS`` activation
     rows are multiplied by the integers in place (8 bit: a byte each; 4 bit: two
     per byte), more rows dequantize the weight into the activations' dtype for one
-    GEMM (prefill), where oneDNN's GEMM is faster than any weight-only loop.
-
-    The bound per activation dtype: bfloat16 / float16 GEMMs are 2-3x faster than
-    float32 ones on CPUs with native bfloat16, so 16 rows there (measured on Zen 4); in
-    float32 the dequantized GEMM catches up later (AVX2 EPYC, 2 threads, [M, 576] x
-    [576 -> 1536] over 40 weights streamed from memory: 4 bit in place 1.30 ms against
-    1.79 at 32 rows, 1.96 against 2.02 at 48; 8 bit 0.88 against 0.92 at 32)."""
+    GEMM (prefill)."""
 
     priority = 20
-    MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
@@ -253,15 +269,13 @@ class WoqCpuKernel(_DequantizedGemm, _Permuted):
         self.buffer(layer, "neg_offsets", neg_offsets)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x = self._inputs(layer, x)
-        if x.shape[0] > self.MAX_ROWS[x.dtype]:
-            out = self._dequantized_product(layer, x)
-        else:
-            out = _woq_ops().woq_gemm(  # reads bfloat16 x as it is (4 bit, AVX512-BF16), else as float32
-                x, self.get(layer, "q"), self.get(layer, "scales"),
-                self.get(layer, "neg_offsets"), self.group_size, self.bits, x.dtype,
-            )
-        return out if bias is None else out + bias
+        return super().apply(layer, self._inputs(layer, x), bias)  # the inputs in group order
+
+    def _in_place_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return _woq_ops().woq_gemm(  # reads bfloat16 x as it is (4 bit, AVX512-BF16), else as float32
+            x, self.get(layer, "q"), self.get(layer, "scales"),
+            self.get(layer, "neg_offsets"), self.group_size, self.bits, x.dtype,
+        )
 
     def _dequantized(
         self, layer: nn.Module, dtype: torch.dtype, rows: torch.Tensor | slice | None = None
@@ -303,15 +317,14 @@ class WoqCpuA8Kernel(WoqCpuKernel):
         weight_only = dataclasses.replace(spec, activations=WEIGHT_ONLY)
         return super().can_implement(weight_only)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > self.MAX_ROWS[x.dtype]:  # the blocks as quantize_per_block spells them, in one C++ pass
-            out = self._dequantized_product(layer, _woq_ops().quantize_blocks(x).to(x.dtype))
-        else:
-            out = _woq_ops().woq_gemm_a8(
-                x, self.get(layer, "q"), self.get(layer, "scales"),
-                self.get(layer, "neg_offsets"), self.group_size, self.bits, x.dtype,
-            )
-        return out if bias is None else out + bias
+    def _in_place_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return _woq_ops().woq_gemm_a8(
+            x, self.get(layer, "q"), self.get(layer, "scales"),
+            self.get(layer, "neg_offsets"), self.group_size, self.bits, x.dtype,
+        )
+
+    def _gemm_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return _woq_ops().quantize_blocks(x).to(x.dtype)  # as quantize_per_block spells them, in one C++ pass
 
 
 class Fp8CpuKernel(_DequantizedGemm, QuantLinearKernel):
@@ -324,7 +337,6 @@ class Fp8CpuKernel(_DequantizedGemm, QuantLinearKernel):
 
     priority = 20
     weight_types = (FP8_E4M3,)
-    MAX_ROWS = WoqCpuKernel.MAX_ROWS
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
@@ -344,12 +356,8 @@ class Fp8CpuKernel(_DequantizedGemm, QuantLinearKernel):
         self.buffer(layer, "q", q.contiguous())  # the checkpoint's bytes, shared where contiguous
         self.buffer(layer, "scales", weight.scales.float().contiguous())
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > self.MAX_ROWS[x.dtype]:
-            out = self._dequantized_product(layer, x)
-        else:
-            out = _woq_ops().fp8_gemm(x, self.get(layer, "q"), self.get(layer, "scales"), self.group_size, x.dtype)
-        return out if bias is None else out + bias
+    def _in_place_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return _woq_ops().fp8_gemm(x, self.get(layer, "q"), self.get(layer, "scales"), self.group_size, x.dtype)
 
     def _dequantized(
         self, layer: nn.Module, dtype: torch.dtype, rows: torch.Tensor | slice | None = None
