@@ -183,3 +183,21 @@ def test_the_mlp_takes_silu_and_mul_where_it_applies(monkeypatch: pytest.MonkeyP
         y = torch.randn(2, 64, requires_grad=True)
         cpu_ops.silu_and_mul(y).sum().backward()  # autograd keeps the expression, which has a gradient
     assert calls == [1, 17, 1] and y.grad is not None
+
+
+def test_argmax_equals_torch_s_argmax_ties_nan_and_inf_included() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 100, generator=g)
+    x[0, 50] = x[0, 70] = float("nan")  # NaN is the maximum: the first one
+    x[1] = float("-inf")  # nothing but -inf: index 0
+    x[2, 10] = x[2, 90] = 1e9  # a tie: the first
+    x[3, 99] = float("nan")  # in the scalar tail
+    x[4, 3] = x[4, 97] = float("inf")
+    x[5, 96:] = 50.0  # the maximum only in the tail
+    wide = torch.randn(3, 49152 + 5, generator=g)[:, :49152]  # SmolLM2's vocabulary, strided rows
+    for logits in (x, wide, torch.randn(2, 1, generator=g), torch.randn(4, 13, generator=g)):
+        got = torch.ops.vframe_cpu_ops.argmax_rows(logits)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1))
+        assert torch.equal(cpu_ops.argmax(logits), logits.argmax(-1))
+    assert torch.ops.vframe_cpu_ops.argmax_rows(x)[:6].tolist() == [50, 0, 10, 99, 3, 96]
+    assert torch.equal(cpu_ops.argmax(x.double()), x.double().argmax(-1))  # other dtypes: torch's own

@@ -1,4 +1,5 @@
-"""Fused C++ RMSNorm, neox rotary embedding, KV-cache write and SwiGLU activation for CPU tensors (``csrc/cpu_ops.cpp``,
+"""Fused C++ RMSNorm, neox rotary embedding, KV-cache write, SwiGLU activation and the
+sampler's greedy argmax for CPU tensors (``csrc/cpu_ops.cpp``,
 built once per machine like ``cpu_paged``'s operators). A decode step of a small
 model is mostly these short elementwise chains between its matmuls: one operator
 each instead of eight to fourteen PyTorch calls. Their loops are plain C++ (scalar
@@ -106,6 +107,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         return torch.ops.vframe_cpu_ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # in place: one [T, I] buffer less
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
+    """``logits.argmax(-1)`` (the first index of a row's maximum; NaN counts as the
+    maximum): the C++ operator for float32 rows on the CPU, else torch's. torch's CPU
+    argmax does not vectorise its index-tracking reduction: AVX2 EPYC, 2 threads, [64,
+    49152] 3.9 -> 0.5 ms, [1, 49152] 58-135 -> 13 us."""
+    if logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] and applies(logits):
+        return torch.ops.vframe_cpu_ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 if __name__ == "__main__":  # make install builds the operators once

@@ -27,6 +27,7 @@ from vframe.core.outputs import RequestError, SamplerOutput
 from vframe.core.sample.batch_processors import apply_processors
 from vframe.core.sample.metadata import SamplingMetadata
 from vframe.core.sample.penalties import apply_penalties
+from vframe.layers import cpu_ops
 
 
 class DefaultSampler(Sampler):
@@ -45,11 +46,14 @@ class DefaultSampler(Sampler):
                 out.no_valid_token_rows = no_token.nonzero().flatten().tolist()
                 logits[no_token] = 0.0  # keeps the rest of the batch's arithmetic finite
 
-        greedy = logits.argmax(dim=-1)
+        # the argmax only where a row is greedy (a batch of random rows skips it)
+        greedy = cpu_ops.argmax(logits) if md.all_greedy or bool(md.greedy_mask.any()) else None
         if md.all_greedy:
             sampled = greedy
         else:
-            sampled = torch.where(md.greedy_mask, greedy, self._sample(logits, md))
+            sampled = self._sample(logits, md)
+            if greedy is not None:
+                sampled = torch.where(md.greedy_mask, greedy, sampled)
         out.sampled_token_ids = sampled
         if raw_logprobs is not None:
             self._gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs, out)

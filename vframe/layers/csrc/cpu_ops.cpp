@@ -9,6 +9,9 @@
 //   silu_and_mul(x)            F.silu(g).mul_(u) for g, u = x.chunk(2, -1), as PyTorch's kernels compute
 //                              it: g / (1 + exp(-g)) with SLEEF's expf (torch's own, 1 ulp) on vectors
 //                              of 8 and std::exp on a row's last values, rounded to x's dtype, times u
+//   argmax_rows(x)             x.argmax(-1) for float32 [B, V]: the first index of a row's maximum, a NaN
+//                              counting as the maximum (torch's CPU argmax does not vectorise its
+//                              index-tracking reduction: 3.9 ms for [64, 49152], amax 0.18 ms)
 //
 // Built with -ffp-contract=off so that no product and sum fuse into one rounding.
 // rms_norm's mean adds the squares in another order than PyTorch's reduction: its
@@ -217,6 +220,58 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// One row: its largest value (vectorised, NaN noticed on the way), then the first index
+// holding it; a row with NaN answers its first NaN, as torch.argmax does.
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0;
+  float best = -INFINITY;
+  bool nan = false;
+#if defined(__AVX2__)
+  __m256 mx = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    mx = _mm256_max_ps(mx, v);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  for (float l : lanes) best = std::max(best, l);
+  nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+  for (; i < n; ++i) {
+    nan |= std::isnan(x[i]);
+    best = std::max(best, x[i]);
+  }
+  if (nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(x[j])) return j;
+  }
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m256 target = _mm256_set1_ps(best);
+  for (; j + 8 <= n; j += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), target, _CMP_EQ_OQ));
+    if (mask) return j + __builtin_ctz(mask);
+  }
+#endif
+  for (; j < n; ++j)
+    if (x[j] == best) return j;
+  return 0;  // not reached: the maximum is in the row
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: x must be float32 [B, V] with contiguous rows, V > 0");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.const_data_ptr<float>();
+  int64_t* op = out.mutable_data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * stride, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vframe_cpu_ops, m) {
@@ -224,6 +279,7 @@ TORCH_LIBRARY(vframe_cpu_ops, m) {
   m.def("rotary_neox_(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache) -> ()");
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vframe_cpu_ops, CPU, m) {
@@ -231,4 +287,5 @@ TORCH_LIBRARY_IMPL(vframe_cpu_ops, CPU, m) {
   m.impl("rotary_neox_", &rotary_neox_);
   m.impl("store_kv", &store_kv);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }
