@@ -18,6 +18,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <numeric>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -433,6 +435,24 @@ void attend_kv_heads_avx2(int64_t h0, int64_t nkv, int64_t num_kv_heads, int64_t
 #define VFRAME_PAGED_AVX2 1
 #endif
 
+// Tasks [0, n) over torch's threads, longest first (cost(task)), each thread taking the
+// next task when it finishes one: decode requests of different lengths balance, where
+// at::parallel_for's static split hands one thread whichever half is longer (AVX2 EPYC, 2
+// threads, requests of 32 to 640 tokens, a layer: 64 of them 3.6-3.8 -> 3.4-3.6 ms, 4 0.46 -> 0.39 ms). make_worker() builds one
+// thread's body (with its own scratch buffers), called with each task it takes.
+template <typename Cost, typename MakeWorker>
+void run_longest_first(int64_t n, Cost&& cost, MakeWorker&& make_worker) {
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    auto work = make_worker();
+    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) work(order[k]);
+  });
+}
+
 template <typename T, int HD>
 void decode_attention(
     at::Tensor& out,             // [T, H, D]
@@ -472,11 +492,13 @@ void decode_attention(
       const bool per_request = num_heads <= kMaxHeads8 && n >= 4 * at::get_num_threads();
       const int64_t kv_per_task = per_request ? num_kv_heads : 1;
       const int64_t tasks_per_request = num_kv_heads / kv_per_task;
-      at::parallel_for(0, n * tasks_per_request, 1, [&](int64_t begin, int64_t end) {
+      auto seq_len_of = [&](int64_t task) { return static_cast<int64_t>(lens[reqs[task / tasks_per_request]]); };
+      run_longest_first(n * tasks_per_request, seq_len_of, [&] {
         const int64_t heads = kv_per_task * group;  // query heads per task
         std::vector<float> q(heads * D), acc(heads * D), scores;
         std::vector<int64_t> slots;
-        for (int64_t task = begin; task < end; ++task) {
+        return [&, heads, q = std::move(q), acc = std::move(acc), scores = std::move(scores),
+                slots = std::move(slots)](int64_t task) mutable {
           const int64_t i = task / tasks_per_request, h0 = task % tasks_per_request * kv_per_task;
           const int64_t b = reqs[i], r = rows[i];
           const int64_t seq_len = lens[b];
@@ -499,15 +521,16 @@ void decode_attention(
             T* oh = o_ptr + r * o_row_stride + (h0 * group + j) * o_head_stride;
             for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[j * D + d]);
           }
-        }
+        };
       });
       return;
     }
   }
 #endif
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  run_longest_first(n, [&](int64_t i) { return static_cast<int64_t>(lens[reqs[i]]); }, [&] {
     std::vector<float> q(num_heads * D), acc(num_heads * D), row(num_kv_heads * D), scores;
-    for (int64_t i = begin; i < end; ++i) {
+    return [&, q = std::move(q), acc = std::move(acc), row = std::move(row), scores = std::move(scores)](
+               int64_t i) mutable {
       const int64_t b = reqs[i], r = rows[i];
       const int64_t seq_len = lens[b];
       const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
@@ -534,7 +557,7 @@ void decode_attention(
         T* oh = o_ptr + r * o_row_stride + hq * o_head_stride;
         for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[hq * D + d]);
       }
-    }
+    };
   });
 }
 
