@@ -19,10 +19,10 @@
 
 #include <algorithm>
 #include <atomic>
-#include <numeric>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
