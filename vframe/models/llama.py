@@ -172,10 +172,11 @@ class LlamaAttention(nn.Module):
         attn_metadata: Any,
     ) -> torch.Tensor:  # [T, E]
         num_tokens = x.shape[0]
-        heads = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, H + 2 KVH, D]
+        sizes = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
+        heads = self.qkv_proj(x).view(num_tokens, sum(sizes), self.head_dim)  # [T, H + 2 KVH, D]
         # [T, H, D], [T, KVH, D], [T, KVH, D]: one split of the heads (half the dispatch of
         # a split of the flat rows and three views)
-        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k, v = heads.split(sizes, dim=1)
         q, k = rotary_emb(positions, *self.norm_qk(q, k))
         out = self.attn.forward(q, k, v, kv_cache, attn_metadata)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
