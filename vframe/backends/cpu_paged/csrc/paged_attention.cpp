@@ -483,6 +483,24 @@ void decode_attention(
   const int64_t* reqs = req_ids.const_data_ptr<int64_t>();
   const int64_t* rows = query_rows.const_data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+  // The first position attended by a request of seq_len tokens (its sliding window's start).
+  const auto window_start = [&](int64_t seq_len) {
+    return sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+  };
+  // Query heads [first, first + count) of query row r into q [count, D], float32, scaled.
+  const auto load_queries = [&](int64_t r, int64_t first, int64_t count, float* q) {
+    for (int64_t j = 0; j < count; ++j) {
+      load_row(q_ptr + r * q_row_stride + (first + j) * q_head_stride, q + j * D, D);
+      for (int64_t d = 0; d < D; ++d) q[j * D + d] *= fscale;
+    }
+  };
+  // acc [count, D] into out's row r, heads [first, first + count).
+  const auto store_outputs = [&](int64_t r, int64_t first, int64_t count, const float* acc) {
+    for (int64_t j = 0; j < count; ++j) {
+      T* oh = o_ptr + r * o_row_stride + (first + j) * o_head_stride;
+      for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[j * D + d]);
+    }
+  };
 
 #if defined(VFRAME_PAGED_AVX2)
   if constexpr (HD > 0 && HD % 8 == 0) {
@@ -502,7 +520,7 @@ void decode_attention(
           const int64_t i = task / tasks_per_request, h0 = task % tasks_per_request * kv_per_task;
           const int64_t b = reqs[i], r = rows[i];
           const int64_t seq_len = lens[b];
-          const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+          const int64_t start = window_start(seq_len);
           slots.resize(seq_len - start);
           const int32_t* blocks = table + b * table_stride;
           for (int64_t t = start; t < seq_len;) {  // block by block
@@ -510,17 +528,11 @@ void decode_attention(
             for (const int64_t end_t = std::min(seq_len, (t / block_size + 1) * block_size); t < end_t; ++t)
               slots[t - start] = base + t % block_size;
           }
-          for (int64_t j = 0; j < heads; ++j) {
-            load_row(q_ptr + r * q_row_stride + (h0 * group + j) * q_head_stride, q.data() + j * D, D);
-            for (int64_t d = 0; d < D; ++d) q[j * D + d] *= fscale;
-          }
+          load_queries(r, h0 * group, heads, q.data());
           scores.resize(heads * (seq_len - start));
           attend_kv_heads_avx2<T, HD / 8>(h0, kv_per_task, num_kv_heads, group, q.data(), k_ptr, v_ptr, slots.data(),
                                           seq_len - start, scores.data(), acc.data());
-          for (int64_t j = 0; j < heads; ++j) {
-            T* oh = o_ptr + r * o_row_stride + (h0 * group + j) * o_head_stride;
-            for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[j * D + d]);
-          }
+          store_outputs(r, h0 * group, heads, acc.data());
         };
       });
       return;
@@ -533,11 +545,8 @@ void decode_attention(
                int64_t i) mutable {
       const int64_t b = reqs[i], r = rows[i];
       const int64_t seq_len = lens[b];
-      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
-      for (int64_t hq = 0; hq < num_heads; ++hq) {
-        load_row(q_ptr + r * q_row_stride + hq * q_head_stride, q.data() + hq * D, D);
-        for (int64_t d = 0; d < D; ++d) q[hq * D + d] *= fscale;
-      }
+      const int64_t start = window_start(seq_len);
+      load_queries(r, 0, num_heads, q.data());
       scores.resize(num_heads * (seq_len - start));
       bool done = false;
 #if defined(__AVX512F__)
@@ -553,10 +562,7 @@ void decode_attention(
         attend_request<T, HD>(D, num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride, block_size,
                               start, seq_len, scores.data(), acc.data(), row.data());
       }
-      for (int64_t hq = 0; hq < num_heads; ++hq) {
-        T* oh = o_ptr + r * o_row_stride + hq * o_head_stride;
-        for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[hq * D + d]);
-      }
+      store_outputs(r, 0, num_heads, acc.data());
     };
   });
 }
