@@ -248,3 +248,56 @@ def ct_fp8_quantize(w: torch.Tensor, *, strategy: str, static_input: bool = Fals
         tensors["input_scale"] = torch.tensor([0.02])
     per_row = scales.reshape(-1, 1).expand(w.shape[0], 1)
     return CTQuantized(tensors, q.float(), torch.zeros(w.shape[0], 1, dtype=torch.int64), per_row, w.shape[1])
+
+
+E2M1_STEPS = (  # compressed-tensors' cast_to_fp4: |x| at or below / under each bound rounds down to its value
+    (0.25, True, 0.0), (0.75, False, 0.5), (1.25, True, 1.0), (1.75, False, 1.5), (2.5, True, 2.0),
+    (3.5, False, 3.0), (5.0, True, 4.0),
+)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def cast_to_fp4(x: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' ``cast_to_fp4``: the nearest e2m1 value, ties to the even
+    mantissa (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4), above 5 -> 6, the sign kept."""
+    magnitude = torch.full_like(x, 6.0)
+    for bound, inclusive, value in reversed(E2M1_STEPS):
+        below = x.abs() <= bound if inclusive else x.abs() < bound
+        magnitude = torch.where(below, value, magnitude)
+    return torch.where(x < 0, -magnitude, magnitude)
+
+
+def pack_fp4_to_uint8(values: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' ``pack_fp4_to_uint8``: each e2m1 value's code (bit 3 the sign,
+    bits 0-2 its index in 0, 0.5, 1, 1.5, 2, 3, 4, 6), two a byte, element ``2j`` low."""
+    index = torch.bucketize(values.abs(), torch.tensor(E2M1))  # exact values: their index
+    codes = index | torch.where(torch.signbit(values), 8, 0)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+
+
+@dataclass
+class NVFP4Quantized:
+    tensors: dict[str, torch.Tensor]  # as compressed-tensors saves them
+    values: torch.Tensor  # [out, in] float32, the e2m1 values
+    scales: torch.Tensor  # [out, in / 16] float32 on e4m3's grid
+    global_scale: torch.Tensor  # [1] float32
+
+    def weight(self) -> torch.Tensor:  # [out, in] float64: what the checkpoint means, in float32 as ct dequantizes
+        return (self.values * (self.scales / self.global_scale).repeat_interleave(16, dim=1)).double()
+
+
+def ct_nvfp4_quantize(w: torch.Tensor, *, input_global_scale: bool = False) -> NVFP4Quantized:
+    """NVFP4 as llm-compressor computes and compressed-tensors saves it: global scale
+    ``448 * 6 / max |w|`` (``generate_gparam``), each group of 16's scale ``max |w_g| / 6``
+    times it, rounded to e4m3; ``q = cast_to_fp4(w / (scale / global))``."""
+    w = w.float()
+    global_scale = (448.0 * 6.0 / w.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)).reshape(1)
+    group_max = w.view(w.shape[0], -1, 16).abs().amax(dim=-1)  # [out, in / 16]
+    scales = (global_scale * (group_max / 6.0)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.where(scales.float() == 0, torch.tensor(0.125).to(torch.float8_e4m3fn), scales)
+    effective = (scales.float() / global_scale).repeat_interleave(16, dim=1)
+    values = cast_to_fp4(w / effective)
+    tensors = {"weight_packed": pack_fp4_to_uint8(values), "weight_scale": scales, "weight_global_scale": global_scale}
+    if input_global_scale:
+        tensors["input_global_scale"] = torch.tensor([1234.5])
+    return NVFP4Quantized(tensors, values, scales.float(), global_scale)

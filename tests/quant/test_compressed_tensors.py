@@ -12,11 +12,14 @@ from vframe import LLM
 from vframe.errors import ConfigError
 from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from vframe.plugins import get_registry
-from vframe.quant.compressed_tensors import CompressedTensorsConfig, NaiveMethod, PackedMethod
+from vframe.quant.compressed_tensors import CompressedTensorsConfig, NaiveMethod, Nvfp4Method, PackedMethod
 from vframe.testing.models import assert_matches_transformers
 from vframe.testing.quant import check_quant_method
 from fp8_blocks import fp8_block_quantize
-from packers import ct_fp8_quantize, ct_int_quantize, pack_to_int32, write_quantized_llama
+from packers import (
+    cast_to_fp4, ct_fp8_quantize, ct_int_quantize, ct_nvfp4_quantize, pack_fp4_to_uint8, pack_to_int32,
+    write_quantized_llama,
+)
 
 
 def weights(num_bits: int = 4, type: str = "int", strategy: str = "group", group_size: int | None = 128,
@@ -28,6 +31,9 @@ def weights(num_bits: int = 4, type: str = "int", strategy: str = "group", group
 INT8_TOKEN = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
 FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
 FP8_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+NVFP4_WEIGHTS = {**weights(4, "float", "tensor_group", 16), "scale_dtype": "torch.float8_e4m3fn"}
+NVFP4_INPUTS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+                "dynamic": "local", "observer": "static_minmax"}  # the NVFP4 (W4A4) preset's activations
 FP8_GROUP = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "symmetric": True,
              "dynamic": True}  # FP8_BLOCK's activations
 
@@ -156,6 +162,49 @@ def test_fp8_block_weight_keeps_each_shard_s_partial_blocks() -> None:
     assert torch.equal(layer.quant_method.dequantize_weight(layer), torch.cat([p[2] for p in packed]))
 
 
+def test_fp4_codes_are_packed_two_a_byte_first_value_low_sign_in_bit_3() -> None:
+    values = torch.tensor([[0.5, -6.0, 0.0, -0.0, 1.5, 3.0, -0.5, 4.0]])
+    # codes 1, 15, 0, 8, 3, 5, 9, 6 -> bytes 0xF1, 0x80, 0x53, 0x69
+    assert pack_fp4_to_uint8(values).tolist() == [[0xF1, 0x80, 0x53, 0x69]]
+    assert cast_to_fp4(torch.tensor([0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 2.6, 5.0, 5.1, 100.0, -0.74])).tolist() == [
+        0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 3.0, 4.0, 6.0, 6.0, -0.5]
+
+
+def test_nvfp4_weight_is_the_e2m1_values_times_each_group_scale_over_its_shard_s_global_scale() -> None:
+    config = CompressedTensorsConfig.from_config(quant_config("nvfp4-pack-quantized", NVFP4_WEIGHTS))
+    layer = QKVParallelLinear(64, 16, 2, 1, bias=False, quant_config=config, prefix="l.qkv_proj")
+    # each shard its own global scale (their largest |w| differ by 10x)
+    shards = {s: ct_nvfp4_quantize(random_weight(n, 64, i) * 10**i)
+              for i, (s, n) in enumerate((("q", 32), ("k", 16), ("v", 16)))}
+    assert len({float(p.global_scale) for p in shards.values()}) == 3
+    for shard_id, packed in shards.items():
+        load(layer, packed.tensors, shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+
+    assert isinstance(layer.quant_method, Nvfp4Method) and layer.quant_method.kernel.name == "nvfp4_cpu"
+    expected = torch.cat([shards[s].weight() for s in "qkv"])
+    assert torch.equal(layer.quant_method.dequantize_weight(layer).double(), expected)
+    # what the layer holds: the packed codes, the e4m3 scale bytes and a float32 global scale per row
+    held = {name: t.nbytes for name, t in layer.named_buffers()} | {n: p.nbytes for n, p in layer.named_parameters()}
+    assert sum(held.values()) == 64 * 64 // 2 + 64 * 64 // 16 + 64 * 4, held
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(layer(x).double(), x.double() @ expected.T, rtol=0, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_an_nvfp4_w4a4_checkpoint_runs_weight_only_and_says_so(caplog) -> None:
+    with caplog.at_level("WARNING", logger="vframe.quant.compressed_tensors"):
+        config = CompressedTensorsConfig.from_config(quant_config("nvfp4-pack-quantized", NVFP4_WEIGHTS, NVFP4_INPUTS))
+    assert "activations in the model's dtype" in caplog.text
+    layer = ReplicatedLinear(64, 32, bias=False, quant_config=config, prefix="o_proj")
+    packed = ct_nvfp4_quantize(random_weight(32, 64, 0), input_global_scale=True)
+    load(layer, packed.tensors)
+    layer.quant_method.process_weights_after_loading(layer)
+
+    assert not hasattr(layer, "input_global_scale") and not hasattr(layer, "weight_packed")
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    assert torch.allclose(layer(x).double(), x.double() @ packed.weight().T, rtol=0, atol=1e-5)
+
+
 def test_w8a8_quantizes_each_token_to_int8() -> None:
     config = CompressedTensorsConfig.from_config(
         quant_config("int-quantized", weights(8, "int", "channel", None), INT8_TOKEN)
@@ -193,6 +242,7 @@ CONFORMANCE = {
                     lambda w: ct_fp8_quantize(w, strategy="channel").tensors),
     "FP8 block": (quant_config("float-quantized", fp8_block_weights([32, 64]), FP8_GROUP),
                   fp8_block_tensors((32, 64))),
+    "NVFP4A16": (quant_config("nvfp4-pack-quantized", NVFP4_WEIGHTS), lambda w: ct_nvfp4_quantize(w).tensors),
 }
 
 
@@ -202,7 +252,7 @@ def test_conforms_on_every_layer_kind(scheme: str) -> None:
     check_quant_method("compressed-tensors", hf_quant_config=config, checkpoint_tensors=tensors)
 
 
-@pytest.mark.parametrize("scheme", ["W4A16 group", "W8A8 int8", "FP8 channel", "FP8 block"])  # W4A16: int4 kernel
+@pytest.mark.parametrize("scheme", ["W4A16 group", "W8A8 int8", "FP8 channel", "FP8 block", "NVFP4A16"])  # W4A16: int4 kernel
 def test_bfloat16_activations_conform(scheme: str) -> None:
     config, tensors = CONFORMANCE[scheme]
     check_quant_method("compressed-tensors", hf_quant_config=config, checkpoint_tensors=tensors,
@@ -257,7 +307,11 @@ def test_fused_shards_quantized_differently_are_refused() -> None:
         (quant_config("pack-quantized", weights(4, "int", "group", 128), INT8_TOKEN),
          r"group_0 .*: input_activations with packed weights \(W4A8\) are not supported"),
         (quant_config("pack-quantized", weights(3, "int", "group", 128)), r"group_0 \(pack-quantized, int3 weights"),
-        (quant_config("nvfp4-pack-quantized", weights(4, "float", "tensor_group", 16)), r"strategy 'tensor_group'"),
+        (quant_config("nvfp4-pack-quantized", weights(4, "float", "tensor_group", 32)),
+         r"nvfp4-pack-quantized weights are served as float4, strategy 'tensor_group', group_size 16, symmetric; got .*group_size=32"),
+        (quant_config("nvfp4-pack-quantized", NVFP4_WEIGHTS, INT8_TOKEN),
+         r"with NVFP4 weights vframe reads float4 \(NVFP4\) ones or none"),
+        (quant_config("mxfp4-pack-quantized", weights(4, "float", "group", 32)), r"mxfp4-pack-quantized, float4 weights"),
         (quant_config("pack-quantized", {**weights(4), "actorder": "group"}), r"actorder='group'"),
         (quant_config("pack-quantized", weights(4), kv_cache_scheme={"num_bits": 8}), r"kv_cache_scheme"),
         ({"quant_method": "gptq", "bits": 4}, r"this one is quantized as 'gptq'"),
@@ -281,6 +335,17 @@ def test_a_w4a16_llama_generates_what_transformers_does_with_the_dequantized_wei
     llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
     qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.quant_method, PackedMethod) and qkv.quant_method.kernel.name == "woq_cpu"
+
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
+    assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
+
+
+def test_an_nvfp4_llama_generates_what_transformers_does_with_the_dequantized_weights(tmp_path: Path) -> None:
+    quant = quant_config("nvfp4-pack-quantized", NVFP4_WEIGHTS)
+    hf_model = write_quantized_llama(tmp_path, quant, lambda w, generator: ct_nvfp4_quantize(w))
+    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
+    qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.quant_method, Nvfp4Method) and qkv.quant_method.kernel.name == "nvfp4_cpu"
 
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
     assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)

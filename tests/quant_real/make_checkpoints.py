@@ -15,7 +15,9 @@ when complete (an existing one is kept, so a second run costs nothing)::
 
 The reference weights come from the tool, not from vframe: for llm-compressor,
 transformers loads the saved checkpoint through compressed-tensors
-(``run_compressed=False`` decompresses every layer); for auto-round, the
+(``run_compressed=False`` decompresses every layer; NVFP4 layers through
+compressed-tensors' unpack and dequantize functions in float32, as its decompression
+would in bfloat16); for auto-round, the
 model right after ``quantize()`` holds its fake-quantized (quantize then
 dequantize) weights, saved before packing.
 """
@@ -81,6 +83,7 @@ SCHEMES = {
     "ct-w8a8": "llm-compressor SmoothQuantModifier + GPTQModifier W8A8 (int8 channel weights, dynamic int8 tokens)",
     "ct-w8a16": "llm-compressor GPTQModifier W8A16 (int8, groups of 64)",
     "ct-w4a16": "llm-compressor GPTQModifier W4A16 (int4, groups of 64)",
+    "ct-nvfp4a16": "llm-compressor QuantizationModifier NVFP4A16 (float4 weights, e4m3 scales per 16, global scale)",
     "autoround-gptq": "auto-round 4 bit symmetric, groups of 64, exported as auto_gptq",
     "autoround-awq": "auto-round 4 bit with zero points, groups of 64, round to nearest (iters=0), as auto_awq",
 }
@@ -93,6 +96,7 @@ CT_PRESETS = {
     "ct-w8a8": ("gptq", "W8A8"),
     "ct-w8a16": ("gptq", 8),
     "ct-w4a16": ("gptq", 4),
+    "ct-nvfp4a16": ("quantization", "NVFP4A16"),
 }
 AUTOROUND_FORMATS = {"autoround-gptq": "auto_gptq", "autoround-awq": "auto_awq"}
 
@@ -104,15 +108,17 @@ def _load(dense: Path):
     return model, AutoTokenizer.from_pretrained(dense)
 
 
-def _save_reference(model: torch.nn.Module, dense: Path, out: Path) -> None:
-    """The model's float weights under the dense checkpoint's names, config and tokenizer."""
+def _save_reference(model: torch.nn.Module, dense: Path, out: Path,
+                    replaced: dict[str, torch.Tensor] | None = None) -> None:
+    """The model's float weights (those named in ``replaced`` from there) under the
+    dense checkpoint's names, config and tokenizer."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     with safe_open(str(dense / "model.safetensors"), framework="pt") as f:
         names = list(f.keys())
     state = model.state_dict()
-    weights = {name: state[name].detach().to(torch.float32).contiguous() for name in names}
+    weights = {name: (replaced or {}).get(name, state[name]).detach().to(torch.float32).contiguous() for name in names}
     out.mkdir(parents=True)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     for item in dense.iterdir():
@@ -160,7 +166,32 @@ def make_llm_compressor(scheme: str, dense: Path, out: Path, reference: Path) ->
     loaded = AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)
     )
-    _save_reference(loaded, dense, reference)
+    # compressed-tensors' NVFP4 decompression rounds each weight to bfloat16 at the end
+    # (unpack_fp4_from_uint8's default dtype); the same functions in float32 instead
+    _save_reference(loaded, dense, reference, _nvfp4_float32_weights(out) if preset == "NVFP4A16" else None)
+
+
+def _nvfp4_float32_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Each NVFP4 layer's weight as compressed-tensors dequantizes it, computed in float32."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from safetensors import safe_open
+
+    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True)
+    weights = {}
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            if not name.endswith(".weight_packed"):
+                continue
+            module = name.removesuffix(".weight_packed")
+            packed = f.get_tensor(name)
+            values = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+            weights[f"{module}.weight"] = dequantize(
+                x_q=values, scale=f.get_tensor(f"{module}.weight_scale").to(torch.float32), args=args,
+                global_scale=f.get_tensor(f"{module}.weight_global_scale"), dtype=torch.float32,
+            )
+    return weights
 
 
 def make_auto_round(scheme: str, dense: Path, out: Path, reference: Path) -> None:

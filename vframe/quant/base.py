@@ -43,7 +43,7 @@ gate/up), tensor-parallel and packed tensors without knowing the format:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -205,10 +205,14 @@ class QuantizationConfig(ABC):
     * ``weight_tolerance``: largest ``|W_deq - W|`` relative to the largest
       ``|W|`` of the same output row, for the float weight ``W`` it came from
       (the quantization error). Symmetric int8 round-to-nearest: 1/254.
+
+    The kit reads them off the config ``from_config`` returned: class attributes,
+    which a config may set on the instance for its checkpoint's scheme (plugin API
+    1.11; compressed-tensors does for NVFP4).
     """
 
-    reference_tolerance: ClassVar[float] = 1e-5
-    weight_tolerance: ClassVar[float] = 0.0
+    reference_tolerance: float = 1e-5
+    weight_tolerance: float = 0.0
     # The quant_kernel setting (a registry name; None: by priority), set by the engine
     # after from_config; formats whose layers run on quant kernels pass it to them.
     quant_kernel: str | None = None

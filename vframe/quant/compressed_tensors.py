@@ -24,15 +24,23 @@ value in the lowest bits; signed integers are stored plus ``2**(bits - 1)``)::
                      or [ceil(out / bn), ceil(in / bk)] (block, ``block_structure: [bn, bk]``;
                      partial blocks at the edges, see ``fp8.BlockFp8Method``),
                      input_scale [1] with static activations
+    nvfp4-pack-quantized  weight_packed  uint8 [out, in / 2]  two e2m1 codes a byte, the first input low
+                     weight_scale         e4m3 [out, in / 16]  one per group of 16 inputs
+                     weight_global_scale  float32 [1]          divides the scales
+                     input_global_scale   float32 [1]          NVFP4 (W4A4) only: read, not used
+                     W[o, i] = e2m1(q[o, i]) * (scale[o, i // 16] / global_scale)
 
 Served: W4A16 / W8A16 (pack-quantized, group or channel, symmetric or not), W8A8
 int8 (int-quantized, channel or tensor weights, dynamic per-token int8
-activations) and FP8 weights (float-quantized, tensor, channel or block;
-activations stay in the model's dtype). Everything else is refused naming the group.
+activations), FP8 weights (float-quantized, tensor, channel or block;
+activations stay in the model's dtype) and NVFP4 weights (NVFP4A16; an NVFP4 W4A4
+checkpoint's activations stay in the model's dtype too, with a warning, as FP8's static
+ones do). Everything else is refused naming the group.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,8 +52,10 @@ from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight
 from vframe.quant.fp8 import FP8_DTYPE, BlockFp8Method, Fp8KernelMethod, _per_shard_loader, block_structure
-from vframe.quant.kernels import INT8_PER_TOKEN, WEIGHT_ONLY, IntWeight
+from vframe.quant.kernels import INT8_PER_TOKEN, NVFP4_GROUP, WEIGHT_ONLY, Fp4Weight, IntWeight
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
+
+logger = logging.getLogger(__name__)
 
 # vframe's fused layers and the checkpoint modules they hold (their names in targets / ignore).
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -62,7 +72,8 @@ class Scheme:
     symmetric: bool
     strategy: str  # tensor | channel | group | block
     group_size: int | None
-    activations: str | None  # None (weight-only), "int8-token" (dynamic), "fp8-static", "fp8-dynamic"
+    # None (weight-only), "int8-token" (dynamic), "fp8-static", "fp8-dynamic", "nvfp4" (served weight-only)
+    activations: str | None
     block: tuple[int, int] | None = None  # (rows, columns) of a block, strategy "block" only
 
 
@@ -74,10 +85,15 @@ class CompressedTensorsConfig(QuantizationConfig):
     # W8A8 rounds each token's activations to int8 (half a step of max |x| / 127).
     # Weight-only schemes stay within float32 rounding (tested on their own).
     reference_tolerance = 2**-6
+    # NVFP4: e2m1's widest step (4 -> 6) rounds by up to one group scale, max |w_g| / 6,
+    # which e4m3 rounds by up to 1/16
+    nvfp4_weight_tolerance = (1 + 1 / 16) / 6 + 1e-3
 
     def __init__(self, schemes: list[tuple[list[str], Scheme]], ignore: list[str]) -> None:
         self.schemes = schemes
         self.ignore = ignore
+        if any(s.format == "nvfp4-pack-quantized" for _, s in schemes):  # this checkpoint's own bound
+            self.weight_tolerance = self.nvfp4_weight_tolerance
 
     def __repr__(self) -> str:
         return f"CompressedTensorsConfig(schemes={[s for _, s in self.schemes]}, ignore={self.ignore})"
@@ -116,6 +132,11 @@ class CompressedTensorsConfig(QuantizationConfig):
         if not groups:
             raise ConfigError("quantization_config.config_groups is empty: nothing says how layers are quantized")
         schemes = [(list(g.get("targets") or []), _scheme(name, g, q.get("format"))) for name, g in groups.items()]
+        if any(s.activations == "nvfp4" for _, s in schemes):
+            logger.warning(
+                "NVFP4 (W4A4) checkpoint: vframe multiplies its FP4 weights by activations in the model's dtype "
+                "(input_global_scale is read, not used), as vLLM does on GPUs without FP4 tensor cores"
+            )
         return cls(schemes, list(q.get("ignore") or []))
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
@@ -134,6 +155,8 @@ class CompressedTensorsConfig(QuantizationConfig):
             return None
         if scheme.strategy == "block":
             return BlockFp8Method(scheme.block, "weight_scale", self.quant_kernel)
+        if scheme.format == "nvfp4-pack-quantized":
+            return Nvfp4Method(scheme, self.quant_kernel)
         if scheme.format == "pack-quantized":
             return PackedMethod(scheme, self.quant_kernel)
         return Int8Method(scheme, self.quant_kernel) if scheme.type == "int" else NaiveMethod(scheme, self.quant_kernel)
@@ -174,6 +197,9 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Sch
     group_size = w.get("group_size")
     strategy = w.get("strategy") or ("tensor" if group_size is None else "channel" if group_size == -1 else "group")
     label = f"{where} ({fmt}, {wtype}{num_bits} weights, strategy {strategy!r})"
+    a = group.get("input_activations")
+    if fmt == "nvfp4-pack-quantized":
+        return _nvfp4_scheme(name, label, fmt, w, a)
     if strategy not in ("tensor", "channel", "group", "block"):
         raise ConfigError(
             f"{label}: strategy {strategy!r} is not supported yet; vframe serves tensor, channel, group, block"
@@ -184,7 +210,6 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Sch
         raise ConfigError(f"{label}: dynamic weight quantization is not supported")
     if strategy == "group" and (not isinstance(group_size, int) or group_size <= 0):
         raise ConfigError(f"{label}: group_size={group_size!r}, expected a positive integer")
-    a = group.get("input_activations")
 
     block = None
     if strategy == "block":
@@ -220,8 +245,28 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Sch
         return scheme("fp8-dynamic" if a.get("dynamic") else "fp8-static")
     raise ConfigError(
         f"{label}, symmetric={symmetric}: not supported; vframe serves pack-quantized int4 / int8, "
-        "int-quantized int8 (W8A8) and float-quantized FP8"
+        "int-quantized int8 (W8A8), float-quantized FP8 and nvfp4-pack-quantized NVFP4"
     )
+
+
+def _nvfp4_scheme(name: str, label: str, fmt: str, w: dict[str, Any], a: dict[str, Any] | None) -> Scheme:
+    """NVFP4A16, or NVFP4 (W4A4) served weight-only: float4 weights in groups of 16 with
+    e4m3 scales and a global scale per tensor (strategy ``tensor_group``)."""
+    got = (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size"), w.get("symmetric", True))
+    if got != ("float", 4, "tensor_group", NVFP4_GROUP, True):
+        raise ConfigError(
+            f"{label}: nvfp4-pack-quantized weights are served as float4, strategy 'tensor_group', "
+            f"group_size {NVFP4_GROUP}, symmetric; got type={got[0]!r}, num_bits={got[1]!r}, "
+            f"strategy={got[2]!r}, group_size={got[3]!r}, symmetric={got[4]!r}"
+        )
+    if w.get("dynamic"):
+        raise ConfigError(f"{label}: dynamic weight quantization is not supported")
+    activations = None
+    if a:
+        if (a.get("type"), a.get("num_bits")) != ("float", 4):
+            raise ConfigError(f"{label}: activations {a!r}; with NVFP4 weights vframe reads float4 (NVFP4) ones or none")
+        activations = "nvfp4"
+    return Scheme(name, fmt, "float", 4, True, "tensor_group", NVFP4_GROUP, activations)
 
 
 class PackedMethod(IntKernelMethod):
@@ -282,6 +327,47 @@ class PackedMethod(IntKernelMethod):
             zeros = unpack_int32(layer.weight_zero_point, bits, dim=0)  # [out, groups]
             offsets = layer.weight_scale * ((1 << (bits - 1)) - zeros)
         return IntWeight(bits, q.to(torch.uint8), layer.weight_scale, offsets, self.group_size)
+
+
+class Nvfp4Method(IntKernelMethod):
+    """nvfp4-pack-quantized weights on an NVFP4 quant kernel (``nvfp4_cpu`` on the CPU),
+    which reads the checkpoint's packed codes and e4m3 scales where they lie."""
+
+    checkpoint_params = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
+
+    def __init__(self, scheme: Scheme, kernel_name: str | None = None) -> None:
+        super().__init__(kernel_name)
+        self.scheme = scheme
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        where = layer.prefix or type(layer).__name__
+        check_divisible(input_size_per_partition, NVFP4_GROUP, f"{where}: the input size per partition",
+                        f"NVFP4 scales groups of {NVFP4_GROUP} inputs")
+        out, shards = sum(output_partition_sizes), len(output_partition_sizes)
+        register_weight(layer, "weight_packed", torch.empty(out, input_size_per_partition // 2, dtype=torch.uint8),
+                        {"output_dim": 0, "input_dim": 1})  # [out, in / 2]
+        register_weight(layer, "weight_scale",
+                        torch.empty(out, input_size_per_partition // NVFP4_GROUP, dtype=FP8_DTYPE),
+                        {"output_dim": 0, "input_dim": 1})  # [out, in / 16]
+        # one per fused shard, repeated over its rows after loading
+        register_weight(layer, "weight_global_scale", torch.empty(shards, dtype=torch.float32),
+                        {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
+        if self.scheme.activations == "nvfp4":  # read, not used: activations stay in the model's dtype
+            register_weight(layer, "input_global_scale", torch.empty(shards, dtype=torch.float32),
+                            {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
+
+    def int_weight(self, layer: nn.Module) -> Fp4Weight:  # the kernel's form of the weight: here NVFP4's
+        rows = torch.tensor(layer.output_partition_sizes, device=layer.weight_global_scale.device)
+        global_scale = layer.weight_global_scale.repeat_interleave(rows)  # [out]
+        return Fp4Weight(layer.weight_packed, layer.weight_scale.view(torch.uint8), global_scale)
 
 
 class NaiveMethod(Fp8KernelMethod):

@@ -128,10 +128,10 @@ def check_quant_method(
                 quantized += isinstance(config.get_quant_method(case.layer, case.layer.prefix), LinearMethodBase)
                 _load_case(case, checkpoint_tensors, where)
                 case.layer.quant_method.process_weights_after_loading(case.layer)
-                _check_weight(case, config_cls.weight_tolerance + slack, where)
+                _check_weight(case, config.weight_tolerance + slack, where)
                 for num_tokens in token_counts:
                     x = torch.randn(num_tokens, case.layer.input_size_per_partition, generator=generator, device="cpu")
-                    _check_apply(case, x.to(device=device, dtype=dtype), config_cls.reference_tolerance + slack, where)
+                    _check_apply(case, x.to(device=device, dtype=dtype), config.reference_tolerance + slack, where)
     assert quantized, f"{config_cls.__name__}.get_quant_method returned None for every layer: nothing was quantized"
 
 

@@ -4,9 +4,10 @@ The check builds random ``IntWeight``s over a matrix of specs (4 and 8 bit;
 groups of 32, 64, an odd 48-wide group and one per output channel; symmetric
 and with offsets; inputs in order, in act order with equal groups, and in a
 different act order per fused shard; weight-only, W8A8, and int8 activations per
-block of 32 in groups of 32, 64 and per channel), and random ``Fp8Weight``s (a scale
+block of 32 in groups of 32, 64 and per channel), random ``Fp8Weight``s (a scale
 per row, per 64 inputs, per 128 with a shorter last group) for kernels whose
-``weight_types`` name ``FP8_E4M3``, keeps those the
+``weight_types`` name ``FP8_E4M3``, and random ``Fp4Weight``s (every code, e4m3 scales
+from subnormal to 448, a global scale per row) for those naming ``NVFP4``, keeps those the
 kernel says it can run (``can_implement`` returns ``None``), and for each:
 
 * ``prepare`` on a bare ``nn.Module`` layer, then ``dequantize_weight(layer)``
@@ -31,8 +32,8 @@ import torch
 from torch import nn
 
 from vframe.quant.kernels import (
-    FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, WEIGHT_ONLY, Fp8Weight, IntWeight, QuantLinearKernel, QuantLinearSpec,
-    refusal,
+    FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, NVFP4, NVFP4_GROUP, WEIGHT_ONLY, Fp4Weight, Fp8Weight, IntWeight,
+    QuantLinearKernel, QuantLinearSpec, refusal,
 )
 
 # largest |apply - reference| / max |reference| per activation dtype
@@ -93,6 +94,10 @@ def _specs(dtype: torch.dtype, device: torch.device, quick: bool) -> list[QuantL
             activations=WEIGHT_ONLY, in_features=inp, out_features=out, dtype=dtype, device=device,
             weight_type=FP8_E4M3,
         ))
+    specs.append(QuantLinearSpec(
+        bits=4, group_size=NVFP4_GROUP, symmetric=True, act_order=False, equal_groups=True, activations=WEIGHT_ONLY,
+        in_features=inp, out_features=out, dtype=dtype, device=device, weight_type=NVFP4,
+    ))
     return specs
 
 
@@ -107,7 +112,19 @@ def _fp8_weight(spec: QuantLinearSpec, generator: torch.Generator) -> Fp8Weight:
     return Fp8Weight(q.view(torch.uint8), scales, gs)
 
 
+def _fp4_weight(spec: QuantLinearSpec, generator: torch.Generator) -> Fp4Weight:
+    """Random codes (all 16, zero's two signs included), e4m3 scale bytes from the
+    subnormals to 448 (never NaN), and a global scale per row."""
+    out, inp = spec.out_features, spec.in_features
+    q = torch.randint(0, 256, (out, inp // 2), generator=generator, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(0, 0x7F, (out, inp // NVFP4_GROUP), generator=generator, dtype=torch.int32).to(torch.uint8)
+    global_scale = (torch.rand(out, generator=generator) + 0.5) * 448 * 6 * inp**0.5
+    return Fp4Weight(q, scales, global_scale)
+
+
 def _name(spec: QuantLinearSpec) -> str:
+    if spec.weight_type == NVFP4:
+        return "nvfp4"
     group = "channel" if spec.group_size == spec.in_features else f"g{spec.group_size}"
     if spec.weight_type == FP8_E4M3:
         return f"fp8-{group}"
@@ -144,6 +161,10 @@ def check_quant_kernel(
         if spec.weight_type == FP8_E4M3:
             weight = _fp8_weight(spec, generator)
             instance.prepare(layer, Fp8Weight(weight.q.to(device), weight.scales.to(device), weight.group_size))
+        elif spec.weight_type == NVFP4:
+            weight = _fp4_weight(spec, generator)
+            instance.prepare(layer, Fp4Weight(weight.q.to(device), weight.scales.to(device),
+                                              weight.global_scale.to(device)))
         else:
             weight = _int_weight(spec, shards=3, generator=generator)
             instance.prepare(layer, IntWeight(weight.bits, weight.q.to(device), weight.scales.to(device),

@@ -16,10 +16,20 @@ compressed-tensors FP8) hand over an ``Fp8Weight`` (plugin API 1.10)::
 
     W[o, i] = e4m3(q[o, i]) * scales[o, i // group_size]
 
-``q`` the e4m3 bytes (uint8 [out, in]), the last group possibly shorter. A spec says
-which form its layer holds (``QuantLinearSpec.weight_type``: ``INT_WEIGHT`` or
-``FP8_E4M3``); a kernel names the forms it takes in ``weight_types`` (default: integers
-only) and is never offered another.
+``q`` the e4m3 bytes (uint8 [out, in]), the last group possibly shorter. NVFP4
+weights (compressed-tensors ``nvfp4-pack-quantized``) hand over an ``Fp4Weight`` (plugin
+API 1.11)::
+
+    W[o, i] = e2m1(q[o, i]) * (e4m3(scales[o, i // 16]) / global_scale[o])
+
+``q`` two FP4 (e2m1) codes a byte, input ``2j`` in the low nibble of byte ``j``; a code's
+bit 3 is its sign, bits 0-2 index ``E2M1_VALUES``; ``scales`` the e4m3 bytes of each group
+of 16 inputs; ``global_scale`` float32 per output row (each fused shard's own). The
+division comes first, in float32, as compressed-tensors dequantizes.
+
+A spec says which form its layer holds (``QuantLinearSpec.weight_type``: ``INT_WEIGHT``,
+``FP8_E4M3`` or ``NVFP4``); a kernel names the forms it takes in ``weight_types``
+(default: integers only) and is never offered another.
 
 Choosing: each layer describes itself as a ``QuantLinearSpec``; the kernel named
 by the ``quant_kernel`` setting is used (a layer it cannot run is a
@@ -41,6 +51,9 @@ Built-in kernels (``vframe.quant.kernels.builtin``), by priority:
   llama.cpp computes them; groups that are multiples of 32.
 * ``int8_dynamic`` (20): W8A8 with per-token int8 activations through ``torch._int_mm``
   (quantization, product and scaling in one C++ call where ``woq_cpu``'s library builds).
+* ``nvfp4_cpu`` (20): vframe's C++ NVFP4 kernel: the e2m1 codes read in place (a
+  table of eight magnitudes, eight codes a vector) for up to 16 tokens (32 in float32),
+  dequantized for one GEMM above.
 * ``fp8_cpu`` (20): vframe's C++ FP8 kernel: e4m3 bytes read in place (as float16 bits,
   converted eight at a time with F16C) for up to 16 tokens (32 in float32), dequantized
   for one GEMM above.
@@ -71,13 +84,16 @@ ACTIVATION_BLOCK = 32  # inputs per INT8_PER_BLOCK block
 
 INT_WEIGHT = "int"  # an IntWeight
 FP8_E4M3 = "fp8-e4m3"  # an Fp8Weight (plugin API 1.10)
+NVFP4 = "nvfp4"  # an Fp4Weight (plugin API 1.11)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # an FP4 code's magnitude by its bits 0-2
+NVFP4_GROUP = 16  # inputs sharing an e4m3 scale
 
 
 @dataclass(frozen=True)
 class QuantLinearSpec:
     """What a layer's quantized weight is and where it runs: what kernels choose by."""
 
-    bits: int  # 4 or 8
+    bits: int  # 4 or 8 (NVFP4: 4)
     group_size: int  # inputs sharing a scale; in_features for one scale per output channel
     symmetric: bool  # no offsets: the zero point is the midpoint 2**(bits - 1)
     act_order: bool  # an input's group is g_idx[i], not i // group_size
@@ -90,15 +106,21 @@ class QuantLinearSpec:
     dtype: torch.dtype  # the activations' (the model's)
     device: torch.device
     layer: str = ""  # the layer's name, for messages
-    weight_type: str = INT_WEIGHT  # INT_WEIGHT (an IntWeight) or FP8_E4M3 (an Fp8Weight)
+    weight_type: str = INT_WEIGHT  # INT_WEIGHT (an IntWeight), FP8_E4M3 (an Fp8Weight) or NVFP4 (an Fp4Weight)
 
     @classmethod
     def for_weight(
-        cls, weight: IntWeight | Fp8Weight, *, activations: str, dtype: torch.dtype, layer: str
+        cls, weight: IntWeight | Fp8Weight | Fp4Weight, *, activations: str, dtype: torch.dtype, layer: str
     ) -> QuantLinearSpec:
         """The spec of a layer holding ``weight`` (its sizes, group, symmetry and act order
         read off the weight) whose activations are ``activations`` in ``dtype``."""
         out_features, in_features = weight.q.shape
+        if isinstance(weight, Fp4Weight):
+            return cls(
+                bits=4, group_size=NVFP4_GROUP, symmetric=True, act_order=False, equal_groups=True,
+                activations=activations, in_features=in_features * 2, out_features=out_features, dtype=dtype,
+                device=weight.q.device, layer=layer, weight_type=NVFP4,
+            )
         if isinstance(weight, Fp8Weight):
             return cls(
                 bits=8, group_size=weight.group_size, symmetric=True, act_order=False,
@@ -159,9 +181,31 @@ class Fp8Weight:
         return self.q.view(torch.float8_e4m3fn).float() * scales
 
 
+@dataclass
+class Fp4Weight:
+    """One layer's NVFP4 weight in the form NVFP4 kernels read (see the module)."""
+
+    q: torch.Tensor  # [out, in / 2] uint8: two e2m1 codes a byte, the first input low
+    scales: torch.Tensor  # [out, in / 16] uint8: the e4m3 bytes of each group's scale
+    global_scale: torch.Tensor  # [out] float32: divides every scale of the row
+
+    def codes(self) -> torch.Tensor:  # [out, in] uint8 in [0, 16)
+        return torch.stack([self.q & 0x0F, self.q >> 4], dim=-1).flatten(1)
+
+    def group_scales(self) -> torch.Tensor:  # [out, in / 16] float32
+        return self.scales.view(torch.float8_e4m3fn).float() / self.global_scale.float()[:, None]
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] float32, exact
+        codes = self.codes()
+        table = torch.tensor(E2M1_VALUES, device=self.q.device)
+        values = torch.where(codes >= 8, -table[(codes & 7).long()], table[(codes & 7).long()])
+        return values * self.group_scales().repeat_interleave(NVFP4_GROUP, dim=1)
+
+
 class QuantLinearKernel(ABC):
-    """Multiplies activations by one layer's ``IntWeight`` (or ``Fp8Weight``, for a
-    kernel whose ``weight_types`` names ``FP8_E4M3``). One instance per layer."""
+    """Multiplies activations by one layer's ``IntWeight`` (or ``Fp8Weight`` /
+    ``Fp4Weight``, for a kernel whose ``weight_types`` names ``FP8_E4M3`` / ``NVFP4``).
+    One instance per layer."""
 
     priority: ClassVar[int] = 10  # higher is tried first when no kernel is named
     weight_types: ClassVar[tuple[str, ...]] = (INT_WEIGHT,)  # the weight forms it takes (plugin API 1.10)
@@ -176,7 +220,7 @@ class QuantLinearKernel(ABC):
         self.name = name  # its registry name: the prefix of its buffers on the layer
 
     @abstractmethod
-    def prepare(self, layer: nn.Module, weight: IntWeight | Fp8Weight) -> None:
+    def prepare(self, layer: nn.Module, weight: IntWeight | Fp8Weight | Fp4Weight) -> None:
         """Keep what ``apply`` needs as buffers on ``layer``
         (``layer.register_buffer(f"{self.name}_...", t, persistent=False)``)."""
 
@@ -235,7 +279,7 @@ def choose_kernel(spec: QuantLinearSpec, name: str | None = None) -> QuantLinear
 
 
 def attach_kernel(
-    layer: nn.Module, weight: IntWeight | Fp8Weight, activations: str = WEIGHT_ONLY, name: str | None = None
+    layer: nn.Module, weight: IntWeight | Fp8Weight | Fp4Weight, activations: str = WEIGHT_ONLY, name: str | None = None
 ) -> QuantLinearKernel:
     """The kernel that runs ``layer`` from now on: ``choose_kernel`` for ``weight``'s spec
     (``activations``, the layer's dtype and name; ``name``: the ``quant_kernel`` setting),
@@ -258,7 +302,8 @@ def refusal(cls: type[QuantLinearKernel], spec: QuantLinearSpec) -> str | None:
 
 def _describe(spec: QuantLinearSpec) -> str:
     group = "per channel" if spec.group_size == spec.in_features else f"groups of {spec.group_size}"
-    kind = "FP8 e4m3" if spec.weight_type == FP8_E4M3 else f"{spec.bits}-bit {'symmetric' if spec.symmetric else 'asymmetric'}"
+    kinds = {FP8_E4M3: "FP8 e4m3", NVFP4: "NVFP4"}
+    kind = kinds.get(spec.weight_type) or f"{spec.bits}-bit {'symmetric' if spec.symmetric else 'asymmetric'}"
     parts = [
         f"{spec.layer + ': ' if spec.layer else ''}{kind}",
         group, *(["act order" + ("" if spec.equal_groups else " (unequal groups)")] if spec.act_order else []),
@@ -271,11 +316,15 @@ def _describe(spec: QuantLinearSpec) -> str:
 
 __all__ = [
     "ACTIVATION_BLOCK",
+    "E2M1_VALUES",
     "FP8_E4M3",
+    "Fp4Weight",
     "INT_WEIGHT",
     "Fp8Weight",
     "INT8_PER_BLOCK",
     "INT8_PER_TOKEN",
+    "NVFP4",
+    "NVFP4_GROUP",
     "WEIGHT_ONLY",
     "IntWeight",
     "QuantLinearKernel",

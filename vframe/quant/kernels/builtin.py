@@ -13,8 +13,8 @@ from torch import nn
 from vframe.quant import int4_cpu
 from vframe.errors import ModelLoadError
 from vframe.quant.kernels import (
-    ACTIVATION_BLOCK, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, WEIGHT_ONLY, Fp8Weight, IntWeight,
-    QuantLinearKernel, QuantLinearSpec,
+    ACTIVATION_BLOCK, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, NVFP4, WEIGHT_ONLY, Fp4Weight,
+    Fp8Weight, IntWeight, QuantLinearKernel, QuantLinearSpec,
 )
 
 INT8_MAX = 127
@@ -26,7 +26,7 @@ class ReferenceKernel(QuantLinearKernel):
     Keeps the integers unpacked (one byte each)."""
 
     priority = 0
-    weight_types = (INT_WEIGHT, FP8_E4M3)
+    weight_types = (INT_WEIGHT, FP8_E4M3, NVFP4)
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
@@ -34,7 +34,11 @@ class ReferenceKernel(QuantLinearKernel):
             return f"int8 activations per block of {ACTIVATION_BLOCK} need a multiple of {ACTIVATION_BLOCK} inputs"
         return None
 
-    def prepare(self, layer: nn.Module, weight: IntWeight | Fp8Weight) -> None:
+    def prepare(self, layer: nn.Module, weight: IntWeight | Fp8Weight | Fp4Weight) -> None:
+        if isinstance(weight, Fp4Weight):  # as the checkpoint packs it
+            for name in ("q", "scales", "global_scale"):
+                self.buffer(layer, name, getattr(weight, name).contiguous())
+            return
         self.buffer(layer, "q", weight.q.to(torch.uint8).contiguous())
         self.buffer(layer, "scales", weight.scales.float().contiguous())
         self.group_size = weight.group_size
@@ -45,7 +49,9 @@ class ReferenceKernel(QuantLinearKernel):
         self.buffer(layer, "groups", weight.g_idx if weight.g_idx is not None else torch.empty(0, dtype=torch.long))
         self.bits = weight.bits
 
-    def _weight(self, layer: nn.Module) -> IntWeight | Fp8Weight:
+    def _weight(self, layer: nn.Module) -> IntWeight | Fp8Weight | Fp4Weight:
+        if self.spec.weight_type == NVFP4:
+            return Fp4Weight(self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "global_scale"))
         if self.spec.weight_type == FP8_E4M3:
             return Fp8Weight(self.get(layer, "q"), self.get(layer, "scales"), self.group_size)
         offsets = getattr(layer, f"{self.name}_offsets", None)
@@ -366,6 +372,51 @@ class Fp8CpuKernel(_DequantizedGemm, QuantLinearKernel):
         if rows is not None:
             q, scales = q[rows], scales[rows]
         return _woq_ops().fp8_dequantize(q, scales, self.group_size, dtype)
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        return self._dequantized(layer, torch.float32)
+
+
+class Nvfp4CpuKernel(_DequantizedGemm, QuantLinearKernel):
+    """NVFP4 weights on the CPU, vframe's C++ operators (``csrc/woq_gemm.cpp``): up to
+    ``MAX_ROWS`` tokens multiply the packed e2m1 codes in place (``nvfp4_gemm``: eight
+    codes a vector, their magnitudes looked up with ``vpermps``), more tokens dequantize
+    the weight (``nvfp4_dequantize``) for one GEMM. The layer's buffers are the
+    checkpoint's packed codes and e4m3 scale bytes (4.5 bits a weight) and a float32
+    global scale per row. Scales holding e4m3's NaN byte are refused."""
+
+    priority = 20
+    weight_types = (NVFP4,)
+
+    @classmethod
+    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        if spec.device.type != "cpu":
+            return "it runs on the CPU only"
+        if spec.activations != WEIGHT_ONLY:
+            return "it runs weight-only NVFP4 only"
+        if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return "it runs float32, bfloat16 and float16 activations only"
+        return woq_cpu_available()
+
+    def prepare(self, layer: nn.Module, weight: Fp4Weight) -> None:
+        if bool(((weight.scales & 0x7F) == 0x7F).any()):
+            raise ModelLoadError(f"{self.spec.layer or 'an NVFP4 layer'}: a scale is NaN (e4m3 bytes 0x7F / 0xFF)")
+        self.buffer(layer, "q", weight.q.contiguous())  # the checkpoint's bytes, shared where contiguous
+        self.buffer(layer, "scales", weight.scales.contiguous())
+        self.buffer(layer, "global_scale", weight.global_scale.float().contiguous())
+
+    def _in_place_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return _woq_ops().nvfp4_gemm(
+            x, self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "global_scale"), x.dtype
+        )
+
+    def _dequantized(
+        self, layer: nn.Module, dtype: torch.dtype, rows: torch.Tensor | slice | None = None
+    ) -> torch.Tensor:
+        q, scales, global_scale = (self.get(layer, name) for name in ("q", "scales", "global_scale"))
+        if rows is not None:
+            q, scales, global_scale = q[rows], scales[rows], global_scale[rows]
+        return _woq_ops().nvfp4_dequantize(q, scales, global_scale, dtype)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         return self._dequantized(layer, torch.float32)

@@ -1003,6 +1003,158 @@ at::Tensor fp8_dequantize(const at::Tensor& q, const at::Tensor& scales, int64_t
   return w;
 }
 
+// NVFP4 weights: two FP4 (e2m1) codes a byte, input 2j in the low nibble of byte j; a
+// code's bit 3 is its sign and bits 0-2 pick one of eight magnitudes. Each group of 16
+// inputs has an e4m3 scale, which the row's float32 global scale divides:
+//
+//   y[m, o] = sum_g  (e4m3(s[o, g]) / gs[o]) * sum_{i in g} x[m, i] * e2m1(q[o, i])
+//
+// The codes are read in place. On AVX2 a group's 16 codes are two 32-bit words; eight
+// codes at once: each lane shifts its nibble down, vpermps looks its magnitude up (it
+// reads the index's low three bits) and the code's bit 3 becomes the float's sign.
+constexpr int64_t kNvfp4Group = 16;
+constexpr float kE2M1[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+
+inline float e2m1_value(uint8_t code) { return (code & 8) ? -kE2M1[code & 7] : kE2M1[code & 7]; }
+
+template <typename T>
+void nvfp4_rows_scalar(const float* x, const uint8_t* q, const uint8_t* s, const float* gs, T* y, int64_t m_rows,
+                       int64_t n, int64_t k, int64_t begin, int64_t end) {
+  const float* table = e4m3_table();
+  const int64_t groups = k / kNvfp4Group;
+  std::vector<float> w(k);
+  for (int64_t o = begin; o < end; ++o) {
+    for (int64_t j = 0; j < k / 2; ++j) {
+      const uint8_t b = q[o * (k / 2) + j];
+      w[2 * j] = e2m1_value(b & 15);
+      w[2 * j + 1] = e2m1_value(b >> 4);
+    }
+    for (int64_t m = 0; m < m_rows; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float d = 0.f;
+        for (int64_t i = g * kNvfp4Group; i < (g + 1) * kNvfp4Group; ++i) d += x[m * k + i] * w[i];
+        acc += (table[s[o * groups + g]] / gs[o]) * d;
+      }
+      y[m * n + o] = static_cast<T>(acc);
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight e2m1 codes (the nibbles of `word`, lowest first) as floats.
+inline __m256 e2m1_8(uint32_t word) {
+  const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+  const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), codes);
+  const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(codes, 28), _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  return _mm256_or_ps(magnitude, _mm256_castsi256_ps(sign));
+}
+
+template <int64_t MR, typename T>
+void nvfp4_rows_avx2(const float* x, const uint8_t* q, const uint8_t* s, const float* gs, T* y, int64_t n, int64_t k,
+                     int64_t begin, int64_t end) {
+  const float* table = e4m3_table();
+  const int64_t groups = k / kNvfp4Group;
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = q + o * (k / 2);
+    const uint8_t* row_scales = s + o * groups;
+    const float global = gs[o];
+    __m256 acc[MR];
+    for (int64_t m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      uint32_t words[2];
+      std::memcpy(words, row + g * (kNvfp4Group / 2), sizeof(words));
+      const __m256 w0 = e2m1_8(words[0]), w1 = e2m1_8(words[1]);
+      const __m256 scale = _mm256_set1_ps(table[row_scales[g]] / global);
+      for (int64_t m = 0; m < MR; ++m) {
+        const float* xg = x + m * k + g * kNvfp4Group;
+        const __m256 part = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), w1, _mm256_mul_ps(_mm256_loadu_ps(xg), w0));
+        acc[m] = _mm256_fmadd_ps(part, scale, acc[m]);
+      }
+    }
+    for (int64_t m = 0; m < MR; ++m) y[m * n + o] = static_cast<T>(hsum8(acc[m]));
+  }
+}
+#endif
+
+void check_nvfp4(const char* op, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& global_scale) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2, op,
+              ": q must be contiguous uint8 [N, K / 2]");
+  const int64_t n = q.size(0), k = q.size(1) * 2;
+  TORCH_CHECK(k % kNvfp4Group == 0, op, ": K must be a multiple of ", kNvfp4Group);
+  TORCH_CHECK(scales.scalar_type() == at::kByte && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == n &&
+                  scales.size(1) == k / kNvfp4Group,
+              op, ": scales must be contiguous uint8 (e4m3 bytes) [N, K / 16]");
+  TORCH_CHECK(global_scale.scalar_type() == at::kFloat && global_scale.is_contiguous() && global_scale.dim() == 1 &&
+                  global_scale.size(0) == n,
+              op, ": global_scale must be float32 [N]");
+}
+
+// x: [M, K] any float dtype (read as float32); q: uint8 [N, K / 2]; scales: uint8 [N, K / 16]
+// (e4m3 bytes); global_scale: float32 [N]. Returns [M, N] of out_dtype.
+at::Tensor nvfp4_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
+                      const at::Tensor& global_scale, at::ScalarType out_dtype) {
+  TORCH_CHECK(x_in.dim() == 2, "nvfp4_gemm: x must be [M, K]");
+  check_nvfp4("nvfp4_gemm", q, scales, global_scale);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0);
+  TORCH_CHECK(q.size(1) * 2 == k, "nvfp4_gemm: x has ", k, " inputs, q ", q.size(1) * 2);
+  at::Tensor y = at::empty({m_rows, n}, x.options().dtype(out_dtype));
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint8_t* sp = scales.data_ptr<uint8_t>();
+  const float* gp = global_scale.data_ptr<float>();
+  auto run = [&](auto* out) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m0 = 0; m0 < m_rows; m0 += kFp8Rows) {
+        const int64_t rows = std::min(kFp8Rows, m_rows - m0);
+#if defined(__AVX2__) && defined(__FMA__)
+        switch (rows) {
+          case 1: nvfp4_rows_avx2<1>(xp + m0 * k, qp, sp, gp, out + m0 * n, n, k, begin, end); break;
+          case 2: nvfp4_rows_avx2<2>(xp + m0 * k, qp, sp, gp, out + m0 * n, n, k, begin, end); break;
+          case 3: nvfp4_rows_avx2<3>(xp + m0 * k, qp, sp, gp, out + m0 * n, n, k, begin, end); break;
+          default: nvfp4_rows_avx2<4>(xp + m0 * k, qp, sp, gp, out + m0 * n, n, k, begin, end); break;
+        }
+#else
+        nvfp4_rows_scalar(xp + m0 * k, qp, sp, gp, out + m0 * n, rows, n, k, begin, end);
+#endif
+      }
+    });
+  };
+  AT_DISPATCH_V2(out_dtype, "nvfp4_gemm", AT_WRAP([&] { run(y.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
+  return y;
+}
+
+// The float weight [N, K] of out_dtype: e2m1(q) * (e4m3(s) / gs) in float32 (the PyTorch
+// expression Fp4Weight.dequantize() spells), then cast.
+at::Tensor nvfp4_dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& global_scale,
+                            at::ScalarType out_dtype) {
+  check_nvfp4("nvfp4_dequantize", q, scales, global_scale);
+  const int64_t n = q.size(0), k = q.size(1) * 2, groups = k / kNvfp4Group;
+  const float* table = e4m3_table();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint8_t* sp = scales.data_ptr<uint8_t>();
+  const float* gp = global_scale.data_ptr<float>();
+  at::Tensor w = at::empty({n, k}, q.options().dtype(out_dtype));
+  auto fill = [&](auto* out) {
+    using T = std::remove_pointer_t<decltype(out)>;
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t o = begin; o < end; ++o)
+        for (int64_t g = 0; g < groups; ++g) {
+          const float scale = table[sp[o * groups + g]] / gp[o];
+          for (int64_t j = g * kNvfp4Group / 2; j < (g + 1) * kNvfp4Group / 2; ++j) {
+            const uint8_t b = qp[o * (k / 2) + j];
+            out[o * k + 2 * j] = static_cast<T>(e2m1_value(b & 15) * scale);
+            out[o * k + 2 * j + 1] = static_cast<T>(e2m1_value(b >> 4) * scale);
+          }
+        }
+    });
+  };
+  AT_DISPATCH_V2(out_dtype, "nvfp4_dequantize", AT_WRAP([&] { fill(w.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
+  return w;
+}
+
+
 }  // namespace
 
 TORCH_LIBRARY(vframe_quant_cpu, m) {
@@ -1012,6 +1164,8 @@ TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("quantize_blocks(Tensor x) -> Tensor");
   m.def("fp8_gemm(Tensor x, Tensor q, Tensor scales, int group, ScalarType out_dtype) -> Tensor");
   m.def("fp8_dequantize(Tensor q, Tensor scales, int group, ScalarType out_dtype) -> Tensor");
+  m.def("nvfp4_gemm(Tensor x, Tensor q, Tensor scales, Tensor global_scale, ScalarType out_dtype) -> Tensor");
+  m.def("nvfp4_dequantize(Tensor q, Tensor scales, Tensor global_scale, ScalarType out_dtype) -> Tensor");
   m.def("woq_dequantize(Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
 }
 
@@ -1022,5 +1176,7 @@ TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
   m.impl("quantize_blocks", &quantize_blocks_dequantized);
   m.impl("fp8_gemm", &fp8_gemm);
   m.impl("fp8_dequantize", &fp8_dequantize);
+  m.impl("nvfp4_gemm", &nvfp4_gemm);
+  m.impl("nvfp4_dequantize", &nvfp4_dequantize);
   m.impl("woq_dequantize", &woq_dequantize);
 }
