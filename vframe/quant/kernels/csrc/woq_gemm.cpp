@@ -1007,7 +1007,7 @@ at::Tensor fp8_dequantize(const at::Tensor& q, const at::Tensor& scales, int64_t
 // code's bit 3 is its sign and bits 0-2 pick one of eight magnitudes. Each group of 16
 // inputs has an e4m3 scale, which the row's float32 global scale divides:
 //
-//   y[m, o] = sum_g  (e4m3(s[o, g]) / gs[o]) * sum_{i in g} x[m, i] * e2m1(q[o, i])
+//   y[m, o] = sum_i x[m, i] * (e2m1(q[o, i]) * (e4m3(s[o, i / 16]) / gs[o]))
 //
 // The codes are read in place. On AVX2 a group's 16 codes are two 32-bit words; eight
 // codes at once: each lane shifts its nibble down, vpermps looks its magnitude up (it
@@ -1022,26 +1022,23 @@ void nvfp4_rows_scalar(const float* x, const uint8_t* q, const uint8_t* s, const
                        int64_t n, int64_t k, int64_t begin, int64_t end) {
   const float* table = e4m3_table();
   const int64_t groups = k / kNvfp4Group;
-  std::vector<float> w(k);
+  std::vector<float> w(k);  // the row's dequantized weight
   for (int64_t o = begin; o < end; ++o) {
     for (int64_t j = 0; j < k / 2; ++j) {
       const uint8_t b = q[o * (k / 2) + j];
-      w[2 * j] = e2m1_value(b & 15);
-      w[2 * j + 1] = e2m1_value(b >> 4);
+      const float scale = table[s[o * groups + 2 * j / kNvfp4Group]] / gs[o];
+      w[2 * j] = e2m1_value(b & 15) * scale;
+      w[2 * j + 1] = e2m1_value(b >> 4) * scale;
     }
     for (int64_t m = 0; m < m_rows; ++m) {
       float acc = 0.f;
-      for (int64_t g = 0; g < groups; ++g) {
-        float d = 0.f;
-        for (int64_t i = g * kNvfp4Group; i < (g + 1) * kNvfp4Group; ++i) d += x[m * k + i] * w[i];
-        acc += (table[s[o * groups + g]] / gs[o]) * d;
-      }
+      for (int64_t i = 0; i < k; ++i) acc += x[m * k + i] * w[i];
       y[m * n + o] = static_cast<T>(acc);
     }
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // Eight e2m1 codes (the nibbles of `word`, lowest first) as floats.
 inline __m256 e2m1_8(uint32_t word) {
   const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
@@ -1050,6 +1047,17 @@ inline __m256 e2m1_8(uint32_t word) {
   return _mm256_or_ps(magnitude, _mm256_castsi256_ps(sign));
 }
 
+// Eight e4m3 bytes as floats: shifted into float16 bits (fp8_rows_avx2's trick), times 2^8.
+inline __m256 e4m3_8(const uint8_t* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+
+// Per group: its scale e4m3(s) / gs (eight groups' at a time), the 16 codes times it
+// (the dequantized weight's values, rounded as nvfp4_dequantize rounds them), then one
+// FMA per activation row and vector.
 template <int64_t MR, typename T>
 void nvfp4_rows_avx2(const float* x, const uint8_t* q, const uint8_t* s, const float* gs, T* y, int64_t n, int64_t k,
                      int64_t begin, int64_t end) {
@@ -1059,20 +1067,30 @@ void nvfp4_rows_avx2(const float* x, const uint8_t* q, const uint8_t* s, const f
     const uint8_t* row = q + o * (k / 2);
     const uint8_t* row_scales = s + o * groups;
     const float global = gs[o];
-    __m256 acc[MR];
-    for (int64_t m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      uint32_t words[2];
-      std::memcpy(words, row + g * (kNvfp4Group / 2), sizeof(words));
-      const __m256 w0 = e2m1_8(words[0]), w1 = e2m1_8(words[1]);
-      const __m256 scale = _mm256_set1_ps(table[row_scales[g]] / global);
-      for (int64_t m = 0; m < MR; ++m) {
-        const float* xg = x + m * k + g * kNvfp4Group;
-        const __m256 part = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), w1, _mm256_mul_ps(_mm256_loadu_ps(xg), w0));
-        acc[m] = _mm256_fmadd_ps(part, scale, acc[m]);
+    __m256 acc[MR][2];  // two chains of FMAs per row: one would wait on its own latency
+    for (int64_t m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+      const int64_t ng = std::min<int64_t>(8, groups - g0);
+      alignas(32) float scale[8];
+      if (ng == 8) {
+        _mm256_store_ps(scale, _mm256_div_ps(e4m3_8(row_scales + g0), _mm256_set1_ps(global)));
+      } else {
+        for (int64_t j = 0; j < ng; ++j) scale[j] = table[row_scales[g0 + j]] / global;
+      }
+      for (int64_t j = 0; j < ng; ++j) {
+        const int64_t g = g0 + j;
+        uint32_t words[2];
+        std::memcpy(words, row + g * (kNvfp4Group / 2), sizeof(words));
+        const __m256 sg = _mm256_set1_ps(scale[j]);
+        const __m256 w0 = _mm256_mul_ps(e2m1_8(words[0]), sg), w1 = _mm256_mul_ps(e2m1_8(words[1]), sg);
+        for (int64_t m = 0; m < MR; ++m) {
+          const float* xg = x + m * k + g * kNvfp4Group;
+          acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg), w0, acc[m][0]);
+          acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), w1, acc[m][1]);
+        }
       }
     }
-    for (int64_t m = 0; m < MR; ++m) y[m * n + o] = static_cast<T>(hsum8(acc[m]));
+    for (int64_t m = 0; m < MR; ++m) y[m * n + o] = static_cast<T>(hsum8(_mm256_add_ps(acc[m][0], acc[m][1])));
   }
 }
 #endif
@@ -1108,7 +1126,7 @@ at::Tensor nvfp4_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m0 = 0; m0 < m_rows; m0 += kFp8Rows) {
         const int64_t rows = std::min(kFp8Rows, m_rows - m0);
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
         switch (rows) {
           case 1: nvfp4_rows_avx2<1>(xp + m0 * k, qp, sp, gp, out + m0 * n, n, k, begin, end); break;
           case 2: nvfp4_rows_avx2<2>(xp + m0 * k, qp, sp, gp, out + m0 * n, n, k, begin, end); break;
@@ -1142,11 +1160,22 @@ at::Tensor nvfp4_dequantize(const at::Tensor& q, const at::Tensor& scales, const
       for (int64_t o = begin; o < end; ++o)
         for (int64_t g = 0; g < groups; ++g) {
           const float scale = table[sp[o * groups + g]] / gp[o];
-          for (int64_t j = g * kNvfp4Group / 2; j < (g + 1) * kNvfp4Group / 2; ++j) {
-            const uint8_t b = qp[o * (k / 2) + j];
-            out[o * k + 2 * j] = static_cast<T>(e2m1_value(b & 15) * scale);
-            out[o * k + 2 * j + 1] = static_cast<T>(e2m1_value(b >> 4) * scale);
+          const uint8_t* codes = qp + o * (k / 2) + g * (kNvfp4Group / 2);
+          T* w = out + o * k + g * kNvfp4Group;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+          // the same products, eight at a time (e2m1 values are exact in float32)
+          alignas(32) float values[kNvfp4Group];
+          uint32_t words[2];
+          std::memcpy(words, codes, sizeof(words));
+          _mm256_store_ps(values, _mm256_mul_ps(e2m1_8(words[0]), _mm256_set1_ps(scale)));
+          _mm256_store_ps(values + 8, _mm256_mul_ps(e2m1_8(words[1]), _mm256_set1_ps(scale)));
+          for (int64_t i = 0; i < kNvfp4Group; ++i) w[i] = static_cast<T>(values[i]);
+#else
+          for (int64_t j = 0; j < kNvfp4Group / 2; ++j) {
+            w[2 * j] = static_cast<T>(e2m1_value(codes[j] & 15) * scale);
+            w[2 * j + 1] = static_cast<T>(e2m1_value(codes[j] >> 4) * scale);
           }
+#endif
         }
     });
   };
