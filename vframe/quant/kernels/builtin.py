@@ -333,6 +333,17 @@ class WoqCpuA8Kernel(WoqCpuKernel):
         return _woq_ops().quantize_blocks(x).to(x.dtype)  # as quantize_per_block spells them, in one C++ pass
 
 
+def _cpu_weight_only_refusal(spec: QuantLinearSpec, form: str) -> str | None:
+    """Why a C++ kernel for weight-only ``form`` weights cannot run ``spec``, or None."""
+    if spec.device.type != "cpu":
+        return "it runs on the CPU only"
+    if spec.activations != WEIGHT_ONLY:
+        return f"it runs weight-only {form} only"
+    if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return "it runs float32, bfloat16 and float16 activations only"
+    return woq_cpu_available()
+
+
 class Fp8CpuKernel(_DequantizedGemm, QuantLinearKernel):
     """FP8 (e4m3) weights on the CPU, vframe's C++ operators (``csrc/woq_gemm.cpp``): up
     to ``MAX_ROWS`` tokens multiply the e4m3 bytes in place (``fp8_gemm``: shifted into
@@ -346,13 +357,7 @@ class Fp8CpuKernel(_DequantizedGemm, QuantLinearKernel):
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
-        if spec.device.type != "cpu":
-            return "it runs on the CPU only"
-        if spec.activations != WEIGHT_ONLY:
-            return "it runs weight-only FP8 only"
-        if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return "it runs float32, bfloat16 and float16 activations only"
-        return woq_cpu_available()
+        return _cpu_weight_only_refusal(spec, "FP8")
 
     def prepare(self, layer: nn.Module, weight: Fp8Weight) -> None:
         q = weight.q.view(torch.uint8)
@@ -390,13 +395,7 @@ class Nvfp4CpuKernel(_DequantizedGemm, QuantLinearKernel):
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
-        if spec.device.type != "cpu":
-            return "it runs on the CPU only"
-        if spec.activations != WEIGHT_ONLY:
-            return "it runs weight-only NVFP4 only"
-        if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return "it runs float32, bfloat16 and float16 activations only"
-        return woq_cpu_available()
+        return _cpu_weight_only_refusal(spec, "NVFP4")
 
     def prepare(self, layer: nn.Module, weight: Fp4Weight) -> None:
         if bool(((weight.scales & 0x7F) == 0x7F).any()):

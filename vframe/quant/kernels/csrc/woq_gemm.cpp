@@ -890,6 +890,18 @@ const float* e4m3_table() {
 
 constexpr int64_t kFp8Rows = 4;  // activation rows per pass over a weight row
 
+// f(std::integral_constant<int64_t, rows>{}) for rows in 1 .. kFp8Rows: a row-count
+// template argument picked at run time.
+template <typename F>
+void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int64_t, 1>{}); break;
+    case 2: f(std::integral_constant<int64_t, 2>{}); break;
+    case 3: f(std::integral_constant<int64_t, 3>{}); break;
+    default: f(std::integral_constant<int64_t, kFp8Rows>{}); break;
+  }
+}
+
 template <typename T>
 void fp8_rows_scalar(const float* x, const uint8_t* q, const float* scales, T* y, int64_t m_rows, int64_t n,
                      int64_t k, int64_t group, int64_t begin, int64_t end) {
@@ -963,12 +975,9 @@ at::Tensor fp8_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tenso
         const int64_t rows = std::min(kFp8Rows, m_rows - m0);
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
         if (group % 16 == 0 && k % 16 == 0) {
-          switch (rows) {
-            case 1: fp8_rows_avx2<1>(xp + m0 * k, qp, sp, out + m0 * n, n, k, group, begin, end); break;
-            case 2: fp8_rows_avx2<2>(xp + m0 * k, qp, sp, out + m0 * n, n, k, group, begin, end); break;
-            case 3: fp8_rows_avx2<3>(xp + m0 * k, qp, sp, out + m0 * n, n, k, group, begin, end); break;
-            default: fp8_rows_avx2<4>(xp + m0 * k, qp, sp, out + m0 * n, n, k, group, begin, end); break;
-          }
+          with_rows(rows, [&](auto r) {
+            fp8_rows_avx2<decltype(r)::value>(xp + m0 * k, qp, sp, out + m0 * n, n, k, group, begin, end);
+          });
           continue;
         }
 #endif
@@ -1127,12 +1136,9 @@ at::Tensor nvfp4_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
       for (int64_t m0 = 0; m0 < m_rows; m0 += kFp8Rows) {
         const int64_t rows = std::min(kFp8Rows, m_rows - m0);
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-        switch (rows) {
-          case 1: nvfp4_rows_avx2<1>(xp + m0 * k, qp, sp, gp, out + m0 * n, n, k, begin, end); break;
-          case 2: nvfp4_rows_avx2<2>(xp + m0 * k, qp, sp, gp, out + m0 * n, n, k, begin, end); break;
-          case 3: nvfp4_rows_avx2<3>(xp + m0 * k, qp, sp, gp, out + m0 * n, n, k, begin, end); break;
-          default: nvfp4_rows_avx2<4>(xp + m0 * k, qp, sp, gp, out + m0 * n, n, k, begin, end); break;
-        }
+        with_rows(rows, [&](auto r) {
+          nvfp4_rows_avx2<decltype(r)::value>(xp + m0 * k, qp, sp, gp, out + m0 * n, n, k, begin, end);
+        });
 #else
         nvfp4_rows_scalar(xp + m0 * k, qp, sp, gp, out + m0 * n, rows, n, k, begin, end);
 #endif
