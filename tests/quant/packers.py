@@ -147,13 +147,14 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def write_quantized_llama(
-    path: Path, quant: dict[str, Any], quantize: Callable[[torch.Tensor, torch.Generator], Quantized]
+    path: Path, quant: dict[str, Any], quantize: Callable[[torch.Tensor, torch.Generator], Quantized],
+    **config: object,
 ) -> torch.nn.Module:
     """A tiny random Llama (hidden 64, intermediate 112, 4 heads and 2 kv heads of
     24) whose projections ``quantize`` packs into ``path`` as a quantizing tool
     saves a checkpoint: one safetensors file, ``quantization_config`` in
     config.json. Returns transformers' model holding the weights the checkpoint means."""
-    hf_model = save_tiny_llama(path)
+    hf_model = save_tiny_llama(path, **config)  # config: LlamaConfig fields other than the tiny ones
     for old in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)
     generator = torch.Generator().manual_seed(0)
@@ -279,11 +280,12 @@ def pack_fp4_to_uint8(values: torch.Tensor) -> torch.Tensor:
 class NVFP4Quantized:
     tensors: dict[str, torch.Tensor]  # as compressed-tensors saves them
     values: torch.Tensor  # [out, in] float32, the e2m1 values
-    scales: torch.Tensor  # [out, in / 16] float32 on e4m3's grid
-    global_scale: torch.Tensor  # [1] float32
+    scales: torch.Tensor  # [out, in / group] float32 on e4m3's grid (MXFP4: powers of two)
+    global_scale: torch.Tensor  # [1] float32 (MXFP4: 1)
+    group_size: int = 16
 
     def weight(self) -> torch.Tensor:  # [out, in] float64: what the checkpoint means, in float32 as ct dequantizes
-        return (self.values * (self.scales / self.global_scale).repeat_interleave(16, dim=1)).double()
+        return (self.values * (self.scales / self.global_scale).repeat_interleave(self.group_size, dim=1)).double()
 
 
 def ct_nvfp4_quantize(w: torch.Tensor, *, input_global_scale: bool = False) -> NVFP4Quantized:
@@ -301,3 +303,18 @@ def ct_nvfp4_quantize(w: torch.Tensor, *, input_global_scale: bool = False) -> N
     if input_global_scale:
         tensors["input_global_scale"] = torch.tensor([1234.5])
     return NVFP4Quantized(tensors, values, scales.float(), global_scale)
+
+
+def ct_mxfp4_quantize(w: torch.Tensor) -> NVFP4Quantized:
+    """MXFP4 as llm-compressor computes and compressed-tensors saves it: each group of
+    32's ``max |w|`` rounded to a power of two (``round_to_power_2``: up from 1.75 of one,
+    else down), its e8m0 scale that power over 4 (``generate_mx_scales``: exponent
+    ``127 + log2(p) - 2``), ``q = cast_to_fp4(w / scale)``."""
+    w = w.float()
+    group_max = w.view(w.shape[0], -1, 32).abs().amax(dim=-1)  # [out, in / 32]
+    power = ((group_max.view(torch.int32) + (1 << 21)) & 0x7F800000).view(torch.float32)
+    exponent = (127 + torch.floor(torch.log2(power)) - 2).clamp(0, 254).to(torch.uint8)
+    scales = torch.exp2(exponent.float() - 127)
+    values = cast_to_fp4(w / scales.repeat_interleave(32, dim=1))
+    tensors = {"weight_packed": pack_fp4_to_uint8(values), "weight_scale": exponent}
+    return NVFP4Quantized(tensors, values, scales, torch.ones(1), group_size=32)

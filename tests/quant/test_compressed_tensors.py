@@ -12,13 +12,13 @@ from vframe import LLM
 from vframe.errors import ConfigError
 from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from vframe.plugins import get_registry
-from vframe.quant.compressed_tensors import CompressedTensorsConfig, NaiveMethod, Nvfp4Method, PackedMethod
+from vframe.quant.compressed_tensors import CompressedTensorsConfig, Fp4Method, NaiveMethod, PackedMethod
 from vframe.testing.models import assert_matches_transformers
 from vframe.testing.quant import check_quant_method
 from fp8_blocks import fp8_block_quantize
 from packers import (
-    cast_to_fp4, ct_fp8_quantize, ct_int_quantize, ct_nvfp4_quantize, pack_fp4_to_uint8, pack_to_int32,
-    write_quantized_llama,
+    cast_to_fp4, ct_fp8_quantize, ct_int_quantize, ct_mxfp4_quantize, ct_nvfp4_quantize, pack_fp4_to_uint8,
+    pack_to_int32, write_quantized_llama,
 )
 
 
@@ -32,6 +32,7 @@ INT8_TOKEN = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": Tr
 FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
 FP8_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
 NVFP4_WEIGHTS = {**weights(4, "float", "tensor_group", 16), "scale_dtype": "torch.float8_e4m3fn"}
+MXFP4_WEIGHTS = {**weights(4, "float", "group", 32), "scale_dtype": "torch.uint8"}
 NVFP4_INPUTS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
                 "dynamic": "local", "observer": "static_minmax"}  # the NVFP4 (W4A4) preset's activations
 FP8_GROUP = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "symmetric": True,
@@ -181,7 +182,7 @@ def test_nvfp4_weight_is_the_e2m1_values_times_each_group_scale_over_its_shard_s
         load(layer, packed.tensors, shard_id)
     layer.quant_method.process_weights_after_loading(layer)
 
-    assert isinstance(layer.quant_method, Nvfp4Method) and layer.quant_method.kernel.name == "nvfp4_cpu"
+    assert isinstance(layer.quant_method, Fp4Method) and layer.quant_method.kernel.name == "fp4_cpu"
     expected = torch.cat([shards[s].weight() for s in "qkv"])
     assert torch.equal(layer.quant_method.dequantize_weight(layer).double(), expected)
     # what the layer holds: the packed codes, the e4m3 scale bytes and a float32 global scale per row
@@ -189,6 +190,24 @@ def test_nvfp4_weight_is_the_e2m1_values_times_each_group_scale_over_its_shard_s
     assert sum(held.values()) == 64 * 64 // 2 + 64 * 64 // 16 + 64 * 4, held
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     assert torch.allclose(layer(x).double(), x.double() @ expected.T, rtol=0, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_mxfp4_weight_is_the_e2m1_values_times_each_group_s_power_of_two() -> None:
+    config = CompressedTensorsConfig.from_config(quant_config("mxfp4-pack-quantized", MXFP4_WEIGHTS))
+    layer = MergedColumnParallelLinear(64, [32, 48], bias=False, quant_config=config, prefix="l.gate_up_proj")
+    shards = [ct_mxfp4_quantize(random_weight(n, 64, i) * 64.0**i) for i, n in enumerate((32, 48))]  # 2^-4 .. 2^3
+    shards[0].tensors["weight_scale"][0, 0] = 0  # 2 ** -127, a subnormal
+    shards[0].scales[0, 0] = 2.0**-127
+    for shard_id, packed in enumerate(shards):
+        load(layer, packed.tensors, shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+
+    assert layer.quant_method.kernel.name == "fp4_cpu"
+    expected = torch.cat([p.weight() for p in shards])
+    assert torch.equal(layer.quant_method.dequantize_weight(layer).double(), expected)
+    held = {name: t.nbytes for name, t in layer.named_buffers()} | {n: p.nbytes for n, p in layer.named_parameters()}
+    assert sum(held.values()) == 80 * 64 // 2 + 80 * 64 // 32 + 80 * 4, held  # codes, e8m0 bytes, ones per row
+    assert shards[1].tensors["weight_scale"].dtype == torch.uint8 and int(shards[1].tensors["weight_scale"].max()) > 127
 
 
 def test_an_nvfp4_w4a4_checkpoint_runs_weight_only_and_says_so(caplog) -> None:
@@ -243,6 +262,7 @@ CONFORMANCE = {
     "FP8 block": (quant_config("float-quantized", fp8_block_weights([32, 64]), FP8_GROUP),
                   fp8_block_tensors((32, 64))),
     "NVFP4A16": (quant_config("nvfp4-pack-quantized", NVFP4_WEIGHTS), lambda w: ct_nvfp4_quantize(w).tensors),
+    "MXFP4A16": (quant_config("mxfp4-pack-quantized", MXFP4_WEIGHTS), lambda w: ct_mxfp4_quantize(w).tensors),
 }
 
 
@@ -252,7 +272,7 @@ def test_conforms_on_every_layer_kind(scheme: str) -> None:
     check_quant_method("compressed-tensors", hf_quant_config=config, checkpoint_tensors=tensors)
 
 
-@pytest.mark.parametrize("scheme", ["W4A16 group", "W8A8 int8", "FP8 channel", "FP8 block", "NVFP4A16"])  # W4A16: int4 kernel
+@pytest.mark.parametrize("scheme", ["W4A16 group", "W8A8 int8", "FP8 channel", "FP8 block", "NVFP4A16", "MXFP4A16"])  # W4A16: int4 kernel
 def test_bfloat16_activations_conform(scheme: str) -> None:
     config, tensors = CONFORMANCE[scheme]
     check_quant_method("compressed-tensors", hf_quant_config=config, checkpoint_tensors=tensors,
@@ -309,9 +329,10 @@ def test_fused_shards_quantized_differently_are_refused() -> None:
         (quant_config("pack-quantized", weights(3, "int", "group", 128)), r"group_0 \(pack-quantized, int3 weights"),
         (quant_config("nvfp4-pack-quantized", weights(4, "float", "tensor_group", 32)),
          r"nvfp4-pack-quantized weights are served as float4, strategy 'tensor_group', group_size 16, symmetric; got .*group_size=32"),
+        (quant_config("mxfp4-pack-quantized", weights(4, "float", "group", 16)),
+         r"mxfp4-pack-quantized weights are served as float4, strategy 'group', group_size 32, .*group_size=16"),
         (quant_config("nvfp4-pack-quantized", NVFP4_WEIGHTS, INT8_TOKEN),
-         r"with NVFP4 weights vframe reads float4 \(NVFP4\) ones or none"),
-        (quant_config("mxfp4-pack-quantized", weights(4, "float", "group", 32)), r"mxfp4-pack-quantized, float4 weights"),
+         r"with FP4 weights vframe reads float4 ones or none"),
         (quant_config("pack-quantized", {**weights(4), "actorder": "group"}), r"actorder='group'"),
         (quant_config("pack-quantized", weights(4), kv_cache_scheme={"num_bits": 8}), r"kv_cache_scheme"),
         ({"quant_method": "gptq", "bits": 4}, r"this one is quantized as 'gptq'"),
@@ -345,7 +366,18 @@ def test_an_nvfp4_llama_generates_what_transformers_does_with_the_dequantized_we
     hf_model = write_quantized_llama(tmp_path, quant, lambda w, generator: ct_nvfp4_quantize(w))
     llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
     qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv.quant_method, Nvfp4Method) and qkv.quant_method.kernel.name == "nvfp4_cpu"
+    assert isinstance(qkv.quant_method, Fp4Method) and qkv.quant_method.kernel.name == "fp4_cpu"
 
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
+    assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
+
+
+def test_an_mxfp4_llama_generates_what_transformers_does_with_the_dequantized_weights(tmp_path: Path) -> None:
+    quant = quant_config("mxfp4-pack-quantized", MXFP4_WEIGHTS)
+    # groups of 32 inputs: an intermediate size of 128 (the tiny Llama's 112 does not split into them)
+    hf_model = write_quantized_llama(tmp_path, quant, lambda w, generator: ct_mxfp4_quantize(w), intermediate_size=128)
+    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
+    down = llm.llm_engine.model_runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(down.quant_method, Fp4Method) and down.quant_method.kernel.name == "fp4_cpu"
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
     assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)

@@ -18,7 +18,7 @@ from vframe import LLM, SamplingParams
 from vframe.errors import ConfigError
 from vframe.plugins import get_registry, hookimpl, register_plugin, unregister_plugin
 from vframe.quant.kernels import (
-    FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, NVFP4, WEIGHT_ONLY, IntWeight, QuantLinearSpec, choose_kernel,
+    FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, MXFP4, NVFP4, WEIGHT_ONLY, IntWeight, QuantLinearSpec, choose_kernel,
 )
 from vframe.quant.kernels.builtin import ReferenceKernel
 from vframe.testing import check_quant_kernel
@@ -40,14 +40,14 @@ def spec(bits: int = 4, group_size: int = 64, *, dtype: torch.dtype = torch.bflo
 @pytest.mark.parametrize(
     ("kernel", "dtype", "cases"),
     [
-        ("reference", torch.float32, 57), ("reference", torch.bfloat16, 57),
+        ("reference", torch.float32, 58), ("reference", torch.bfloat16, 58),
         ("woq_cpu", torch.float32, 28), ("woq_cpu", torch.bfloat16, 28), ("woq_cpu", torch.float16, 28),
         # int8 activations per block of 32: 4 and 8 bit, groups of 32, 64 and per channel, sym and asym
         ("woq_cpu_a8", torch.float32, 12), ("woq_cpu_a8", torch.bfloat16, 12), ("woq_cpu_a8", torch.float16, 12),
         # FP8 weights: a scale per row, per 64 inputs, per 128 with a shorter last group
         ("fp8_cpu", torch.float32, 3), ("fp8_cpu", torch.bfloat16, 3), ("fp8_cpu", torch.float16, 3),
-        # NVFP4 weights: every code, e4m3 scales from the subnormals up, a global scale per row
-        ("nvfp4_cpu", torch.float32, 1), ("nvfp4_cpu", torch.bfloat16, 1), ("nvfp4_cpu", torch.float16, 1),
+        # FP4 weights, NVFP4 and MXFP4: every code, their scales from the subnormals up
+        ("fp4_cpu", torch.float32, 2), ("fp4_cpu", torch.bfloat16, 2), ("fp4_cpu", torch.float16, 2),
         ("int4_cpu", torch.bfloat16, 10),
         ("int8_dynamic", torch.float32, 1), ("int8_dynamic", torch.bfloat16, 1),
     ],
@@ -68,19 +68,19 @@ def test_each_builtin_kernel_equals_the_dequantized_weight_on_every_spec_it_runs
 )
 def test_the_woq_builds_without_avx512_pass_the_same_check(cxxflags: str) -> None:
     """Also W8A8's int8 products, which take vframe's own AVX2 loop where the CPU has no VNNI,
-    and the int8-activation loops of woq_cpu_a8, the FP8 loops of fp8_cpu (F16C) and nvfp4_cpu's."""
+    and the int8-activation loops of woq_cpu_a8, the FP8 loops of fp8_cpu (F16C) and fp4_cpu's."""
     code = (
         "import torch\nfrom vframe.testing import check_quant_kernel\n"
         "print(len(check_quant_kernel('int8_dynamic', dtype=torch.float32, quick=True)))\n"
         "print(len(check_quant_kernel('woq_cpu_a8', dtype=torch.float32)))\n"
         "print(len(check_quant_kernel('fp8_cpu', dtype=torch.float32)))\n"
-        "print(len(check_quant_kernel('nvfp4_cpu', dtype=torch.float32)))\n"
+        "print(len(check_quant_kernel('fp4_cpu', dtype=torch.float32)))\n"
         "print(len(check_quant_kernel('woq_cpu', dtype=torch.bfloat16, quick=True)))"
     )
     env = {**os.environ, "VFRAME_CPU_PAGED_CXXFLAGS": cxxflags}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split()[-5:] == ["1", "12", "3", "1", "12"]
+    assert result.stdout.split()[-5:] == ["1", "12", "3", "2", "12"]
 
 
 def test_woq_cpu_a8_quantizes_activation_blocks_as_quantize_per_block_spells_them() -> None:
@@ -120,7 +120,8 @@ def test_a_kernel_that_computes_wrong_fails_the_check() -> None:
         (spec(4, 48, activations=INT8_PER_BLOCK), "reference"),  # a block of 32 would straddle two groups
         (spec(8, 128, weight_type=FP8_E4M3), "fp8_cpu"),  # FP8 weights: only kernels that name the form
         (spec(8, 192, weight_type=FP8_E4M3, device=torch.device("cuda")), "reference"),
-        (spec(4, 16, weight_type=NVFP4, dtype=torch.float32), "nvfp4_cpu"),  # NVFP4: not woq_cpu's integers
+        (spec(4, 16, weight_type=NVFP4, dtype=torch.float32), "fp4_cpu"),  # NVFP4: not woq_cpu's integers
+        (spec(4, 32, weight_type=MXFP4), "fp4_cpu"),  # nor int4_cpu's
         (spec(4, 16, weight_type=NVFP4, device=torch.device("cuda")), "reference"),
         (spec(4, 64, act_order=True, equal_groups=False), "reference"),  # q, k, v each in its own order
         (spec(4, 64, device=torch.device("cuda")), "reference"),  # no GPU kernel is built in
@@ -210,7 +211,7 @@ def test_a_registered_kernel_of_higher_priority_runs_every_layer_and_quant_kerne
 
 
 def test_an_unknown_quant_kernel_is_refused_naming_the_known_ones(gptq_llama: Path) -> None:
-    with pytest.raises(Exception, match=r"fp8_cpu, int4_cpu, int8_dynamic, nvfp4_cpu, reference, woq_cpu, woq_cpu_a8"):
+    with pytest.raises(Exception, match=r"fp4_cpu, fp8_cpu, int4_cpu, int8_dynamic, reference, woq_cpu, woq_cpu_a8"):
         LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", quant_kernel="marlin")
 
 

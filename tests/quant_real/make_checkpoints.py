@@ -84,6 +84,7 @@ SCHEMES = {
     "ct-w8a16": "llm-compressor GPTQModifier W8A16 (int8, groups of 64)",
     "ct-w4a16": "llm-compressor GPTQModifier W4A16 (int4, groups of 64)",
     "ct-nvfp4a16": "llm-compressor QuantizationModifier NVFP4A16 (float4 weights, e4m3 scales per 16, global scale)",
+    "ct-mxfp4a16": "llm-compressor QuantizationModifier MXFP4A16 (float4 weights, e8m0 scales per 32)",
     "autoround-gptq": "auto-round 4 bit symmetric, groups of 64, exported as auto_gptq",
     "autoround-awq": "auto-round 4 bit with zero points, groups of 64, round to nearest (iters=0), as auto_awq",
 }
@@ -97,6 +98,7 @@ CT_PRESETS = {
     "ct-w8a16": ("gptq", 8),
     "ct-w4a16": ("gptq", 4),
     "ct-nvfp4a16": ("quantization", "NVFP4A16"),
+    "ct-mxfp4a16": ("quantization", "MXFP4A16"),
 }
 AUTOROUND_FORMATS = {"autoround-gptq": "auto_gptq", "autoround-awq": "auto_awq"}
 

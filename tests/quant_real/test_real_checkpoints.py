@@ -61,7 +61,8 @@ SCHEMES = {
     "ct-fp8-block": ("compressed-tensors", "BlockFp8Method", 2e-3),
     "ct-w8a16": ("compressed-tensors", "PackedMethod", 2e-3),
     "ct-w4a16": ("compressed-tensors", "PackedMethod", 2e-3),
-    "ct-nvfp4a16": ("compressed-tensors", "Nvfp4Method", 2e-3),
+    "ct-nvfp4a16": ("compressed-tensors", "Fp4Method", 2e-3),
+    "ct-mxfp4a16": ("compressed-tensors", "Fp4Method", 2e-3),
     "autoround-gptq": ("gptq", "GPTQLinearMethod", 2e-3),
     "autoround-awq": ("awq", "AWQLinearMethod", 2e-3),
 }
@@ -257,7 +258,8 @@ BF16_KERNELS = {
     "autoround-gptq": "int4_cpu",
     "autoround-awq": "int4_cpu",
     "ct-w8a8": "int8_dynamic",
-    "ct-nvfp4a16": "nvfp4_cpu",
+    "ct-nvfp4a16": "fp4_cpu",
+    "ct-mxfp4a16": "fp4_cpu",
 }
 # checkpoint tensors a quantized linear layer is made from
 PACKED_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",

@@ -78,7 +78,7 @@ def vframe_register_quant_kernels(register: RegisterFn) -> None:
     register("woq_cpu", "vframe.quant.kernels.builtin:WoqCpuKernel")
     register("woq_cpu_a8", "vframe.quant.kernels.builtin:WoqCpuA8Kernel")
     register("fp8_cpu", "vframe.quant.kernels.builtin:Fp8CpuKernel")
-    register("nvfp4_cpu", "vframe.quant.kernels.builtin:Nvfp4CpuKernel")
+    register("fp4_cpu", "vframe.quant.kernels.builtin:Fp4CpuKernel")
     register("int8_dynamic", "vframe.quant.kernels.builtin:Int8DynamicKernel")
     register("reference", "vframe.quant.kernels.builtin:ReferenceKernel")
 

@@ -198,7 +198,7 @@ def vframe_register_quant_kernels(register: RegisterFn) -> None:
     of the integer quantization formats (GPTQ, AWQ, compressed-tensors int4 / int8), of
     FP8 (1.10) and NVFP4 (1.11) weights, chosen per layer by ``priority`` and
     ``can_implement``, or named by the ``quant_kernel`` setting (built-in: ``int4_cpu``,
-    ``woq_cpu``, ``woq_cpu_a8``, ``fp8_cpu``, ``nvfp4_cpu``, ``int8_dynamic``, ``reference``). Checked with ``vframe.testing.check_quant_kernel``. Since plugin API 1.8."""
+    ``woq_cpu``, ``woq_cpu_a8``, ``fp8_cpu``, ``fp4_cpu``, ``int8_dynamic``, ``reference``). Checked with ``vframe.testing.check_quant_kernel``. Since plugin API 1.8."""
 
 
 # hook name -> registry kind it fills

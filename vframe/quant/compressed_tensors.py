@@ -29,11 +29,14 @@ value in the lowest bits; signed integers are stored plus ``2**(bits - 1)``)::
                      weight_global_scale  float32 [1]          divides the scales
                      input_global_scale   float32 [1]          NVFP4 (W4A4) only: read, not used
                      W[o, i] = e2m1(q[o, i]) * (scale[o, i // 16] / global_scale)
+    mxfp4-pack-quantized  weight_packed  uint8 [out, in / 2]  as NVFP4's
+                     weight_scale         uint8 [out, in / 32]  e8m0: 2 ** (byte - 127)
+                     W[o, i] = e2m1(q[o, i]) * 2 ** (scale[o, i // 32] - 127)
 
 Served: W4A16 / W8A16 (pack-quantized, group or channel, symmetric or not), W8A8
 int8 (int-quantized, channel or tensor weights, dynamic per-token int8
 activations), FP8 weights (float-quantized, tensor, channel or block;
-activations stay in the model's dtype) and NVFP4 weights (NVFP4A16; an NVFP4 W4A4
+activations stay in the model's dtype) and FP4 weights (NVFP4A16, MXFP4A16; a W4A4
 checkpoint's activations stay in the model's dtype too, with a warning, as FP8's static
 ones do). Everything else is refused naming the group.
 """
@@ -52,7 +55,7 @@ from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight
 from vframe.quant.fp8 import FP8_DTYPE, BlockFp8Method, Fp8KernelMethod, _per_shard_loader, block_structure
-from vframe.quant.kernels import INT8_PER_TOKEN, NVFP4_GROUP, WEIGHT_ONLY, Fp4Weight, IntWeight
+from vframe.quant.kernels import FP4_GROUPS, INT8_PER_TOKEN, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, IntWeight
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
 logger = logging.getLogger(__name__)
@@ -72,7 +75,7 @@ class Scheme:
     symmetric: bool
     strategy: str  # tensor | channel | group | block
     group_size: int | None
-    # None (weight-only), "int8-token" (dynamic), "fp8-static", "fp8-dynamic", "nvfp4" (served weight-only)
+    # None (weight-only), "int8-token" (dynamic), "fp8-static", "fp8-dynamic", "nvfp4" / "mxfp4" (served weight-only)
     activations: str | None
     block: tuple[int, int] | None = None  # (rows, columns) of a block, strategy "block" only
 
@@ -85,15 +88,18 @@ class CompressedTensorsConfig(QuantizationConfig):
     # W8A8 rounds each token's activations to int8 (half a step of max |x| / 127).
     # Weight-only schemes stay within float32 rounding (tested on their own).
     reference_tolerance = 2**-6
-    # NVFP4: e2m1's widest step (4 -> 6) rounds by up to one group scale, max |w_g| / 6,
-    # which e4m3 rounds by up to 1/16
-    nvfp4_weight_tolerance = (1 + 1 / 16) / 6 + 1e-3
+    # FP4, relative to a group's largest |w|: NVFP4, e2m1's widest step (4 -> 6) rounds by up
+    # to one group scale, max |w_g| / 6, which e4m3 rounds by up to 1/16; MXFP4's power-of-two
+    # scale (max |w_g| rounded to a power of two, up from 1.75 of one, over 4) puts max |w_g| at
+    # 3.5 to 7 scales: cutting to 6 or rounding between 4 and 6 moves a value by up to one scale
+    fp4_weight_tolerances = {"nvfp4-pack-quantized": (1 + 1 / 16) / 6 + 1e-3, "mxfp4-pack-quantized": 2 / 7 + 1e-3}
 
     def __init__(self, schemes: list[tuple[list[str], Scheme]], ignore: list[str]) -> None:
         self.schemes = schemes
         self.ignore = ignore
-        if any(s.format == "nvfp4-pack-quantized" for _, s in schemes):  # this checkpoint's own bound
-            self.weight_tolerance = self.nvfp4_weight_tolerance
+        fp4 = [self.fp4_weight_tolerances[s.format] for _, s in schemes if s.format in self.fp4_weight_tolerances]
+        if fp4:  # this checkpoint's own bound
+            self.weight_tolerance = max(fp4)
 
     def __repr__(self) -> str:
         return f"CompressedTensorsConfig(schemes={[s for _, s in self.schemes]}, ignore={self.ignore})"
@@ -132,10 +138,10 @@ class CompressedTensorsConfig(QuantizationConfig):
         if not groups:
             raise ConfigError("quantization_config.config_groups is empty: nothing says how layers are quantized")
         schemes = [(list(g.get("targets") or []), _scheme(name, g, q.get("format"))) for name, g in groups.items()]
-        if any(s.activations == "nvfp4" for _, s in schemes):
+        if any(s.activations in (NVFP4, MXFP4) for _, s in schemes):
             logger.warning(
-                "NVFP4 (W4A4) checkpoint: vframe multiplies its FP4 weights by activations in the model's dtype "
-                "(input_global_scale is read, not used), as vLLM does on GPUs without FP4 tensor cores"
+                "FP4 W4A4 checkpoint (NVFP4 / MXFP4): vframe multiplies its FP4 weights by activations in the "
+                "model's dtype (input_global_scale is read, not used), as vLLM does on GPUs without FP4 tensor cores"
             )
         return cls(schemes, list(q.get("ignore") or []))
 
@@ -155,8 +161,8 @@ class CompressedTensorsConfig(QuantizationConfig):
             return None
         if scheme.strategy == "block":
             return BlockFp8Method(scheme.block, "weight_scale", self.quant_kernel)
-        if scheme.format == "nvfp4-pack-quantized":
-            return Nvfp4Method(scheme, self.quant_kernel)
+        if scheme.format in FP4_FORMATS:
+            return Fp4Method(scheme, self.quant_kernel)
         if scheme.format == "pack-quantized":
             return PackedMethod(scheme, self.quant_kernel)
         return Int8Method(scheme, self.quant_kernel) if scheme.type == "int" else NaiveMethod(scheme, self.quant_kernel)
@@ -198,8 +204,8 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Sch
     strategy = w.get("strategy") or ("tensor" if group_size is None else "channel" if group_size == -1 else "group")
     label = f"{where} ({fmt}, {wtype}{num_bits} weights, strategy {strategy!r})"
     a = group.get("input_activations")
-    if fmt == "nvfp4-pack-quantized":
-        return _nvfp4_scheme(name, label, fmt, w, a)
+    if fmt in FP4_FORMATS:
+        return _fp4_scheme(name, label, fmt, w, a)
     if strategy not in ("tensor", "channel", "group", "block"):
         raise ConfigError(
             f"{label}: strategy {strategy!r} is not supported yet; vframe serves tensor, channel, group, block"
@@ -245,28 +251,35 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Sch
         return scheme("fp8-dynamic" if a.get("dynamic") else "fp8-static")
     raise ConfigError(
         f"{label}, symmetric={symmetric}: not supported; vframe serves pack-quantized int4 / int8, "
-        "int-quantized int8 (W8A8), float-quantized FP8 and nvfp4-pack-quantized NVFP4"
+        "int-quantized int8 (W8A8), float-quantized FP8, nvfp4- and mxfp4-pack-quantized FP4"
     )
 
 
-def _nvfp4_scheme(name: str, label: str, fmt: str, w: dict[str, Any], a: dict[str, Any] | None) -> Scheme:
-    """NVFP4A16, or NVFP4 (W4A4) served weight-only: float4 weights in groups of 16 with
-    e4m3 scales and a global scale per tensor (strategy ``tensor_group``)."""
+# FP4 formats -> (strategy, group size) of their weights
+FP4_FORMATS = {"nvfp4-pack-quantized": (NVFP4, "tensor_group"), "mxfp4-pack-quantized": (MXFP4, "group")}
+
+
+def _fp4_scheme(name: str, label: str, fmt: str, w: dict[str, Any], a: dict[str, Any] | None) -> Scheme:
+    """NVFP4A16 (float4 weights in groups of 16, e4m3 scales, a global scale per tensor:
+    strategy ``tensor_group``) or MXFP4A16 (groups of 32, e8m0 scales: ``group``); their
+    W4A4 schemes (NVFP4, MXFP4) served weight-only."""
+    form, strategy = FP4_FORMATS[fmt]
+    group = FP4_GROUPS[form]
     got = (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size"), w.get("symmetric", True))
-    if got != ("float", 4, "tensor_group", NVFP4_GROUP, True):
+    if got != ("float", 4, strategy, group, True):
         raise ConfigError(
-            f"{label}: nvfp4-pack-quantized weights are served as float4, strategy 'tensor_group', "
-            f"group_size {NVFP4_GROUP}, symmetric; got type={got[0]!r}, num_bits={got[1]!r}, "
-            f"strategy={got[2]!r}, group_size={got[3]!r}, symmetric={got[4]!r}"
+            f"{label}: {fmt} weights are served as float4, strategy {strategy!r}, group_size {group}, symmetric; "
+            f"got type={got[0]!r}, num_bits={got[1]!r}, strategy={got[2]!r}, group_size={got[3]!r}, "
+            f"symmetric={got[4]!r}"
         )
     if w.get("dynamic"):
         raise ConfigError(f"{label}: dynamic weight quantization is not supported")
     activations = None
     if a:
         if (a.get("type"), a.get("num_bits")) != ("float", 4):
-            raise ConfigError(f"{label}: activations {a!r}; with NVFP4 weights vframe reads float4 (NVFP4) ones or none")
-        activations = "nvfp4"
-    return Scheme(name, fmt, "float", 4, True, "tensor_group", NVFP4_GROUP, activations)
+            raise ConfigError(f"{label}: activations {a!r}; with FP4 weights vframe reads float4 ones or none")
+        activations = form
+    return Scheme(name, fmt, "float", 4, True, strategy, group, activations)
 
 
 class PackedMethod(IntKernelMethod):
@@ -329,15 +342,16 @@ class PackedMethod(IntKernelMethod):
         return IntWeight(bits, q.to(torch.uint8), layer.weight_scale, offsets, self.group_size)
 
 
-class Nvfp4Method(IntKernelMethod):
-    """nvfp4-pack-quantized weights on an NVFP4 quant kernel (``nvfp4_cpu`` on the CPU),
-    which reads the checkpoint's packed codes and e4m3 scales where they lie."""
+class Fp4Method(IntKernelMethod):
+    """nvfp4- / mxfp4-pack-quantized weights on an FP4 quant kernel (``fp4_cpu`` on the
+    CPU), which reads the checkpoint's packed codes and scale bytes where they lie."""
 
     checkpoint_params = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
 
     def __init__(self, scheme: Scheme, kernel_name: str | None = None) -> None:
         super().__init__(kernel_name)
         self.scheme = scheme
+        self.form = FP4_FORMATS[scheme.format][0]  # NVFP4 or MXFP4
 
     def create_weights(
         self,
@@ -348,26 +362,29 @@ class Nvfp4Method(IntKernelMethod):
         output_size: int,
         params_dtype: torch.dtype,
     ) -> None:
-        where = layer.prefix or type(layer).__name__
-        check_divisible(input_size_per_partition, NVFP4_GROUP, f"{where}: the input size per partition",
-                        f"NVFP4 scales groups of {NVFP4_GROUP} inputs")
+        where, group = layer.prefix or type(layer).__name__, self.scheme.group_size
+        check_divisible(input_size_per_partition, group, f"{where}: the input size per partition",
+                        f"{self.form.upper()} scales groups of {group} inputs")
         out, shards = sum(output_partition_sizes), len(output_partition_sizes)
         register_weight(layer, "weight_packed", torch.empty(out, input_size_per_partition // 2, dtype=torch.uint8),
                         {"output_dim": 0, "input_dim": 1})  # [out, in / 2]
-        register_weight(layer, "weight_scale",
-                        torch.empty(out, input_size_per_partition // NVFP4_GROUP, dtype=FP8_DTYPE),
-                        {"output_dim": 0, "input_dim": 1})  # [out, in / 16]
-        # one per fused shard, repeated over its rows after loading
-        register_weight(layer, "weight_global_scale", torch.empty(shards, dtype=torch.float32),
-                        {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
-        if self.scheme.activations == "nvfp4":  # read, not used: activations stay in the model's dtype
-            register_weight(layer, "input_global_scale", torch.empty(shards, dtype=torch.float32),
+        scale_dtype = FP8_DTYPE if self.form == NVFP4 else torch.uint8  # e4m3, or e8m0 exponents
+        register_weight(layer, "weight_scale", torch.empty(out, input_size_per_partition // group, dtype=scale_dtype),
+                        {"output_dim": 0, "input_dim": 1})  # [out, in / group]
+        if self.form == NVFP4:  # one per fused shard, repeated over its rows after loading
+            register_weight(layer, "weight_global_scale", torch.empty(shards, dtype=torch.float32),
                             {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
+            if self.scheme.activations:  # read, not used: activations stay in the model's dtype
+                register_weight(layer, "input_global_scale", torch.empty(shards, dtype=torch.float32),
+                                {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
 
-    def int_weight(self, layer: nn.Module) -> Fp4Weight:  # the kernel's form of the weight: here NVFP4's
+    def int_weight(self, layer: nn.Module) -> Fp4Weight:  # the kernel's form of the weight: here FP4's
+        scales = layer.weight_scale.view(torch.uint8)
+        if self.form == MXFP4:
+            return Fp4Weight(layer.weight_packed, scales, torch.ones(scales.shape[0], device=scales.device), MXFP4)
         rows = torch.tensor(layer.output_partition_sizes, device=layer.weight_global_scale.device)
         global_scale = layer.weight_global_scale.repeat_interleave(rows)  # [out]
-        return Fp4Weight(layer.weight_packed, layer.weight_scale.view(torch.uint8), global_scale)
+        return Fp4Weight(layer.weight_packed, scales, global_scale, NVFP4)
 
 
 class NaiveMethod(Fp8KernelMethod):

@@ -6,8 +6,9 @@ and with offsets; inputs in order, in act order with equal groups, and in a
 different act order per fused shard; weight-only, W8A8, and int8 activations per
 block of 32 in groups of 32, 64 and per channel), random ``Fp8Weight``s (a scale
 per row, per 64 inputs, per 128 with a shorter last group) for kernels whose
-``weight_types`` name ``FP8_E4M3``, and random ``Fp4Weight``s (every code, e4m3 scales
-from subnormal to 448, a global scale per row) for those naming ``NVFP4``, keeps those the
+``weight_types`` name ``FP8_E4M3``, and random ``Fp4Weight``s (every code; NVFP4: e4m3
+scales from subnormal to 448, a global scale per row; MXFP4: e8m0 scales 2^-127 to 2^127)
+for those naming ``NVFP4`` / ``MXFP4``, keeps those the
 kernel says it can run (``can_implement`` returns ``None``), and for each:
 
 * ``prepare`` on a bare ``nn.Module`` layer, then ``dequantize_weight(layer)``
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from vframe.quant.kernels import (
-    FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, NVFP4, NVFP4_GROUP, WEIGHT_ONLY, Fp4Weight, Fp8Weight, IntWeight,
+    FP4_GROUPS, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, Fp8Weight, IntWeight,
     QuantLinearKernel, QuantLinearSpec, refusal,
 )
 
@@ -94,10 +95,11 @@ def _specs(dtype: torch.dtype, device: torch.device, quick: bool) -> list[QuantL
             activations=WEIGHT_ONLY, in_features=inp, out_features=out, dtype=dtype, device=device,
             weight_type=FP8_E4M3,
         ))
-    specs.append(QuantLinearSpec(
-        bits=4, group_size=NVFP4_GROUP, symmetric=True, act_order=False, equal_groups=True, activations=WEIGHT_ONLY,
-        in_features=inp, out_features=out, dtype=dtype, device=device, weight_type=NVFP4,
-    ))
+    for fp4 in (NVFP4, MXFP4):
+        specs.append(QuantLinearSpec(
+            bits=4, group_size=FP4_GROUPS[fp4], symmetric=True, act_order=False, equal_groups=True,
+            activations=WEIGHT_ONLY, in_features=inp, out_features=out, dtype=dtype, device=device, weight_type=fp4,
+        ))
     return specs
 
 
@@ -113,18 +115,23 @@ def _fp8_weight(spec: QuantLinearSpec, generator: torch.Generator) -> Fp8Weight:
 
 
 def _fp4_weight(spec: QuantLinearSpec, generator: torch.Generator) -> Fp4Weight:
-    """Random codes (all 16, zero's two signs included), e4m3 scale bytes from the
-    subnormals to 448 (never NaN), and a global scale per row."""
-    out, inp = spec.out_features, spec.in_features
+    """Random codes (all 16, zero's two signs included); NVFP4: e4m3 scale bytes from the
+    subnormals to 448 (never NaN) and a global scale per row; MXFP4: e8m0 bytes around 2^0
+    (0, 2^-127, included) and global scales of one."""
+    out, inp, group = spec.out_features, spec.in_features, spec.group_size
     q = torch.randint(0, 256, (out, inp // 2), generator=generator, dtype=torch.int32).to(torch.uint8)
-    scales = torch.randint(0, 0x7F, (out, inp // NVFP4_GROUP), generator=generator, dtype=torch.int32).to(torch.uint8)
+    if spec.weight_type == MXFP4:
+        scales = torch.randint(112, 136, (out, inp // group), generator=generator, dtype=torch.int32).to(torch.uint8)
+        scales[0, 0] = 0
+        return Fp4Weight(q, scales, torch.ones(out), MXFP4)
+    scales = torch.randint(0, 0x7F, (out, inp // group), generator=generator, dtype=torch.int32).to(torch.uint8)
     global_scale = (torch.rand(out, generator=generator) + 0.5) * 448 * 6 * inp**0.5
-    return Fp4Weight(q, scales, global_scale)
+    return Fp4Weight(q, scales, global_scale, NVFP4)
 
 
 def _name(spec: QuantLinearSpec) -> str:
-    if spec.weight_type == NVFP4:
-        return "nvfp4"
+    if spec.weight_type in (NVFP4, MXFP4):
+        return spec.weight_type
     group = "channel" if spec.group_size == spec.in_features else f"g{spec.group_size}"
     if spec.weight_type == FP8_E4M3:
         return f"fp8-{group}"
@@ -161,10 +168,10 @@ def check_quant_kernel(
         if spec.weight_type == FP8_E4M3:
             weight = _fp8_weight(spec, generator)
             instance.prepare(layer, Fp8Weight(weight.q.to(device), weight.scales.to(device), weight.group_size))
-        elif spec.weight_type == NVFP4:
+        elif spec.weight_type in (NVFP4, MXFP4):
             weight = _fp4_weight(spec, generator)
             instance.prepare(layer, Fp4Weight(weight.q.to(device), weight.scales.to(device),
-                                              weight.global_scale.to(device)))
+                                              weight.global_scale.to(device), weight.format))
         else:
             weight = _int_weight(spec, shards=3, generator=generator)
             instance.prepare(layer, IntWeight(weight.bits, weight.q.to(device), weight.scales.to(device),

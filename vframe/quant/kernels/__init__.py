@@ -16,19 +16,23 @@ compressed-tensors FP8) hand over an ``Fp8Weight`` (plugin API 1.10)::
 
     W[o, i] = e4m3(q[o, i]) * scales[o, i // group_size]
 
-``q`` the e4m3 bytes (uint8 [out, in]), the last group possibly shorter. NVFP4
-weights (compressed-tensors ``nvfp4-pack-quantized``) hand over an ``Fp4Weight`` (plugin
-API 1.11)::
+``q`` the e4m3 bytes (uint8 [out, in]), the last group possibly shorter. FP4 weights
+(compressed-tensors ``nvfp4-pack-quantized`` and ``mxfp4-pack-quantized``) hand over an
+``Fp4Weight`` (plugin API 1.11)::
 
-    W[o, i] = e2m1(q[o, i]) * (e4m3(scales[o, i // 16]) / global_scale[o])
+    W[o, i] = e2m1(q[o, i]) * (scale(scales[o, i // group]) / global_scale[o])
 
 ``q`` two FP4 (e2m1) codes a byte, input ``2j`` in the low nibble of byte ``j``; a code's
-bit 3 is its sign, bits 0-2 index ``E2M1_VALUES``; ``scales`` the e4m3 bytes of each group
-of 16 inputs; ``global_scale`` float32 per output row (each fused shard's own). The
-division comes first, in float32, as compressed-tensors dequantizes.
+bit 3 is its sign, bits 0-2 index ``E2M1_VALUES``; ``scales`` one byte per group; the
+division comes first, in float32, as compressed-tensors dequantizes. Its ``format``:
+
+* ``NVFP4`` (``"nvfp4"``): groups of 16, ``scales`` e4m3 bytes, ``global_scale`` float32 per
+  output row (each fused shard's own);
+* ``MXFP4`` (``"mxfp4"``, the OCP microscaling format): groups of 32, ``scales`` e8m0
+  bytes (``2 ** (byte - 127)``), ``global_scale`` all ones.
 
 A spec says which form its layer holds (``QuantLinearSpec.weight_type``: ``INT_WEIGHT``,
-``FP8_E4M3`` or ``NVFP4``); a kernel names the forms it takes in ``weight_types``
+``FP8_E4M3``, ``NVFP4`` or ``MXFP4``); a kernel names the forms it takes in ``weight_types``
 (default: integers only) and is never offered another.
 
 Choosing: each layer describes itself as a ``QuantLinearSpec``; the kernel named
@@ -51,9 +55,9 @@ Built-in kernels (``vframe.quant.kernels.builtin``), by priority:
   llama.cpp computes them; groups that are multiples of 32.
 * ``int8_dynamic`` (20): W8A8 with per-token int8 activations through ``torch._int_mm``
   (quantization, product and scaling in one C++ call where ``woq_cpu``'s library builds).
-* ``nvfp4_cpu`` (20): vframe's C++ NVFP4 kernel: the e2m1 codes read in place (a
-  table of eight magnitudes, eight codes a vector) for up to 16 tokens (32 in float32),
-  dequantized for one GEMM above.
+* ``fp4_cpu`` (20): vframe's C++ FP4 kernel (NVFP4 and MXFP4): the e2m1 codes read in
+  place (a table of eight magnitudes, eight codes a vector) for up to 16 tokens (32 in
+  float32), dequantized for one GEMM above.
 * ``fp8_cpu`` (20): vframe's C++ FP8 kernel: e4m3 bytes read in place (as float16 bits,
   converted eight at a time with F16C) for up to 16 tokens (32 in float32), dequantized
   for one GEMM above.
@@ -84,16 +88,17 @@ ACTIVATION_BLOCK = 32  # inputs per INT8_PER_BLOCK block
 
 INT_WEIGHT = "int"  # an IntWeight
 FP8_E4M3 = "fp8-e4m3"  # an Fp8Weight (plugin API 1.10)
-NVFP4 = "nvfp4"  # an Fp4Weight (plugin API 1.11)
+NVFP4 = "nvfp4"  # an Fp4Weight with e4m3 scales per 16 inputs and a global scale (plugin API 1.11)
+MXFP4 = "mxfp4"  # an Fp4Weight with e8m0 scales per 32 inputs (plugin API 1.11)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # an FP4 code's magnitude by its bits 0-2
-NVFP4_GROUP = 16  # inputs sharing an e4m3 scale
+FP4_GROUPS = {NVFP4: 16, MXFP4: 32}  # inputs sharing a scale
 
 
 @dataclass(frozen=True)
 class QuantLinearSpec:
     """What a layer's quantized weight is and where it runs: what kernels choose by."""
 
-    bits: int  # 4 or 8 (NVFP4: 4)
+    bits: int  # 4 or 8 (FP4: 4)
     group_size: int  # inputs sharing a scale; in_features for one scale per output channel
     symmetric: bool  # no offsets: the zero point is the midpoint 2**(bits - 1)
     act_order: bool  # an input's group is g_idx[i], not i // group_size
@@ -106,7 +111,7 @@ class QuantLinearSpec:
     dtype: torch.dtype  # the activations' (the model's)
     device: torch.device
     layer: str = ""  # the layer's name, for messages
-    weight_type: str = INT_WEIGHT  # INT_WEIGHT (an IntWeight), FP8_E4M3 (an Fp8Weight) or NVFP4 (an Fp4Weight)
+    weight_type: str = INT_WEIGHT  # INT_WEIGHT (an IntWeight), FP8_E4M3 (an Fp8Weight), NVFP4 / MXFP4 (an Fp4Weight)
 
     @classmethod
     def for_weight(
@@ -117,9 +122,9 @@ class QuantLinearSpec:
         out_features, in_features = weight.q.shape
         if isinstance(weight, Fp4Weight):
             return cls(
-                bits=4, group_size=NVFP4_GROUP, symmetric=True, act_order=False, equal_groups=True,
+                bits=4, group_size=FP4_GROUPS[weight.format], symmetric=True, act_order=False, equal_groups=True,
                 activations=activations, in_features=in_features * 2, out_features=out_features, dtype=dtype,
-                device=weight.q.device, layer=layer, weight_type=NVFP4,
+                device=weight.q.device, layer=layer, weight_type=weight.format,
             )
         if isinstance(weight, Fp8Weight):
             return cls(
@@ -183,28 +188,38 @@ class Fp8Weight:
 
 @dataclass
 class Fp4Weight:
-    """One layer's NVFP4 weight in the form NVFP4 kernels read (see the module)."""
+    """One layer's FP4 weight (NVFP4 or MXFP4) in the form FP4 kernels read (see the module)."""
 
     q: torch.Tensor  # [out, in / 2] uint8: two e2m1 codes a byte, the first input low
-    scales: torch.Tensor  # [out, in / 16] uint8: the e4m3 bytes of each group's scale
-    global_scale: torch.Tensor  # [out] float32: divides every scale of the row
+    scales: torch.Tensor  # [out, in / group] uint8: each group's scale, e4m3 (NVFP4) or e8m0 (MXFP4) bytes
+    global_scale: torch.Tensor  # [out] float32: divides every scale of the row (MXFP4: ones)
+    format: str = NVFP4  # NVFP4 or MXFP4
+
+    @property
+    def group_size(self) -> int:
+        return FP4_GROUPS[self.format]
 
     def codes(self) -> torch.Tensor:  # [out, in] uint8 in [0, 16)
         return torch.stack([self.q & 0x0F, self.q >> 4], dim=-1).flatten(1)
 
-    def group_scales(self) -> torch.Tensor:  # [out, in / 16] float32
-        return self.scales.view(torch.float8_e4m3fn).float() / self.global_scale.float()[:, None]
+    def group_scales(self) -> torch.Tensor:  # [out, in / group] float32
+        if self.format == MXFP4:  # 2 ** (byte - 127): the byte is the float's exponent (0: 2 ** -127)
+            bits = torch.where(self.scales == 0, 0x00400000, self.scales.to(torch.int32) << 23)
+            scales = bits.to(torch.int32).view(torch.float32)
+        else:
+            scales = self.scales.view(torch.float8_e4m3fn).float()
+        return scales / self.global_scale.float()[:, None]
 
     def dequantize(self) -> torch.Tensor:  # [out, in] float32, exact
         codes = self.codes()
         table = torch.tensor(E2M1_VALUES, device=self.q.device)
         values = torch.where(codes >= 8, -table[(codes & 7).long()], table[(codes & 7).long()])
-        return values * self.group_scales().repeat_interleave(NVFP4_GROUP, dim=1)
+        return values * self.group_scales().repeat_interleave(self.group_size, dim=1)
 
 
 class QuantLinearKernel(ABC):
     """Multiplies activations by one layer's ``IntWeight`` (or ``Fp8Weight`` /
-    ``Fp4Weight``, for a kernel whose ``weight_types`` names ``FP8_E4M3`` / ``NVFP4``).
+    ``Fp4Weight``, for a kernel whose ``weight_types`` names ``FP8_E4M3`` / ``NVFP4``, ``MXFP4``).
     One instance per layer."""
 
     priority: ClassVar[int] = 10  # higher is tried first when no kernel is named
@@ -302,7 +317,7 @@ def refusal(cls: type[QuantLinearKernel], spec: QuantLinearSpec) -> str | None:
 
 def _describe(spec: QuantLinearSpec) -> str:
     group = "per channel" if spec.group_size == spec.in_features else f"groups of {spec.group_size}"
-    kinds = {FP8_E4M3: "FP8 e4m3", NVFP4: "NVFP4"}
+    kinds = {FP8_E4M3: "FP8 e4m3", NVFP4: "NVFP4", MXFP4: "MXFP4"}
     kind = kinds.get(spec.weight_type) or f"{spec.bits}-bit {'symmetric' if spec.symmetric else 'asymmetric'}"
     parts = [
         f"{spec.layer + ': ' if spec.layer else ''}{kind}",
@@ -323,8 +338,9 @@ __all__ = [
     "Fp8Weight",
     "INT8_PER_BLOCK",
     "INT8_PER_TOKEN",
+    "FP4_GROUPS",
+    "MXFP4",
     "NVFP4",
-    "NVFP4_GROUP",
     "WEIGHT_ONLY",
     "IntWeight",
     "QuantLinearKernel",

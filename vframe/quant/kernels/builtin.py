@@ -13,7 +13,7 @@ from torch import nn
 from vframe.quant import int4_cpu
 from vframe.errors import ModelLoadError
 from vframe.quant.kernels import (
-    ACTIVATION_BLOCK, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, NVFP4, WEIGHT_ONLY, Fp4Weight,
+    ACTIVATION_BLOCK, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight,
     Fp8Weight, IntWeight, QuantLinearKernel, QuantLinearSpec,
 )
 
@@ -26,7 +26,7 @@ class ReferenceKernel(QuantLinearKernel):
     Keeps the integers unpacked (one byte each)."""
 
     priority = 0
-    weight_types = (INT_WEIGHT, FP8_E4M3, NVFP4)
+    weight_types = (INT_WEIGHT, FP8_E4M3, NVFP4, MXFP4)
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
@@ -38,6 +38,7 @@ class ReferenceKernel(QuantLinearKernel):
         if isinstance(weight, Fp4Weight):  # as the checkpoint packs it
             for name in ("q", "scales", "global_scale"):
                 self.buffer(layer, name, getattr(weight, name).contiguous())
+            self.fp4_format = weight.format
             return
         self.buffer(layer, "q", weight.q.to(torch.uint8).contiguous())
         self.buffer(layer, "scales", weight.scales.float().contiguous())
@@ -50,8 +51,9 @@ class ReferenceKernel(QuantLinearKernel):
         self.bits = weight.bits
 
     def _weight(self, layer: nn.Module) -> IntWeight | Fp8Weight | Fp4Weight:
-        if self.spec.weight_type == NVFP4:
-            return Fp4Weight(self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "global_scale"))
+        if self.spec.weight_type in (NVFP4, MXFP4):
+            return Fp4Weight(self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "global_scale"),
+                             self.fp4_format)
         if self.spec.weight_type == FP8_E4M3:
             return Fp8Weight(self.get(layer, "q"), self.get(layer, "scales"), self.group_size)
         offsets = getattr(layer, f"{self.name}_offsets", None)
@@ -382,31 +384,35 @@ class Fp8CpuKernel(_DequantizedGemm, QuantLinearKernel):
         return self._dequantized(layer, torch.float32)
 
 
-class Nvfp4CpuKernel(_DequantizedGemm, QuantLinearKernel):
-    """NVFP4 weights on the CPU, vframe's C++ operators (``csrc/woq_gemm.cpp``): up to
-    ``MAX_ROWS`` tokens multiply the packed e2m1 codes in place (``nvfp4_gemm``: eight
+class Fp4CpuKernel(_DequantizedGemm, QuantLinearKernel):
+    """FP4 weights (NVFP4, MXFP4) on the CPU, vframe's C++ operators (``csrc/woq_gemm.cpp``):
+    up to ``MAX_ROWS`` tokens multiply the packed e2m1 codes in place (``fp4_gemm``: eight
     codes a vector, their magnitudes looked up with ``vpermps``), more tokens dequantize
-    the weight (``nvfp4_dequantize``) for one GEMM. The layer's buffers are the
-    checkpoint's packed codes and e4m3 scale bytes (4.5 bits a weight) and a float32
-    global scale per row. Scales holding e4m3's NaN byte are refused."""
+    the weight (``fp4_dequantize``) for one GEMM. The layer's buffers are the checkpoint's
+    packed codes and scale bytes (NVFP4 4.5 bits a weight, MXFP4 4.25) and a float32
+    global scale per row. A NaN scale byte (e4m3 0x7F / 0xFF, e8m0 0xFF) is refused."""
 
     priority = 20
-    weight_types = (NVFP4,)
+    weight_types = (NVFP4, MXFP4)
+    SCALE_FORMATS = {NVFP4: 0, MXFP4: 1}  # the operators' scale_format: e4m3, e8m0
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
-        return _cpu_weight_only_refusal(spec, "NVFP4")
+        return _cpu_weight_only_refusal(spec, "FP4")
 
     def prepare(self, layer: nn.Module, weight: Fp4Weight) -> None:
-        if bool(((weight.scales & 0x7F) == 0x7F).any()):
-            raise ModelLoadError(f"{self.spec.layer or 'an NVFP4 layer'}: a scale is NaN (e4m3 bytes 0x7F / 0xFF)")
+        nan = weight.scales == 0xFF if weight.format == MXFP4 else (weight.scales & 0x7F) == 0x7F
+        if bool(nan.any()):
+            raise ModelLoadError(f"{self.spec.layer or 'an FP4 layer'}: a scale is NaN ({weight.format} byte)")
+        self.group_size, self.scale_format = weight.group_size, self.SCALE_FORMATS[weight.format]
         self.buffer(layer, "q", weight.q.contiguous())  # the checkpoint's bytes, shared where contiguous
         self.buffer(layer, "scales", weight.scales.contiguous())
         self.buffer(layer, "global_scale", weight.global_scale.float().contiguous())
 
     def _in_place_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return _woq_ops().nvfp4_gemm(
-            x, self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "global_scale"), x.dtype
+        return _woq_ops().fp4_gemm(
+            x, self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "global_scale"),
+            self.group_size, self.scale_format, x.dtype,
         )
 
     def _dequantized(
@@ -415,7 +421,7 @@ class Nvfp4CpuKernel(_DequantizedGemm, QuantLinearKernel):
         q, scales, global_scale = (self.get(layer, name) for name in ("q", "scales", "global_scale"))
         if rows is not None:
             q, scales, global_scale = q[rows], scales[rows], global_scale[rows]
-        return _woq_ops().nvfp4_dequantize(q, scales, global_scale, dtype)
+        return _woq_ops().fp4_dequantize(q, scales, global_scale, self.group_size, self.scale_format, dtype)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         return self._dequantized(layer, torch.float32)

@@ -1012,30 +1012,47 @@ at::Tensor fp8_dequantize(const at::Tensor& q, const at::Tensor& scales, int64_t
   return w;
 }
 
-// NVFP4 weights: two FP4 (e2m1) codes a byte, input 2j in the low nibble of byte j; a
-// code's bit 3 is its sign and bits 0-2 pick one of eight magnitudes. Each group of 16
-// inputs has an e4m3 scale, which the row's float32 global scale divides:
+// FP4 weights: two e2m1 codes a byte, input 2j in the low nibble of byte j; a code's
+// bit 3 is its sign and bits 0-2 pick one of eight magnitudes. Each group of `group`
+// inputs has a scale byte, which the row's float32 global scale divides: NVFP4 groups of
+// 16 with e4m3 scales, MXFP4 groups of 32 with e8m0 ones (2^(byte - 127), global 1):
 //
-//   y[m, o] = sum_i x[m, i] * (e2m1(q[o, i]) * (e4m3(s[o, i / 16]) / gs[o]))
+//   y[m, o] = sum_i x[m, i] * (e2m1(q[o, i]) * (scale(s[o, i / group]) / gs[o]))
 //
-// The codes are read in place. On AVX2 a group's 16 codes are two 32-bit words; eight
-// codes at once: each lane shifts its nibble down, vpermps looks its magnitude up (it
-// reads the index's low three bits) and the code's bit 3 becomes the float's sign.
-constexpr int64_t kNvfp4Group = 16;
+// The codes are read in place. On AVX2 eight codes are one 32-bit word: each lane
+// shifts its nibble down, vpermps looks its magnitude up (it reads the index's low
+// three bits) and the code's bit 3 becomes the float's sign.
 constexpr float kE2M1[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+constexpr int64_t kScaleE4m3 = 0, kScaleE8m0 = 1;  // the scale byte formats
 
 inline float e2m1_value(uint8_t code) { return (code & 8) ? -kE2M1[code & 7] : kE2M1[code & 7]; }
 
+// 2^(b - 127) for every byte (0: 2^-127, a subnormal; 255 would be NaN: refused by prepare).
+const float* e8m0_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) {
+      const uint32_t bits = b == 0 ? 0x00400000u : static_cast<uint32_t>(b) << 23;
+      std::memcpy(&t[b], &bits, sizeof(float));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+const float* fp4_scale_table(int64_t scale_format) {
+  return scale_format == kScaleE8m0 ? e8m0_table() : e4m3_table();
+}
+
 template <typename T>
-void nvfp4_rows_scalar(const float* x, const uint8_t* q, const uint8_t* s, const float* gs, T* y, int64_t m_rows,
-                       int64_t n, int64_t k, int64_t begin, int64_t end) {
-  const float* table = e4m3_table();
-  const int64_t groups = k / kNvfp4Group;
+void fp4_rows_scalar(const float* x, const uint8_t* q, const uint8_t* s, const float* gs, const float* table, T* y,
+                     int64_t m_rows, int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
+  const int64_t groups = k / group;
   std::vector<float> w(k);  // the row's dequantized weight
   for (int64_t o = begin; o < end; ++o) {
     for (int64_t j = 0; j < k / 2; ++j) {
       const uint8_t b = q[o * (k / 2) + j];
-      const float scale = table[s[o * groups + 2 * j / kNvfp4Group]] / gs[o];
+      const float scale = table[s[o * groups + 2 * j / group]] / gs[o];
       w[2 * j] = e2m1_value(b & 15) * scale;
       w[2 * j + 1] = e2m1_value(b >> 4) * scale;
     }
@@ -1047,7 +1064,7 @@ void nvfp4_rows_scalar(const float* x, const uint8_t* q, const uint8_t* s, const
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__)
 // Eight e2m1 codes (the nibbles of `word`, lowest first) as floats.
 inline __m256 e2m1_8(uint32_t word) {
   const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
@@ -1056,46 +1073,28 @@ inline __m256 e2m1_8(uint32_t word) {
   return _mm256_or_ps(magnitude, _mm256_castsi256_ps(sign));
 }
 
-// Eight e4m3 bytes as floats: shifted into float16 bits (fp8_rows_avx2's trick), times 2^8.
-inline __m256 e4m3_8(const uint8_t* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
-                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
-  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
-}
-
-// Per group: its scale e4m3(s) / gs (eight groups' at a time), the 16 codes times it
-// (the dequantized weight's values, rounded as nvfp4_dequantize rounds them), then one
-// FMA per activation row and vector.
+// Per group: its scale (table / global), each word of eight codes times it (the
+// dequantized weight's values, rounded as fp4_dequantize rounds them), then one FMA per
+// activation row and vector, in two chains.
 template <int64_t MR, typename T>
-void nvfp4_rows_avx2(const float* x, const uint8_t* q, const uint8_t* s, const float* gs, T* y, int64_t n, int64_t k,
-                     int64_t begin, int64_t end) {
-  const float* table = e4m3_table();
-  const int64_t groups = k / kNvfp4Group;
+void fp4_rows_avx2(const float* x, const uint8_t* q, const uint8_t* s, const float* gs, const float* table, T* y,
+                   int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
+  const int64_t groups = k / group;
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = q + o * (k / 2);
     const uint8_t* row_scales = s + o * groups;
     const float global = gs[o];
-    __m256 acc[MR][2];  // two chains of FMAs per row: one would wait on its own latency
+    __m256 acc[MR][2];
     for (int64_t m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
-      const int64_t ng = std::min<int64_t>(8, groups - g0);
-      alignas(32) float scale[8];
-      if (ng == 8) {
-        _mm256_store_ps(scale, _mm256_div_ps(e4m3_8(row_scales + g0), _mm256_set1_ps(global)));
-      } else {
-        for (int64_t j = 0; j < ng; ++j) scale[j] = table[row_scales[g0 + j]] / global;
-      }
-      for (int64_t j = 0; j < ng; ++j) {
-        const int64_t g = g0 + j;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 scale = _mm256_set1_ps(table[row_scales[g]] / global);
+      for (int64_t i = g * group; i < (g + 1) * group; i += 16) {
         uint32_t words[2];
-        std::memcpy(words, row + g * (kNvfp4Group / 2), sizeof(words));
-        const __m256 sg = _mm256_set1_ps(scale[j]);
-        const __m256 w0 = _mm256_mul_ps(e2m1_8(words[0]), sg), w1 = _mm256_mul_ps(e2m1_8(words[1]), sg);
+        std::memcpy(words, row + i / 2, sizeof(words));
+        const __m256 w0 = _mm256_mul_ps(e2m1_8(words[0]), scale), w1 = _mm256_mul_ps(e2m1_8(words[1]), scale);
         for (int64_t m = 0; m < MR; ++m) {
-          const float* xg = x + m * k + g * kNvfp4Group;
-          acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg), w0, acc[m][0]);
-          acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8), w1, acc[m][1]);
+          acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * k + i), w0, acc[m][0]);
+          acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * k + i + 8), w1, acc[m][1]);
         }
       }
     }
@@ -1104,58 +1103,63 @@ void nvfp4_rows_avx2(const float* x, const uint8_t* q, const uint8_t* s, const f
 }
 #endif
 
-void check_nvfp4(const char* op, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& global_scale) {
+void check_fp4(const char* op, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& global_scale,
+               int64_t group, int64_t scale_format) {
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2, op,
               ": q must be contiguous uint8 [N, K / 2]");
+  TORCH_CHECK(group % 16 == 0 && group > 0, op, ": group must be a positive multiple of 16");
+  TORCH_CHECK(scale_format == kScaleE4m3 || scale_format == kScaleE8m0, op, ": scale_format must be 0 (e4m3) or 1 (e8m0)");
   const int64_t n = q.size(0), k = q.size(1) * 2;
-  TORCH_CHECK(k % kNvfp4Group == 0, op, ": K must be a multiple of ", kNvfp4Group);
+  TORCH_CHECK(k % group == 0, op, ": K must be a multiple of ", group);
   TORCH_CHECK(scales.scalar_type() == at::kByte && scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == n &&
-                  scales.size(1) == k / kNvfp4Group,
-              op, ": scales must be contiguous uint8 (e4m3 bytes) [N, K / 16]");
+                  scales.size(1) == k / group,
+              op, ": scales must be contiguous uint8 [N, K / group]");
   TORCH_CHECK(global_scale.scalar_type() == at::kFloat && global_scale.is_contiguous() && global_scale.dim() == 1 &&
                   global_scale.size(0) == n,
               op, ": global_scale must be float32 [N]");
 }
 
-// x: [M, K] any float dtype (read as float32); q: uint8 [N, K / 2]; scales: uint8 [N, K / 16]
-// (e4m3 bytes); global_scale: float32 [N]. Returns [M, N] of out_dtype.
-at::Tensor nvfp4_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
-                      const at::Tensor& global_scale, at::ScalarType out_dtype) {
-  TORCH_CHECK(x_in.dim() == 2, "nvfp4_gemm: x must be [M, K]");
-  check_nvfp4("nvfp4_gemm", q, scales, global_scale);
+// x: [M, K] any float dtype (read as float32); q: uint8 [N, K / 2]; scales: uint8
+// [N, K / group] (e4m3 or e8m0 bytes, scale_format); global_scale: float32 [N].
+// Returns [M, N] of out_dtype.
+at::Tensor fp4_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
+                    const at::Tensor& global_scale, int64_t group, int64_t scale_format, at::ScalarType out_dtype) {
+  TORCH_CHECK(x_in.dim() == 2, "fp4_gemm: x must be [M, K]");
+  check_fp4("fp4_gemm", q, scales, global_scale, group, scale_format);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0);
-  TORCH_CHECK(q.size(1) * 2 == k, "nvfp4_gemm: x has ", k, " inputs, q ", q.size(1) * 2);
+  TORCH_CHECK(q.size(1) * 2 == k, "fp4_gemm: x has ", k, " inputs, q ", q.size(1) * 2);
   at::Tensor y = at::empty({m_rows, n}, x.options().dtype(out_dtype));
   const float* xp = x.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
   const float* gp = global_scale.data_ptr<float>();
+  const float* table = fp4_scale_table(scale_format);
   auto run = [&](auto* out) {
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m0 = 0; m0 < m_rows; m0 += kFp8Rows) {
         const int64_t rows = std::min(kFp8Rows, m_rows - m0);
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__)
         with_rows(rows, [&](auto r) {
-          nvfp4_rows_avx2<decltype(r)::value>(xp + m0 * k, qp, sp, gp, out + m0 * n, n, k, begin, end);
+          fp4_rows_avx2<decltype(r)::value>(xp + m0 * k, qp, sp, gp, table, out + m0 * n, n, k, group, begin, end);
         });
 #else
-        nvfp4_rows_scalar(xp + m0 * k, qp, sp, gp, out + m0 * n, rows, n, k, begin, end);
+        fp4_rows_scalar(xp + m0 * k, qp, sp, gp, table, out + m0 * n, rows, n, k, group, begin, end);
 #endif
       }
     });
   };
-  AT_DISPATCH_V2(out_dtype, "nvfp4_gemm", AT_WRAP([&] { run(y.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
+  AT_DISPATCH_V2(out_dtype, "fp4_gemm", AT_WRAP([&] { run(y.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
   return y;
 }
 
-// The float weight [N, K] of out_dtype: e2m1(q) * (e4m3(s) / gs) in float32 (the PyTorch
+// The float weight [N, K] of out_dtype: e2m1(q) * (scale(s) / gs) in float32 (the PyTorch
 // expression Fp4Weight.dequantize() spells), then cast.
-at::Tensor nvfp4_dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& global_scale,
-                            at::ScalarType out_dtype) {
-  check_nvfp4("nvfp4_dequantize", q, scales, global_scale);
-  const int64_t n = q.size(0), k = q.size(1) * 2, groups = k / kNvfp4Group;
-  const float* table = e4m3_table();
+at::Tensor fp4_dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& global_scale, int64_t group,
+                          int64_t scale_format, at::ScalarType out_dtype) {
+  check_fp4("fp4_dequantize", q, scales, global_scale, group, scale_format);
+  const int64_t n = q.size(0), k = q.size(1) * 2, groups = k / group;
+  const float* table = fp4_scale_table(scale_format);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
   const float* gp = global_scale.data_ptr<float>();
@@ -1166,29 +1170,30 @@ at::Tensor nvfp4_dequantize(const at::Tensor& q, const at::Tensor& scales, const
       for (int64_t o = begin; o < end; ++o)
         for (int64_t g = 0; g < groups; ++g) {
           const float scale = table[sp[o * groups + g]] / gp[o];
-          const uint8_t* codes = qp + o * (k / 2) + g * (kNvfp4Group / 2);
-          T* w = out + o * k + g * kNvfp4Group;
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-          // the same products, eight at a time (e2m1 values are exact in float32)
-          alignas(32) float values[kNvfp4Group];
-          uint32_t words[2];
-          std::memcpy(words, codes, sizeof(words));
-          _mm256_store_ps(values, _mm256_mul_ps(e2m1_8(words[0]), _mm256_set1_ps(scale)));
-          _mm256_store_ps(values + 8, _mm256_mul_ps(e2m1_8(words[1]), _mm256_set1_ps(scale)));
-          for (int64_t i = 0; i < kNvfp4Group; ++i) w[i] = static_cast<T>(values[i]);
+          for (int64_t i = g * group; i < (g + 1) * group; i += 16) {
+            const uint8_t* codes = qp + o * (k / 2) + i / 2;
+            T* wi = out + o * k + i;
+#if defined(__AVX2__) && defined(__FMA__)
+            // the same products, eight at a time (e2m1 values are exact in float32)
+            alignas(32) float values[16];
+            uint32_t words[2];
+            std::memcpy(words, codes, sizeof(words));
+            _mm256_store_ps(values, _mm256_mul_ps(e2m1_8(words[0]), _mm256_set1_ps(scale)));
+            _mm256_store_ps(values + 8, _mm256_mul_ps(e2m1_8(words[1]), _mm256_set1_ps(scale)));
+            for (int64_t j = 0; j < 16; ++j) wi[j] = static_cast<T>(values[j]);
 #else
-          for (int64_t j = 0; j < kNvfp4Group / 2; ++j) {
-            w[2 * j] = static_cast<T>(e2m1_value(codes[j] & 15) * scale);
-            w[2 * j + 1] = static_cast<T>(e2m1_value(codes[j] >> 4) * scale);
-          }
+            for (int64_t j = 0; j < 8; ++j) {
+              wi[2 * j] = static_cast<T>(e2m1_value(codes[j] & 15) * scale);
+              wi[2 * j + 1] = static_cast<T>(e2m1_value(codes[j] >> 4) * scale);
+            }
 #endif
+          }
         }
     });
   };
-  AT_DISPATCH_V2(out_dtype, "nvfp4_dequantize", AT_WRAP([&] { fill(w.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
+  AT_DISPATCH_V2(out_dtype, "fp4_dequantize", AT_WRAP([&] { fill(w.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
   return w;
 }
-
 
 }  // namespace
 
@@ -1199,8 +1204,8 @@ TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("quantize_blocks(Tensor x) -> Tensor");
   m.def("fp8_gemm(Tensor x, Tensor q, Tensor scales, int group, ScalarType out_dtype) -> Tensor");
   m.def("fp8_dequantize(Tensor q, Tensor scales, int group, ScalarType out_dtype) -> Tensor");
-  m.def("nvfp4_gemm(Tensor x, Tensor q, Tensor scales, Tensor global_scale, ScalarType out_dtype) -> Tensor");
-  m.def("nvfp4_dequantize(Tensor q, Tensor scales, Tensor global_scale, ScalarType out_dtype) -> Tensor");
+  m.def("fp4_gemm(Tensor x, Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format, ScalarType out_dtype) -> Tensor");
+  m.def("fp4_dequantize(Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format, ScalarType out_dtype) -> Tensor");
   m.def("woq_dequantize(Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
 }
 
@@ -1211,7 +1216,7 @@ TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
   m.impl("quantize_blocks", &quantize_blocks_dequantized);
   m.impl("fp8_gemm", &fp8_gemm);
   m.impl("fp8_dequantize", &fp8_dequantize);
-  m.impl("nvfp4_gemm", &nvfp4_gemm);
-  m.impl("nvfp4_dequantize", &nvfp4_dequantize);
+  m.impl("fp4_gemm", &fp4_gemm);
+  m.impl("fp4_dequantize", &fp4_dequantize);
   m.impl("woq_dequantize", &woq_dequantize);
 }
