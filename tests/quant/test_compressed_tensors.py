@@ -361,23 +361,23 @@ def test_a_w4a16_llama_generates_what_transformers_does_with_the_dequantized_wei
     assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
 
 
-def test_an_nvfp4_llama_generates_what_transformers_does_with_the_dequantized_weights(tmp_path: Path) -> None:
-    quant = quant_config("nvfp4-pack-quantized", NVFP4_WEIGHTS)
-    hf_model = write_quantized_llama(tmp_path, quant, lambda w, generator: ct_nvfp4_quantize(w))
+@pytest.mark.parametrize(
+    ("fmt", "w", "quantize", "config"),
+    [
+        ("nvfp4-pack-quantized", NVFP4_WEIGHTS, ct_nvfp4_quantize, {}),
+        # groups of 32 inputs: an intermediate size of 128 (the tiny Llama's 112 does not split into them)
+        ("mxfp4-pack-quantized", MXFP4_WEIGHTS, ct_mxfp4_quantize, {"intermediate_size": 128}),
+    ],
+    ids=["nvfp4", "mxfp4"],
+)
+def test_an_fp4_llama_generates_what_transformers_does_with_the_dequantized_weights(
+    tmp_path: Path, fmt: str, w: dict, quantize, config: dict
+) -> None:
+    hf_model = write_quantized_llama(tmp_path, quant_config(fmt, w), lambda weight, generator: quantize(weight), **config)
     llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
-    qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv.quant_method, Fp4Method) and qkv.quant_method.kernel.name == "fp4_cpu"
+    layer = llm.llm_engine.model_runner.model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+        assert isinstance(linear.quant_method, Fp4Method) and linear.quant_method.kernel.name == "fp4_cpu"
 
-    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
-    assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
-
-
-def test_an_mxfp4_llama_generates_what_transformers_does_with_the_dequantized_weights(tmp_path: Path) -> None:
-    quant = quant_config("mxfp4-pack-quantized", MXFP4_WEIGHTS)
-    # groups of 32 inputs: an intermediate size of 128 (the tiny Llama's 112 does not split into them)
-    hf_model = write_quantized_llama(tmp_path, quant, lambda w, generator: ct_mxfp4_quantize(w), intermediate_size=128)
-    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
-    down = llm.llm_engine.model_runner.model.model.layers[0].mlp.down_proj
-    assert isinstance(down.quant_method, Fp4Method) and down.quant_method.kernel.name == "fp4_cpu"
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
     assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
