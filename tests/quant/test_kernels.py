@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from vframe import LLM, SamplingParams
-from vframe.errors import ConfigError
+from vframe.errors import ConfigError, ModelLoadError
 from vframe.plugins import get_registry, hookimpl, register_plugin, unregister_plugin
 from vframe.quant.kernels import (
-    FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, MXFP4, NVFP4, WEIGHT_ONLY, IntWeight, QuantLinearSpec, choose_kernel,
+    FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, IntWeight, QuantLinearSpec,
+    choose_kernel,
 )
 from vframe.quant.kernels.builtin import ReferenceKernel
 from vframe.testing import check_quant_kernel
@@ -129,6 +130,18 @@ def test_a_kernel_that_computes_wrong_fails_the_check() -> None:
 )
 def test_the_highest_priority_kernel_that_can_run_a_layer_runs_it(kernel_spec: QuantLinearSpec, expected: str) -> None:
     assert choose_kernel(kernel_spec).name == expected
+
+
+@pytest.mark.parametrize(("fmt", "nan_byte"), [(NVFP4, 0x7F), (NVFP4, 0xFF), (MXFP4, 0xFF)])
+def test_an_fp4_weight_with_a_nan_scale_is_refused_by_name(fmt: str, nan_byte: int) -> None:
+    group = 16 if fmt == NVFP4 else 32
+    scales = torch.full((48, 192 // group), 0x38, dtype=torch.uint8)  # e4m3 1.0; e8m0 2^-71
+    scales[5, 1] = nan_byte
+    weight = Fp4Weight(torch.zeros(48, 96, dtype=torch.uint8), scales, torch.ones(48), fmt)
+    kernel = choose_kernel(spec(4, group, weight_type=fmt, dtype=torch.float32))
+    assert kernel.name == "fp4_cpu"
+    with pytest.raises(ModelLoadError, match=rf"model.layers.0.mlp.down_proj: a scale is NaN \({fmt} byte\)"):
+        kernel.prepare(nn.Module(), weight)
 
 
 def test_a_named_kernel_that_cannot_run_a_layer_is_refused_saying_why() -> None:
