@@ -54,7 +54,9 @@ from torch import nn
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight
-from vframe.quant.fp8 import FP8_DTYPE, BlockFp8Method, Fp8KernelMethod, _per_shard_loader, block_structure
+from vframe.quant.fp8 import (
+    FP8_DTYPE, BlockFp8Method, Fp8KernelMethod, _per_shard_loader, block_structure, over_shard_rows,
+)
 from vframe.quant.kernels import FP4_GROUPS, INT8_PER_TOKEN, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, IntWeight
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
@@ -255,7 +257,7 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Sch
     )
 
 
-# FP4 formats -> (strategy, group size) of their weights
+# FP4 formats -> (the Fp4Weight format, the weights' strategy in the config)
 FP4_FORMATS = {"nvfp4-pack-quantized": (NVFP4, "tensor_group"), "mxfp4-pack-quantized": (MXFP4, "group")}
 
 
@@ -382,9 +384,7 @@ class Fp4Method(IntKernelMethod):
         scales = layer.weight_scale.view(torch.uint8)
         if self.form == MXFP4:
             return Fp4Weight(layer.weight_packed, scales, torch.ones(scales.shape[0], device=scales.device), MXFP4)
-        rows = torch.tensor(layer.output_partition_sizes, device=layer.weight_global_scale.device)
-        global_scale = layer.weight_global_scale.repeat_interleave(rows)  # [out]
-        return Fp4Weight(layer.weight_packed, scales, global_scale, NVFP4)
+        return Fp4Weight(layer.weight_packed, scales, over_shard_rows(layer, layer.weight_global_scale), NVFP4)
 
 
 class NaiveMethod(Fp8KernelMethod):
@@ -450,8 +450,7 @@ def _row_scales(layer: nn.Module, scheme: Scheme) -> torch.Tensor:  # [out] floa
     """One weight scale per output row: per-tensor scales repeated over their shard's rows."""
     scale = layer.weight_scale
     if scheme.strategy == "tensor":
-        sizes = torch.tensor(layer.output_partition_sizes, device=scale.device)
-        scale = scale.repeat_interleave(sizes)
+        scale = over_shard_rows(layer, scale)
     return scale.reshape(-1)
 
 

@@ -197,8 +197,7 @@ class Fp8CheckpointMethod(Fp8OnTheFlyMethod):
             register_weight(layer, name, scale, {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        sizes = torch.tensor(layer.output_partition_sizes, device=layer.weight_scale.device)
-        scale = layer.weight_scale.repeat_interleave(sizes)  # [out]
+        scale = over_shard_rows(layer, layer.weight_scale)  # [out]
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         layer.input_scale = None  # weight-only: activations are not quantized
         self.attach_kernel(layer)
@@ -336,6 +335,13 @@ def _block_scale_loader(layer: LinearBase, block: tuple[int, int]):
         target.copy_(loaded_weight)
 
     return load
+
+
+def over_shard_rows(layer: LinearBase, values: torch.Tensor) -> torch.Tensor:  # [out]
+    """One value per fused shard (what ``_per_shard_loader`` fills), repeated over that
+    shard's output rows."""
+    sizes = torch.tensor(layer.output_partition_sizes, device=values.device)
+    return values.repeat_interleave(sizes)
 
 
 def _per_shard_loader(layer: LinearBase):

@@ -1027,7 +1027,8 @@ constexpr int64_t kScaleE4m3 = 0, kScaleE8m0 = 1;  // the scale byte formats
 
 inline float e2m1_value(uint8_t code) { return (code & 8) ? -kE2M1[code & 7] : kE2M1[code & 7]; }
 
-// 2^(b - 127) for every byte (0: 2^-127, a subnormal; 255 would be NaN: refused by prepare).
+// 2^(b - 127) for every byte (0: 2^-127, a subnormal; 255, NaN in the format, reads as
+// infinity here, as compressed-tensors' 2.0 ** 128 does: Fp4CpuKernel.prepare refuses it).
 const float* e8m0_table() {
   static const std::vector<float> table = [] {
     std::vector<float> t(256);
@@ -1068,7 +1069,7 @@ void fp4_rows_scalar(const float* x, const uint8_t* q, const uint8_t* s, const f
 // Eight e2m1 codes (the nibbles of `word`, lowest first) as floats.
 inline __m256 e2m1_8(uint32_t word) {
   const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-  const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), codes);
+  const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kE2M1), codes);
   const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(codes, 28), _mm256_set1_epi32(static_cast<int>(0x80000000u)));
   return _mm256_or_ps(magnitude, _mm256_castsi256_ps(sign));
 }
