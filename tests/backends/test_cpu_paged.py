@@ -140,6 +140,7 @@ def test_a_missing_compiler_is_a_refusal_naming_the_fix(monkeypatch: pytest.Monk
         build.library_path()
 
 
+@pytest.mark.slow  # two compilations into a fresh cache: about a minute
 def test_the_portable_path_conforms_and_its_build_is_reused(tmp_path) -> None:
     # What CPUs without AVX-512 run: the operator built with -mno-avx512f into a fresh
     # cache by one process; a second process finds that build, does not rebuild it,

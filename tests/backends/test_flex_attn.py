@@ -23,6 +23,7 @@ def test_conforms_quick(dtype: torch.dtype) -> None:
     check_attention_backend("flex", dtype=dtype, quick=True)
 
 
+@pytest.mark.slow  # every case of the kit: about 17 s (test_conforms_quick runs in make test)
 def test_conforms_full_float32() -> None:
     # every case (MHA, sliding window, custom scale ...), head sizes 32-256 and 80, block sizes 16, 32: ~15 s
     check_attention_backend("flex", dtype=torch.float32)

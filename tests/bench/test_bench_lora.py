@@ -7,11 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors import safe_open
 
 from vframe.bench.lora import write_random_adapter
 
 
+@pytest.mark.slow  # about 12 s
 def test_bench_lora_times_base_lora_enabled_and_adapters(tmp_path: Path) -> None:
     out_json = tmp_path / "lora.json"
     proc = subprocess.run(

@@ -13,12 +13,14 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints" / "openai"))
 from openai_server import start_server, stop_server  # noqa: E402
 from test_tensor_parallel import worker_pids  # noqa: E402
 
 
+@pytest.mark.slow  # four processes load the model: about 20 s (make test keeps the offline killed-worker test)
 def test_server_on_three_ranks_and_a_killed_worker(tmp_path: Path, llm_fp32) -> None:
     server = start_server(tmp_path, "--tensor-parallel-size", "3")
     try:

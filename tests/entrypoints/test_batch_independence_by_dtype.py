@@ -9,8 +9,8 @@ from test_engine_invariance import PROMPTS
 
 from vframe import SamplingParams
 
-GREEDY = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)] * len(PROMPTS)
-SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=32, ignore_eos=True) for i in range(6)]
+GREEDY = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * len(PROMPTS)
+SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=16, ignore_eos=True) for i in range(6)]
 
 
 def token_ids(llm, prompts: list[str], params: list[SamplingParams]) -> list[list[int]]:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 VFRAME = str(Path(sys.executable).parent / "vframe")
 
@@ -15,6 +17,7 @@ def run(args, cwd, env_extra=None, timeout=300):
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # a profiled generation: about 13 s
 def test_vllm_profiling_example_runs_and_writes_a_trace(tmp_path):
     proc = run([sys.executable, str(ROOT / "examples" / "offline_profile.py")], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]

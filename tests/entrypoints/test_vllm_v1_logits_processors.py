@@ -291,6 +291,7 @@ def test_bad_logits_processors_settings_name_the_entry():
         LLM(logits_processors=[int])
 
 
+@pytest.mark.slow  # about 17 s; tests/distributed keeps processors rebuilt on every rank in make test
 def test_processor_is_built_in_every_tensor_parallel_worker(monkeypatch):
     """With tensor_parallel_size > 1 the runners live in worker processes: the class
     travels by reference (its module must be importable there) and is built there."""

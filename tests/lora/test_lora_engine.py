@@ -118,6 +118,7 @@ def test_a_batch_mixing_four_adapters_and_the_base_model(adapters, references) -
     assert len(manager.slot_ids()) == 2
 
 
+@pytest.mark.slow  # three worker processes: about 16 s
 def test_adapters_split_over_three_tensor_parallel_ranks_match_peft(adapters, references) -> None:
     # SmolLM2's 9 heads split by 3: each worker holds its shard of A (row-parallel
     # layers) or B (column-parallel ones) of every adapter (docs/distributed.md).

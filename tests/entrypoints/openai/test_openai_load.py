@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from openai_server import Server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -21,6 +22,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow  # about 30 s; make test-reliability's load test (512 requests at 64) is the larger one
 def test_200_requests_at_concurrency_32(server: Server):
     with server.client() as client:
         reference = [
