@@ -38,7 +38,6 @@ class ReferenceKernel(QuantLinearKernel):
         if isinstance(weight, Fp4Weight):  # as the checkpoint packs it
             for name in ("q", "scales", "global_scale"):
                 self.buffer(layer, name, getattr(weight, name).contiguous())
-            self.fp4_format = weight.format
             return
         self.buffer(layer, "q", weight.q.to(torch.uint8).contiguous())
         self.buffer(layer, "scales", weight.scales.float().contiguous())
@@ -51,9 +50,9 @@ class ReferenceKernel(QuantLinearKernel):
         self.bits = weight.bits
 
     def _weight(self, layer: nn.Module) -> IntWeight | Fp8Weight | Fp4Weight:
-        if self.spec.weight_type in (NVFP4, MXFP4):
+        if self.spec.weight_type in (NVFP4, MXFP4):  # the spec's weight type is the Fp4Weight's format
             return Fp4Weight(self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "global_scale"),
-                             self.fp4_format)
+                             self.spec.weight_type)
         if self.spec.weight_type == FP8_E4M3:
             return Fp8Weight(self.get(layer, "q"), self.get(layer, "scales"), self.group_size)
         offsets = getattr(layer, f"{self.name}_offsets", None)
