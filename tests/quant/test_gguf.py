@@ -151,6 +151,7 @@ def test_bfloat16_mixed_fused_layer_runs_each_segment_on_its_kernel() -> None:
     out = layer(x)
 
     assert [s.kernel for s in layer.quant_method.segments] == ["int4_cpu", "woq_cpu"]
+    assert layer.quant_method.bind(layer, layer.bias) is None  # two segments: apply's loop, unbound
     assert layer.qweight.numel() == 0  # both segments' blocks are dropped
     expected_weight = torch.cat([gguf_weight(q, "Q4_K"), gguf_weight(k, "Q4_K"), gguf_weight(v, "Q6_K")])
     reference = x.double() @ expected_weight.double().T + bias.double()

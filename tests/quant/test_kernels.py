@@ -18,8 +18,8 @@ from vframe import LLM, SamplingParams
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.plugins import get_registry, hookimpl, register_plugin, unregister_plugin
 from vframe.quant.kernels import (
-    FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, IntWeight, QuantLinearSpec,
-    choose_kernel,
+    FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, Fp8Weight, IntWeight,
+    QuantLinearSpec, choose_kernel,
 )
 from vframe.quant.kernels.builtin import ReferenceKernel
 from vframe.testing import check_quant_kernel
@@ -36,6 +36,46 @@ def spec(bits: int = 4, group_size: int = 64, *, dtype: torch.dtype = torch.bflo
     return QuantLinearSpec(bits=bits, group_size=group_size, symmetric=symmetric, act_order=act_order,
                            equal_groups=equal_groups, activations=activations, in_features=192, out_features=48,
                            dtype=dtype, device=device, layer="model.layers.0.mlp.down_proj", weight_type=weight_type)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "weight_type", "dtype", "activations"),
+    [
+        ("woq_cpu", INT_WEIGHT, torch.float32, WEIGHT_ONLY), ("woq_cpu_a8", INT_WEIGHT, torch.float32, INT8_PER_BLOCK),
+        ("fp8_cpu", FP8_E4M3, torch.bfloat16, WEIGHT_ONLY), ("fp4_cpu", NVFP4, torch.float32, WEIGHT_ONLY),
+        ("int4_cpu", INT_WEIGHT, torch.bfloat16, WEIGHT_ONLY), ("int8_dynamic", INT_WEIGHT, torch.float32, INT8_PER_TOKEN),
+    ],
+)
+def test_builtin_kernels_bind_to_their_buffers(kernel: str, weight_type: str, dtype: torch.dtype, activations: str) -> None:
+    """The C++ kernels hand a bound function to layers (plugin API 1.12); the check above
+    compares it with apply bit for bit on every spec."""
+    bits, group = (8, 192) if kernel == "int8_dynamic" else (4, 32 if weight_type == INT_WEIGHT else 16)
+    s = spec(bits=bits, group_size=group, dtype=dtype, activations=activations, weight_type=weight_type)
+    instance = get_registry("quant_kernel").load(kernel)(s, kernel)
+    layer, bias = nn.Module(), torch.randn(48).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    if weight_type == FP8_E4M3:
+        weight = Fp8Weight(torch.randint(0, 0x7E, (48, 192), generator=g, dtype=torch.uint8), torch.rand(48, 1), 192)
+    elif weight_type == NVFP4:
+        weight = Fp4Weight(torch.randint(0, 256, (48, 96), generator=g, dtype=torch.uint8),
+                           torch.full((48, 12), 0x38, dtype=torch.uint8), torch.ones(48), NVFP4)
+    else:
+        q = torch.randint(0, 2**bits, (48, 192), generator=g, dtype=torch.int32)
+        weight = IntWeight(bits, q, torch.rand(48, 192 // group), None, group)
+    instance.prepare(layer, weight)
+    x = torch.randn(2, 192, generator=g).to(dtype)
+    product = instance.bind(layer, bias)
+    assert product is not None
+    assert torch.equal(product(x), instance.apply(layer, x, bias))
+
+
+def test_a_kernel_whose_bound_function_differs_from_apply_fails_the_check() -> None:
+    class BoundWrong(ReferenceKernel):
+        def bind(self, layer: nn.Module, bias: torch.Tensor | None):
+            return lambda x: self.apply(layer, x, bias) * (1 + 2**-20)
+
+    with pytest.raises(AssertionError, match=r"int4-g32-sym, float32, 1 tokens: bind\(layer, bias\) computes other"):
+        check_quant_kernel(BoundWrong, quick=True)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -69,6 +71,21 @@ def applies(x: torch.Tensor) -> bool:
     )
 
 
+def guard(dtype: torch.dtype) -> Callable[[torch.Tensor], bool] | None:
+    """``applies`` for activations of ``dtype`` with what cannot change between calls decided
+    once (the dtype's token limit, the library built): what a layer bound after loading
+    asks on every call (``vframe.layers.binding``). None: never for ``dtype``."""
+    if dtype not in MAX_TOKENS or not available():
+        return None
+    limit = MAX_TOKENS[dtype] or sys.maxsize
+    is_grad_enabled, is_compiling = torch.is_grad_enabled, torch.compiler.is_compiling
+
+    def fused(x: torch.Tensor) -> bool:
+        return x.dtype == dtype and x.is_cpu and x.shape[0] <= limit and not is_grad_enabled() and not is_compiling()
+
+    return fused
+
+
 def stores_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> bool:
     """Whether ``store_kv`` takes this KV write: CPU tensors of one float dtype (an FP8
     cache rounds on the way, in PyTorch), each K / V row contiguous (``[T, KVH, D]`` views
@@ -86,6 +103,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     """Slot ``slots[i]`` of ``kv_cache[0]`` / ``kv_cache[1]`` ([2, num_blocks, block_size,
     KVH, D]) takes ``key[i]`` / ``value[i]``, for ``i < len(slots)``."""
     torch.ops.vframe_cpu_ops.store_kv(key, value, kv_cache, slots)
+
+
+def operator(name: str) -> torch._ops.OpOverload:
+    """The fused operator ``name`` (``rms_norm``, ``rotary_neox_``, ...), for a layer that
+    looks it up once (``available()`` must be True)."""
+    return getattr(torch.ops.vframe_cpu_ops, name).default
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, E] -> [T, E]

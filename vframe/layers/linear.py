@@ -31,7 +31,9 @@ from torch import nn
 
 from vframe.errors import ModelLoadError
 from vframe.layers.parallel import all_reduce, divide, get_tp_rank, get_tp_size
-from vframe.quant.base import LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod, set_weight_attrs
+from vframe.quant.base import (
+    BoundApply, LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod, bound_apply, set_weight_attrs,
+)
 
 ShardId = str | int
 
@@ -46,6 +48,7 @@ class LinearBase(nn.Module):
     output_partition_sizes: list[int]
     shard_ids: tuple[ShardId, ...] = ()  # fused shards, loaded one checkpoint tensor each
     quant_method: LinearMethodBase
+    _bound: BoundApply | None = None  # what forward calls once bound (bind_forward)
 
     def __init__(
         self,
@@ -92,7 +95,16 @@ class LinearBase(nn.Module):
                 param.weight_loader = self.weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out / tp]
+        bound = self._bound
+        if bound is not None:
+            return bound(x)
         return self.quant_method.apply(self, x, self.bias)
+
+    def bind_forward(self, enabled: bool = True) -> None:
+        """Once the weights are processed (``vframe.layers.binding``): ``forward`` calls what
+        the quant method's ``bind`` returns, the layer's tensors looked up once; with
+        ``enabled=False`` (or a method that does not bind) its ``apply`` again."""
+        self._bound = bound_apply(self.quant_method, self, self.bias) if enabled else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None) -> None:
         """Place the checkpoint tensor ``loaded_weight`` (of shard ``shard_id`` of a
@@ -331,10 +343,28 @@ class RowParallelLinear(LinearBase):
         self._create_weights(quant_config, output_size if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
+        bound = self._bound
+        if bound is not None:
+            return bound(x)
         if self.tp_size == 1:
             return self.quant_method.apply(self, x, self.bias)
         out = all_reduce(self.quant_method.apply(self, x, None), self.tp_size)
         return out if self.bias is None else out + self.bias
+
+    def bind_forward(self, enabled: bool = True) -> None:
+        if self.tp_size == 1 or not enabled:
+            super().bind_forward(enabled)
+            return
+        product, bias, tp_size = bound_apply(self.quant_method, self, None), self.bias, self.tp_size
+        if product is None:
+            self._bound = None
+            return
+
+        def reduced(x: torch.Tensor) -> torch.Tensor:  # the partial sums of every rank, then the bias once
+            out = all_reduce(product(x), tp_size)
+            return out if bias is None else out + bias
+
+        self._bound = reduced
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None) -> None:
         _refuse_shard_id(self, shard_id)

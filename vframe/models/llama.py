@@ -10,7 +10,7 @@ onto (fused parameter, shard id) and lets the parameters' loaders place them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -51,6 +51,8 @@ def get_head_dim(hf_config: Any) -> int:
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (rotate_half), as Hugging Face Llama applies it."""
 
+    _bound: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # bind_forward's
+
     def __init__(self, hf_config: Any, head_dim: int) -> None:
         super().__init__()
         inv_freq, attention_factor = rope_frequencies(hf_config, head_dim)  # [D/2]
@@ -65,9 +67,35 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [T, H, D]
         key: torch.Tensor,  # [T, KVH, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        bound = self._bound
+        if bound is not None:
+            return bound(positions, query, key)
         if cpu_ops.applies(query) and positions.dtype == torch.int64:  # one fused operator, bit-exact
             cpu_ops.rotary_neox_(positions, query, key, self.cos_sin_cache)
             return query, key
+        return self._reference(positions, query, key)
+
+    def bind_forward(self, enabled: bool = True) -> None:
+        """After loading (``vframe.layers.binding``): the fused operator and the table looked
+        up once; ``enabled=False``: looked up on every call again."""
+        self._bound = None
+        if not (enabled and cpu_ops.available()):
+            return
+        op, cos_sin, applies, reference = cpu_ops.operator("rotary_neox_"), self.cos_sin_cache, cpu_ops.applies, self._reference
+
+        def rotate(
+            positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if applies(query) and positions.dtype == torch.int64:
+                op(positions, query, key, cos_sin)
+                return query, key
+            return reference(positions, query, key)
+
+        self._bound = rotate
+
+    def _reference(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # In the activation dtype, as transformers does: no float32 round trip.
         cos, sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2]
         num_heads = query.shape[1]
@@ -83,14 +111,37 @@ class RotaryEmbedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    _bound: Callable[[torch.Tensor], torch.Tensor] | None = None  # bind_forward's
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bound = self._bound
+        if bound is not None:
+            return bound(x)
         if x.dim() == 2 and x.dtype == self.weight.dtype and cpu_ops.applies(x):
             return cpu_ops.rms_norm(x, self.weight, self.eps)  # the same expression, fused
+        return self._reference(x)
+
+    def bind_forward(self, enabled: bool = True) -> None:
+        """After loading (``vframe.layers.binding``): the fused operator, the weight and what
+        ``cpu_ops.applies`` asks of the weight's dtype looked up once; ``enabled=False``:
+        on every call again."""
+        self._bound = None
+        fused = cpu_ops.guard(self.weight.dtype) if enabled else None
+        if fused is None:
+            return
+        op, weight, eps, reference = cpu_ops.operator("rms_norm"), self.weight, self.eps, self._reference
+
+        def norm(x: torch.Tensor) -> torch.Tensor:
+            return op(x, weight, eps) if x.dim() == 2 and fused(x) else reference(x)
+
+        self._bound = norm
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         # transformers' order: normalize in float32, cast back, then scale. Written
         # out because F.rms_norm is ~3x slower on CPU in bfloat16.
         xf = x.float()

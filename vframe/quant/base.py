@@ -14,7 +14,9 @@ with ``quantization="name"`` the engine:
 4. the method's ``create_weights`` registers the layer's parameters, the
    checkpoint loader fills them through each parameter's ``weight_loader``,
    then ``process_weights_after_loading`` runs once per layer (repack, quantize);
-5. every forward pass calls ``apply(layer, x, bias)``.
+5. every forward pass calls ``apply(layer, x, bias)``; or, where the method's
+   ``bind(layer, bias)`` returned a function of ``x`` once the weights were
+   processed (plugin API 1.12), that function.
 
 A format may also keep the token embedding quantized, and with it the LM head
 (``get_embedding_method``, default ``None``: both stay unquantized). Its
@@ -42,7 +44,9 @@ gate/up), tensor-parallel and packed tensors without knowing the format:
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,6 +54,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from vframe.quant import onednn_packed
+
+# ``apply(layer, x, bias)`` as a function of ``x`` alone, with the layer's tensors looked
+# up once: what ``LinearMethodBase.bind`` and ``QuantLinearKernel.bind`` return.
+BoundApply = Callable[[torch.Tensor], torch.Tensor]
+
+
+def bound_apply(impl: Any, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
+    """``impl.bind(layer, bias)`` for a linear method or a quant kernel, unless a subclass
+    overrides ``apply`` below the class that defines ``bind``: the inherited ``bind`` would
+    compute its parent's ``apply`` (a plugin written before plugin API 1.12 that subclasses
+    ``UnquantizedLinearMethod`` to change ``apply``), so that ``apply`` stays in use."""
+    mro = type(impl).__mro__
+    bind_owner = next(c for c in mro if "bind" in c.__dict__)
+    apply_owner = next(c for c in mro if "apply" in c.__dict__)
+    return impl.bind(layer, bias) if issubclass(bind_owner, apply_owner) else None
 
 
 def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
@@ -107,6 +126,16 @@ class LinearMethodBase(ABC):
     ) -> torch.Tensor:  # [T, sum(output_partition_sizes)], params_dtype
         """``x @ W.T + bias`` with this method's weight."""
 
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
+        """``apply(layer, x, bias)`` as a function of ``x`` alone (plugin API 1.12), asked
+        for once after ``process_weights_after_loading``; the layer calls it instead of
+        ``apply`` from then on. Look the layer's tensors and the kernel's operator up here,
+        not on every call: a decode step of a small model calls a few hundred linears, and
+        a chain of attribute and buffer lookups costs microseconds each time. It must
+        return what ``apply`` returns, bit for bit, for every ``x``; the layer's tensors do
+        not change after it is bound. Default ``None``: the layer calls ``apply``."""
+        return None
+
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out_per_partition, in_per_partition]
         """The float weight ``apply`` multiplies by, after loading. The
         conformance kit (``vframe.testing.quant``) checks ``apply`` against
@@ -158,6 +187,9 @@ class IntKernelMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernel.apply(layer, x, bias)
 
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
+        return None if self.kernel is None else bound_apply(self.kernel, layer, bias)
+
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         # Before processing, the checkpoint tensors' weight; after, the kernel's.
         if self.kernel is None:
@@ -188,6 +220,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if layer.weight.is_mkldnn:
             return onednn_packed.packed_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
+
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply:
+        weight = layer.weight
+        if weight.is_mkldnn:
+            return onednn_packed.bound_linear(weight, bias)
+        return functools.partial(F.linear, weight=weight, bias=bias)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         return onednn_packed.plain(layer.weight)

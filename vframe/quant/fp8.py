@@ -45,7 +45,7 @@ from torch import nn
 
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
-from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight
+from vframe.quant.base import BoundApply, LinearMethodBase, QuantizationConfig, bound_apply, register_weight
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -143,6 +143,9 @@ class Fp8KernelMethod(LinearMethodBase):
         if self.kernel is None:  # not loaded yet
             return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
         return self.kernel.apply(layer, x, bias)
+
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
+        return None if self.kernel is None else bound_apply(self.kernel, layer, bias)
 
 
 class Fp8OnTheFlyMethod(Fp8KernelMethod):

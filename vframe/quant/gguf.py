@@ -48,7 +48,9 @@ from torch import nn
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant import int4_cpu
-from vframe.quant.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, register_weight
+from vframe.quant.base import (
+    BoundApply, EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, bound_apply, register_weight,
+)
 from vframe.quant.gguf_dequant import (
     FORMATS, GGML_TYPE_NAMES, INT4_TYPES, INT8_TYPES, dequantize, int4_groups, int8_groups, row_bytes,
 )
@@ -284,6 +286,18 @@ class GGUFLinearMethod(LinearMethodBase):
                 outs.append(F.linear(x, self._dequantize(layer, i).to(x.dtype)))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [T, out]
         return out if bias is None else out + bias
+
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
+        if len(self.segments) != 1 or 0 not in self.kernels:  # mixed types: apply's loop
+            return None
+        product = bound_apply(self.kernels[0], layer._modules["segment0"], None)
+        if product is None or bias is None:
+            return product
+
+        def biased(x: torch.Tensor) -> torch.Tensor:
+            return product(x) + bias
+
+        return biased
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
         return torch.cat([self._dequantize(layer, i) for i in range(len(self.segments))])

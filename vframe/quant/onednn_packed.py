@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -79,3 +80,13 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def bound_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``packed_linear(x, weight, bias)`` as a function of ``x``, the operator looked up once."""
+    op = torch.ops.mkldnn._linear_pointwise.default
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return op(x, weight, bias, "none", [], "")
+
+    return linear

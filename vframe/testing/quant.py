@@ -30,6 +30,8 @@ output in a narrower dtype):
   ``max |apply - ref| <= (reference_tolerance + slack) * max |ref|`` where
   ``ref = F.linear(x, W_deq, bias)`` in float64 from the same inputs
   (``QuantizationConfig.reference_tolerance``).
+* ``bind(layer, bias)``, where it returns a function, gives ``apply``'s output bit
+  for bit on the same inputs.
 * At least one layer kind is quantized (``get_quant_method`` returned a method).
 
 Methods that quantize on load (``from_config(None)``) receive the float
@@ -64,7 +66,7 @@ from vframe.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from vframe.quant.base import LinearMethodBase, QuantizationConfig
+from vframe.quant.base import LinearMethodBase, QuantizationConfig, bound_apply
 
 CheckpointTensors = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 
@@ -262,7 +264,12 @@ def _check_apply(case: _Case, x: torch.Tensor, tolerance: float, where: str) -> 
     with torch.inference_mode():
         out = layer.quant_method.apply(layer, x, bias) if row_parallel_split else layer(x)
         w_deq = layer.quant_method.dequantize_weight(layer)
+        bound = bound_apply(layer.quant_method, layer, bias)
+        bound_out = None if bound is None else bound(x)
     where = f"{where}, {x.shape[0]} tokens"
+    assert bound_out is None or torch.equal(bound_out, out), (
+        f"{where}: the function bind returned differs from apply (it must compute the same, bit for bit)"
+    )
     expected_shape = (x.shape[0], layer.output_size_per_partition)
     assert tuple(out.shape) == expected_shape, (
         f"{where}: apply returned shape {tuple(out.shape)}, expected {expected_shape}"

@@ -19,7 +19,9 @@ kernel says it can run (``can_implement`` returns ``None``), and for each:
   within ``OUTPUT_TOLERANCES[dtype]`` (relative to the largest reference value) of
   ``x @ W.T + bias`` in float64 with ``W = IntWeight.dequantize()``; for W8A8
   the reference quantizes ``x`` per token as ``quantize_per_token`` does, for
-  ``INT8_PER_BLOCK`` per block as ``quantize_per_block`` does.
+  ``INT8_PER_BLOCK`` per block as ``quantize_per_block`` does;
+* ``bind(layer, bias)`` and ``bind(layer, None)``, where they return a function, give
+  ``apply``'s outputs bit for bit on the same inputs (plugin API 1.12).
 
 It raises ``AssertionError`` naming the case, or when the kernel runs none of
 the specs. Returns the names of the cases that ran.
@@ -32,6 +34,7 @@ from itertools import product
 import torch
 from torch import nn
 
+from vframe.quant.base import bound_apply
 from vframe.quant.kernels import (
     FP4_GROUPS, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, Fp8Weight, IntWeight,
     QuantLinearKernel, QuantLinearSpec, refusal,
@@ -187,6 +190,7 @@ def check_quant_kernel(
         for tokens in (1, 5, 20, 40):
             x = torch.randn(tokens, spec.in_features, generator=generator).to(dtype)
             out = instance.apply(layer, x.to(device), bias.to(dtype).to(device))
+            _check_bound(instance, layer, x.to(device), bias.to(dtype).to(device), out, f"{case}, {tokens} tokens")
             assert tuple(out.shape) == (tokens, spec.out_features), f"{case}, {tokens} tokens: shape {tuple(out.shape)}"
             assert out.dtype == dtype, f"{case}, {tokens} tokens: output dtype {out.dtype}, expected {dtype}"
             assert torch.isfinite(out).all(), f"{case}, {tokens} tokens: NaN or inf in the output"
@@ -206,3 +210,16 @@ def check_quant_kernel(
         ran.append(_name(spec))
     assert ran, f"quant kernel {name} runs none of the specs of the check at {dtype} on {device}"
     return ran
+
+
+def _check_bound(kernel: QuantLinearKernel, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor,
+                 out: torch.Tensor, case: str) -> None:
+    """``kernel.bind``'s functions (with and without the bias) against ``apply``, bit for bit."""
+    for b, expected in ((bias, out), (None, kernel.apply(layer, x, None))):
+        bound = bound_apply(kernel, layer, b)
+        if bound is not None:
+            got = bound(x)
+            assert torch.equal(got, expected), (
+                f"{case}: bind(layer, {'bias' if b is not None else 'None'}) computes other values than apply "
+                f"(max difference {float((got.float() - expected.float()).abs().max()):.3g}); it must be apply, bit for bit"
+            )

@@ -64,6 +64,10 @@ class CpuPagedMetadataBuilder(AttentionMetadataBuilder):
 
 
 class CpuPagedAttentionImpl(TorchAttentionImpl):
+    # The cache tensor last seen, its K and V halves and the decode operator, looked up
+    # once (a decode step of a small model calls forward a few dozen times).
+    _kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any] | None = None
+
     def forward(
         self,
         query: torch.Tensor,  # [T, H, D]
@@ -87,8 +91,13 @@ class CpuPagedAttentionImpl(TorchAttentionImpl):
         if prefill_plan.prefills:
             attend_prefills(output, query, key, value, *kv_cache_views(kv_cache), prefill_plan.prefills, self.scale)
         if meta.decode_req_ids.numel():
-            torch.ops.vframe_cpu.paged_decode_attention(
-                output, query, kv_cache[0], kv_cache[1], meta.block_table, meta.seq_lens,
+            views = self._kv_views
+            if views is None or views[0] is not kv_cache:
+                decode = torch.ops.vframe_cpu.paged_decode_attention.default
+                views = self._kv_views = (kv_cache, kv_cache[0], kv_cache[1], decode)
+            _, key_cache, value_cache, decode = views
+            decode(
+                output, query, key_cache, value_cache, meta.block_table, meta.seq_lens,
                 meta.decode_req_ids, meta.decode_rows, self.scale, self.sliding_window or 0,
             )  # fmt: skip
         return output

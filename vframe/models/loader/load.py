@@ -16,6 +16,7 @@ from torch import nn
 
 from vframe.core.interfaces import AttentionBackend
 from vframe.errors import ConfigError, ModelLoadError
+from vframe.layers.binding import bind_model
 from vframe.models.config import ModelConfig
 from vframe.models.loader.resolve import ResolvedModel
 from vframe.models.loader.weights import process_weights_after_loading
@@ -152,6 +153,7 @@ def load_model(
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{resolved.source}: the checkpoint has no weights for {shown}")
     process_weights_after_loading(model)
+    bind_model(model)
     if quant_config is None:
         logger.info("loaded %s: %.1f MiB of weights", resolved.source, weight_bytes(model) / 2**20)
     else:

@@ -76,6 +76,7 @@ import torch
 from torch import nn
 
 from vframe.errors import ConfigError
+from vframe.quant.base import BoundApply
 
 WEIGHT_ONLY = "float"  # activations stay in the model's dtype
 INT8_PER_TOKEN = "int8-token"  # activations quantized per token to int8 (dynamic), W8A8
@@ -242,6 +243,13 @@ class QuantLinearKernel(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias``: ``x`` [T, in] in ``spec.dtype`` -> [T, out] in ``spec.dtype``."""
+
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
+        """``apply(layer, x, bias)`` as a function of ``x`` alone, with ``layer``'s buffers
+        and the operator looked up once (plugin API 1.12; see
+        ``vframe.quant.base.LinearMethodBase.bind``): bit for bit ``apply`` for every
+        ``x``. Default ``None``: ``apply`` is called."""
+        return None
 
     @abstractmethod
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from functools import cache
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 
 from vframe.quant import int4_cpu
 from vframe.errors import ModelLoadError
+from vframe.quant.base import BoundApply
 from vframe.quant.kernels import (
     ACTIVATION_BLOCK, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight,
     Fp8Weight, IntWeight, QuantLinearKernel, QuantLinearSpec,
@@ -110,6 +112,17 @@ class Int8DynamicKernel(QuantLinearKernel):
             acc = xq.float() @ w.float().T
         return _scaled(acc, x_scale, self.get(layer, "scale"), x.dtype, bias)
 
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
+        if not self.one_call:
+            return None
+        op, w, scale = _woq_ops().int8_dynamic_mm.default, self.get(layer, "weight"), self.get(layer, "scale")
+
+        def product(x: torch.Tensor) -> torch.Tensor:
+            out = op(x, w, scale)
+            return out if bias is None else out + bias
+
+        return product
+
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         return self.get(layer, "weight").float() * self.get(layer, "scale")[:, None]
 
@@ -176,7 +189,7 @@ def woq_library():  # vframe.utils.native.NativeLibrary
                          flags=("-ffp-contract=off",))  # dequantization equal to the PyTorch expression
 
 
-@cache
+@functools.cache
 def _woq_ops():
     woq_library().load()
     return torch.ops.vframe_quant_cpu
@@ -195,7 +208,8 @@ def woq_cpu_available() -> str | None:
 
 class _DequantizedGemm:
     """A C++ kernel's two ways through ``apply``: up to ``MAX_ROWS`` activation rows its
-    product in place (``_in_place_product``, which the kernel defines); more rows (prefill)
+    product in place (the operator ``_in_place_call`` names, which the kernel defines; ``bind``
+    calls it with its tensors looked up once); more rows (prefill)
     times the weight dequantized into their dtype (``_dequantized``, also the kernel's), a
     block of output rows at a time where the whole would pass ``CHUNK_BYTES``: there
     oneDNN's GEMM is faster than any weight-only loop.
@@ -216,7 +230,26 @@ class _DequantizedGemm:
             out = self._in_place_product(layer, x)
         return out if bias is None else out + bias
 
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
+        # Decode-sized activations straight to the operator, its tensors looked up once.
+        op, args = self._in_place_call(layer)
+        max_rows, apply = self.MAX_ROWS[self.spec.dtype], self.apply
+
+        def product(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > max_rows:
+                return apply(layer, x, bias)
+            out = op(x, *args, x.dtype)
+            return out if bias is None else out + bias
+
+        return product
+
     def _in_place_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        op, args = self._in_place_call(layer)
+        return op(x, *args, x.dtype)
+
+    def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
+        """The C++ operator of the in-place product and its arguments between the
+        activations and their dtype: ``op(x, *args, x.dtype)`` is ``x @ W.T``."""
         raise NotImplementedError
 
     def _gemm_inputs(self, x: torch.Tensor) -> torch.Tensor:
@@ -278,11 +311,16 @@ class WoqCpuKernel(_DequantizedGemm, _Permuted):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return super().apply(layer, self._inputs(layer, x), bias)  # the inputs in group order
 
-    def _in_place_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return _woq_ops().woq_gemm(  # reads bfloat16 x as it is (4 bit, AVX512-BF16), else as float32
-            x, self.get(layer, "q"), self.get(layer, "scales"),
-            self.get(layer, "neg_offsets"), self.group_size, self.bits, x.dtype,
-        )
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
+        return None if self.permuted else super().bind(layer, bias)  # act order: apply sorts the inputs
+
+    def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
+        # woq_gemm reads bfloat16 x as it is (4 bit, AVX512-BF16), else as float32
+        return _woq_ops().woq_gemm.default, self._woq_args(layer)
+
+    def _woq_args(self, layer: nn.Module) -> tuple:
+        return (self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "neg_offsets"),
+                self.group_size, self.bits)
 
     def _dequantized(
         self, layer: nn.Module, dtype: torch.dtype, rows: torch.Tensor | slice | None = None
@@ -324,11 +362,8 @@ class WoqCpuA8Kernel(WoqCpuKernel):
         weight_only = dataclasses.replace(spec, activations=WEIGHT_ONLY)
         return super().can_implement(weight_only)
 
-    def _in_place_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return _woq_ops().woq_gemm_a8(
-            x, self.get(layer, "q"), self.get(layer, "scales"),
-            self.get(layer, "neg_offsets"), self.group_size, self.bits, x.dtype,
-        )
+    def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
+        return _woq_ops().woq_gemm_a8.default, self._woq_args(layer)
 
     def _gemm_inputs(self, x: torch.Tensor) -> torch.Tensor:
         return _woq_ops().quantize_blocks(x).to(x.dtype)  # as quantize_per_block spells them, in one C++ pass
@@ -368,8 +403,8 @@ class Fp8CpuKernel(_DequantizedGemm, QuantLinearKernel):
         self.buffer(layer, "q", q.contiguous())  # the checkpoint's bytes, shared where contiguous
         self.buffer(layer, "scales", weight.scales.float().contiguous())
 
-    def _in_place_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return _woq_ops().fp8_gemm(x, self.get(layer, "q"), self.get(layer, "scales"), self.group_size, x.dtype)
+    def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
+        return _woq_ops().fp8_gemm.default, (self.get(layer, "q"), self.get(layer, "scales"), self.group_size)
 
     def _dequantized(
         self, layer: nn.Module, dtype: torch.dtype, rows: torch.Tensor | slice | None = None
@@ -408,11 +443,10 @@ class Fp4CpuKernel(_DequantizedGemm, QuantLinearKernel):
         self.buffer(layer, "scales", weight.scales.contiguous())
         self.buffer(layer, "global_scale", weight.global_scale.float().contiguous())
 
-    def _in_place_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return _woq_ops().fp4_gemm(
-            x, self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "global_scale"),
-            self.group_size, self.scale_format, x.dtype,
-        )
+    def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
+        args = (self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "global_scale"),
+                self.group_size, self.scale_format)
+        return _woq_ops().fp4_gemm.default, args
 
     def _dequantized(
         self, layer: nn.Module, dtype: torch.dtype, rows: torch.Tensor | slice | None = None
@@ -456,6 +490,13 @@ class TorchInt4CpuKernel(_Permuted):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x = self._inputs(layer, x)
         return int4_cpu.matmul(x, self.get(layer, "weight"), self.get(layer, "scales_and_zeros"), self.kernel_group, bias)
+
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
+        if self.permuted:
+            return None
+        return functools.partial(int4_cpu.matmul, weight=self.get(layer, "weight"),
+                                 scales_and_zeros=self.get(layer, "scales_and_zeros"),
+                                 kernel_group_size=self.kernel_group, bias=bias)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         w = int4_cpu.unpack(self.get(layer, "weight"), self.get(layer, "scales_and_zeros"), self.kernel_group)
