@@ -139,13 +139,40 @@ def test_store_kv_writes_what_two_index_copies_write(dtype: torch.dtype) -> None
     assert kv_cache[0].view(-1, 3, 64)[37].equal(k[0]) and kv_cache[1].view(-1, 3, 64)[95].equal(v[2])
 
 
-def test_store_kv_refuses_a_slot_outside_the_cache_and_leaves_fp8_caches_to_pytorch() -> None:
+def test_store_kv_refuses_a_slot_outside_the_cache_and_int32_slots() -> None:
     k = v = torch.randn(1, 3, 64)
     kv_cache = torch.zeros(2, 6, 16, 3, 64)
     with pytest.raises(RuntimeError, match=r"store_kv: slot 96 outside the cache's 96"):
         cpu_ops.store_kv(k, v, kv_cache, torch.tensor([96]))
-    assert not cpu_ops.stores_kv(k, v, kv_cache.to(torch.float8_e4m3fn), torch.tensor([0]))
     assert not cpu_ops.stores_kv(k, v, kv_cache, torch.tensor([0], dtype=torch.int32))
+    assert not cpu_ops.stores_kv(k, v.to(torch.bfloat16), kv_cache.to(torch.float8_e4m3fn), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_rounds_into_a_float8_cache_as_the_pytorch_path(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """Bytes equal to the torch backend's store_rows (clamp to the largest finite value,
+    then round to nearest even): values past the range, ties, subnormals, zeros of both
+    signs and NaN included."""
+    from vframe.backends.torch_attn import store_rows
+
+    torch.manual_seed(1)
+    k = torch.randn(4, 3, 64) * torch.logspace(-9, 5, 4)[:, None, None]
+    k[0, 0, :8] = torch.tensor([1000.0, -1e6, 0.0, -0.0, float("nan"), 1.0625, 1.1875, 2.0**-9])
+    k, v = k.to(dtype), (-k).to(dtype)
+    slots = torch.tensor([5, 40, 17])
+    kv_cache = torch.zeros(2, 4, 16, 3, 64, dtype=cache_dtype)
+    expected = kv_cache.clone()
+    store_rows(expected[0].view(-1, 3, 64), slots, k[:3])
+    store_rows(expected[1].view(-1, 3, 64), slots, v[:3])
+
+    assert cpu_ops.stores_kv(k, v, kv_cache, slots)
+    cpu_ops.store_kv(k, v, kv_cache, slots)
+
+    assert torch.equal(kv_cache.view(torch.uint8), expected.view(torch.uint8))
+    assert kv_cache[0].view(-1, 3, 64)[5, 0, :4].float().tolist() == (
+        [448.0, -448.0, 0.0, -0.0] if cache_dtype == torch.float8_e4m3fn else [1024.0, -57344.0, 0.0, -0.0]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -86,12 +86,17 @@ def guard(dtype: torch.dtype) -> Callable[[torch.Tensor], bool] | None:
     return fused
 
 
+FP8_CACHES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def stores_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> bool:
-    """Whether ``store_kv`` takes this KV write: CPU tensors of one float dtype (an FP8
-    cache rounds on the way, in PyTorch), each K / V row contiguous (``[T, KVH, D]`` views
-    of the fused qkv output are), int64 slots, outside tracing, the library built."""
+    """Whether ``store_kv`` takes this KV write: CPU tensors of one float dtype, or K / V of
+    one float dtype into a float8 cache (rounded on the way as ``to_cache_dtype`` rounds),
+    each K / V row contiguous (``[T, KVH, D]`` views of the fused qkv output are), int64
+    slots, outside tracing, the library built."""
     return (
-        key.device.type == "cpu" and key.dtype == kv_cache.dtype == value.dtype and key.dtype in MAX_TOKENS
+        key.device.type == "cpu" and key.dtype == value.dtype and key.dtype in MAX_TOKENS
+        and (kv_cache.dtype == key.dtype or kv_cache.dtype in FP8_CACHES)
         and slots.dtype == torch.int64 and kv_cache.is_contiguous()
         and key.stride(2) == 1 and key.stride(1) == key.shape[2]
         and value.stride(2) == 1 and value.stride(1) == value.shape[2]

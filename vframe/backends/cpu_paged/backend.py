@@ -32,7 +32,6 @@ from vframe.core.interfaces import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from vframe.core.kv_cache_spec import refuse_fp8_kv_cache
 
 
 @dataclass
@@ -128,7 +127,11 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         reasons = super().validate_configuration(
             head_size=head_size, dtype=dtype, device=device, block_size=block_size, use_mla=use_mla
         )
-        reasons += refuse_fp8_kv_cache("cpu_paged", kv_cache_dtype)
+        if kv_cache_dtype != "auto" and dtype == torch.float16:
+            reasons.append(
+                f"the cpu_paged backend reads a float8 KV cache (kv_cache_dtype={kv_cache_dtype!r}) for float32 and "
+                "bfloat16 models only, not float16; use dtype='bfloat16', or attention_backend='torch'"
+            )
         if device != "cpu":
             reasons.append(f"the cpu_paged backend runs on the CPU only, not on {device}")
         if use_mla:

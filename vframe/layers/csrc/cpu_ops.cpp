@@ -5,7 +5,9 @@
 //   rotary_neox_(pos, q, k, c) q, k rotated in place: [x1*cos - x2*sin, x2*cos + x1*sin]
 //                              with cos / sin = c[pos].to(q.dtype), every product and sum
 //                              rounded to q's dtype as PyTorch's separate operators round them
-//   store_kv(k, v, kv, s)      kv[0] slot s[i] = k[i], kv[1] slot s[i] = v[i] (two index_copy_ calls)
+//   store_kv(k, v, kv, s)      kv[0] slot s[i] = k[i], kv[1] slot s[i] = v[i] (two index_copy_ calls); a
+//                              float8 cache takes k, v clamped to its largest finite value and rounded
+//                              to nearest even, as x.clamp(-max, max).to(float8) does
 //   silu_and_mul(x)            F.silu(g).mul_(u) for g, u = x.chunk(2, -1), as PyTorch's kernels compute
 //                              it: g / (1 + exp(-g)) with SLEEF's expf (torch's own, 1 ulp) on vectors
 //                              of 8 and std::exp on a row's last values, rounded to x's dtype, times u
@@ -21,6 +23,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -28,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -132,13 +137,42 @@ void rotary_neox_(const at::Tensor& positions, const at::Tensor& query, const at
 // layer). key / value [T, KVH, D] with each row's KVH * D values contiguous (a split of
 // the fused qkv output); kv_cache [2, num_blocks, block_size, KVH, D] contiguous, of
 // key's dtype.
+// Row `src` of `count` values of S into `dst` of float8 type F, clamped to F's largest finite value.
+template <typename F, typename S>
+void round_row_to_fp8(F* dst, const S* src, int64_t count) {
+  const float limit = static_cast<float>(std::numeric_limits<F>::max());
+  for (int64_t j = 0; j < count; ++j) {
+    const float x = static_cast<float>(src[j]);
+    dst[j] = F(x > limit ? limit : (x < -limit ? -limit : x));  // NaN stays NaN
+  }
+}
+
+// store_kv into a float8 cache: each row rounded on the way.
+template <typename F>
+void store_kv_fp8(const at::Tensor& key, const at::Tensor& value, F* kc, F* vc, const int64_t* sp, int64_t n) {
+  const int64_t row = key.size(1) * key.size(2);
+  AT_DISPATCH_V2(key.scalar_type(), "store_kv", AT_WRAP([&] {
+    const auto* kp = key.const_data_ptr<scalar_t>();
+    const auto* vp = value.const_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      round_row_to_fp8(kc + sp[i] * row, kp + i * key.stride(0), row);
+      round_row_to_fp8(vc + sp[i] * row, vp + i * value.stride(0), row);
+    }
+  }), at::kFloat, at::kBFloat16, at::kHalf);
+}
+
 void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache, const at::Tensor& slots) {
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "store_kv: slots int64 [n]");
   const int64_t n = slots.size(0);
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn || kv_cache.scalar_type() == at::kFloat8_e5m2;
   for (const auto* t : {&key, &value}) {
     TORCH_CHECK(t->dim() == 3 && t->size(0) >= n && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
-                    t->scalar_type() == kv_cache.scalar_type(),
-                "store_kv: key and value must be [T, KVH, D] rows of the cache's dtype, each row contiguous");
+                    (t->scalar_type() == kv_cache.scalar_type() ||
+                     (fp8 && t->scalar_type() == key.scalar_type() &&
+                      (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16 ||
+                       key.scalar_type() == at::kHalf))),
+                "store_kv: key and value must be [T, KVH, D] rows of the cache's dtype (or of one float dtype, "
+                "for a float8 cache), each row contiguous");
   }
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
                   kv_cache.size(3) == key.size(1) && kv_cache.size(4) == key.size(2),
@@ -148,6 +182,18 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "store_kv: slot ", sp[i], " outside the cache's ", num_slots);
+  if (fp8) {
+    const int64_t cache_row = key.size(1) * key.size(2);  // one byte each
+    auto* base = static_cast<uint8_t*>(kv_cache.data_ptr());
+    if (kv_cache.scalar_type() == at::kFloat8_e4m3fn) {
+      auto* kc = reinterpret_cast<c10::Float8_e4m3fn*>(base);
+      store_kv_fp8(key, value, kc, kc + num_slots * cache_row, sp, n);
+    } else {
+      auto* kc = reinterpret_cast<c10::Float8_e5m2*>(base);
+      store_kv_fp8(key, value, kc, kc + num_slots * cache_row, sp, n);
+    }
+    return;
+  }
   auto* kc = static_cast<char*>(kv_cache.data_ptr());
   char* vc = kc + num_slots * row_bytes;
   const auto* kp = static_cast<const char*>(key.data_ptr());

@@ -11,9 +11,14 @@
 //
 // Slots past a request's length are never read, so whatever they hold (NaN
 // included) cannot reach the output.
+//
+// The cache holds the query's dtype, or float8 (kv_cache_dtype="fp8" / "fp8_e5m2":
+// e4m3fn or e5m2 bytes, scale 1.0), read in place and widened to float32 exactly.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -23,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -39,6 +45,23 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e5m2 x) { return static_cast<float>(x); }
+
+// The vector paths (load8 / load16) read e4m3 as its value times 2^-8, a float16 of the
+// same bits shifted (four integer instructions and F16C instead of nine to widen it
+// exactly); the 2^8 goes into the queries (pass 1) and the probabilities (pass 2). A
+// power of two: every product, and so the result, is bit for bit the exact reading's.
+template <typename C>
+constexpr float kLoadScale = 1.f;
+template <>
+constexpr float kLoadScale<c10::Float8_e4m3fn> = 256.f;
+
+template <typename C>
+inline void scale_for_loads(float* q, int64_t count) {
+  if constexpr (kLoadScale<C> != 1.f)
+    for (int64_t i = 0; i < count; ++i) q[i] *= kLoadScale<C>;
+}
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
@@ -146,6 +169,19 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// e5m2 is the upper byte of a float16: widened through it, infinities and NaN included.
+inline __m512 load16(const c10::Float8_e5m2* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8));
+}
+// e4m3fn times 2^-8 (kLoadScale): as load8's, sixteen at a time.
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x3F80)), _mm256_set1_epi16(0x3F80));
+  h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7E00)));
+  return _mm512_cvtph_ps(h);
 }
 
 // r[i] = sum of the 16 lanes of v[i]
@@ -270,7 +306,7 @@ void attend_request_avx512(
           __m512 v[NC];
           for (int c = 0; c < NC; ++c) v[c] = load16(slots[i] + h * D + c * 16);
           for (int64_t g = 0; g < ng; ++g) {
-            const __m512 p = _mm512_set1_ps(scores[(h * group + g0 + g) * len + (t0 - start + i)]);
+            const __m512 p = _mm512_set1_ps(scores[(h * group + g0 + g) * len + (t0 - start + i)] * kLoadScale<T>);
             for (int c = 0; c < NC; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
           }
         }
@@ -298,6 +334,22 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// As load16's float8 forms (AVX-512 above), eight at a time.
+inline __m256 load8(const c10::Float8_e5m2* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), raw));
+}
+// e4m3fn times 2^-8 (kLoadScale): the bytes sign-extended to 16 bits and shifted left by 7
+// put the magnitude's exponent and mantissa where a float16's low exponent bits and top
+// mantissa bits are (the sign lands on bit 15; bit 14 is cleared), so that F16C widens
+// normals and subnormals alike; magnitude 0x7F (NaN in e4m3fn) is made a float16 NaN.
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m128i s = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m128i h = _mm_and_si128(_mm_slli_epi16(s, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x3F80)), _mm_set1_epi16(0x3F80));
+  h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7E00)));
+  return _mm256_cvtph_ps(h);
+}
 
 // r[i] = sum of the 8 lanes of v[i]
 inline __m256 reduce8(const __m256* v) {
@@ -424,7 +476,7 @@ void attend_kv_heads_avx2(int64_t h0, int64_t nkv, int64_t num_kv_heads, int64_t
         for (int64_t t = c0; t < c1; ++t) {
           if (j == 0 && t + kValueChunk < len) prefetch_slot(v_cache + slots[t + kValueChunk] * slot_size, nkv * D);
           const T* vr = v_cache + slots[t] * slot_size + h * D;
-          const __m256 p = _mm256_set1_ps(sj[t]);
+          const __m256 p = _mm256_set1_ps(sj[t] * kLoadScale<T>);
           for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(p, load8(vr + c * 8), a[c]);
         }
         for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + j * D + c * 8, a[c]);
@@ -453,7 +505,8 @@ void run_longest_first(int64_t n, Cost&& cost, MakeWorker&& make_worker) {
   });
 }
 
-template <typename T, int HD>
+// T: the query's and output's dtype; C: the cache's (T, or a float8 type).
+template <typename T, typename C, int HD>
 void decode_attention(
     at::Tensor& out,             // [T, H, D]
     const at::Tensor& query,     // [T, H, D]
@@ -476,8 +529,8 @@ void decode_attention(
 
   const T* q_ptr = query.const_data_ptr<T>();
   T* o_ptr = out.mutable_data_ptr<T>();
-  const T* k_ptr = key_cache.const_data_ptr<T>();
-  const T* v_ptr = value_cache.const_data_ptr<T>();
+  const C* k_ptr = reinterpret_cast<const C*>(key_cache.const_data_ptr());
+  const C* v_ptr = reinterpret_cast<const C*>(value_cache.const_data_ptr());
   const int32_t* table = block_table.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   const int64_t* reqs = req_ids.const_data_ptr<int64_t>();
@@ -529,8 +582,9 @@ void decode_attention(
               slots[t - start] = base + t % block_size;
           }
           load_queries(r, h0 * group, heads, q.data());
+          scale_for_loads<C>(q.data(), heads * D);
           scores.resize(heads * (seq_len - start));
-          attend_kv_heads_avx2<T, HD / 8>(h0, kv_per_task, num_kv_heads, group, q.data(), k_ptr, v_ptr, slots.data(),
+          attend_kv_heads_avx2<C, HD / 8>(h0, kv_per_task, num_kv_heads, group, q.data(), k_ptr, v_ptr, slots.data(),
                                           seq_len - start, scores.data(), acc.data());
           store_outputs(r, h0 * group, heads, acc.data());
         };
@@ -552,14 +606,15 @@ void decode_attention(
 #if defined(__AVX512F__)
       if constexpr (HD > 0 && HD % 16 == 0) {
         if (group <= kMaxGroup) {
-          attend_request_avx512<T, HD / 16>(num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride,
+          scale_for_loads<C>(q.data(), num_heads * D);
+          attend_request_avx512<C, HD / 16>(num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride,
                                              block_size, start, seq_len, scores.data(), acc.data());
           done = true;
         }
       }
 #endif
       if (!done) {
-        attend_request<T, HD>(D, num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride, block_size,
+        attend_request<C, HD>(D, num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride, block_size,
                               start, seq_len, scores.data(), acc.data(), row.data());
       }
       store_outputs(r, 0, num_heads, acc.data());
@@ -567,15 +622,33 @@ void decode_attention(
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch_head_size(int64_t head_size, auto&&... args) {
-  switch (head_size) {
-    case 64: return decode_attention<T, 64>(args...);
-    case 128: return decode_attention<T, 128>(args...);
-    case 96: return decode_attention<T, 96>(args...);
-    case 80: return decode_attention<T, 80>(args...);
-    case 256: return decode_attention<T, 256>(args...);
-    default: return decode_attention<T, 0>(args...);
+  if constexpr (std::is_same_v<T, C>) {
+    switch (head_size) {
+      case 64: return decode_attention<T, C, 64>(args...);
+      case 128: return decode_attention<T, C, 128>(args...);
+      case 96: return decode_attention<T, C, 96>(args...);
+      case 80: return decode_attention<T, C, 80>(args...);
+      case 256: return decode_attention<T, C, 256>(args...);
+      default: return decode_attention<T, C, 0>(args...);
+    }
+  } else {  // float8 caches: the common head sizes unrolled, the others at run time
+    switch (head_size) {
+      case 64: return decode_attention<T, C, 64>(args...);
+      case 128: return decode_attention<T, C, 128>(args...);
+      default: return decode_attention<T, C, 0>(args...);
+    }
+  }
+}
+
+// The query's dtype T, then the cache's: T itself or float8.
+template <typename T>
+void dispatch_cache(at::ScalarType cache_type, int64_t head_size, auto&&... args) {
+  switch (cache_type) {
+    case at::kFloat8_e4m3fn: return dispatch_head_size<T, c10::Float8_e4m3fn>(head_size, args...);
+    case at::kFloat8_e5m2: return dispatch_head_size<T, c10::Float8_e5m2>(head_size, args...);
+    default: return dispatch_head_size<T, T>(head_size, args...);
   }
 }
 
@@ -589,8 +662,12 @@ void paged_decode_attention(
               "key_cache and value_cache must be contiguous [num_blocks, block_size, KVH, D]");
   TORCH_CHECK(key_cache.size(3) == query.size(2), "head sizes of query and cache differ");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "query, cache and out must share a dtype");
+  const at::ScalarType cache_type = key_cache.scalar_type();
+  const bool fp8_cache = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && value_cache.scalar_type() == cache_type &&
+                  (cache_type == query.scalar_type() || (fp8_cache && query.scalar_type() != at::kHalf)),
+              "query and out must share a dtype, and the caches hold it or float8 (float8 with float32 or "
+              "bfloat16 queries); got query ", query.scalar_type(), ", cache ", cache_type);
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_table and seq_lens must be int32");
   TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous(), "block_table rows must be contiguous");
@@ -599,16 +676,16 @@ void paged_decode_attention(
               "req_ids and query_rows must be contiguous int64 of one length");
   switch (query.scalar_type()) {
     case at::kFloat:
-      dispatch_head_size<float>(query.size(2), out, query, key_cache, value_cache, block_table, seq_lens, req_ids, query_rows,
-                              scale, sliding_window);
+      dispatch_cache<float>(cache_type, query.size(2), out, query, key_cache, value_cache, block_table, seq_lens,
+                            req_ids, query_rows, scale, sliding_window);
       break;
     case at::kBFloat16:
-      dispatch_head_size<c10::BFloat16>(query.size(2), out, query, key_cache, value_cache, block_table, seq_lens, req_ids,
-                                      query_rows, scale, sliding_window);
+      dispatch_cache<c10::BFloat16>(cache_type, query.size(2), out, query, key_cache, value_cache, block_table,
+                                    seq_lens, req_ids, query_rows, scale, sliding_window);
       break;
     case at::kHalf:
-      dispatch_head_size<c10::Half>(query.size(2), out, query, key_cache, value_cache, block_table, seq_lens, req_ids,
-                                  query_rows, scale, sliding_window);
+      dispatch_head_size<c10::Half, c10::Half>(query.size(2), out, query, key_cache, value_cache, block_table,
+                                               seq_lens, req_ids, query_rows, scale, sliding_window);
       break;
     default:
       TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16, not ",
