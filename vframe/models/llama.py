@@ -81,7 +81,8 @@ class RotaryEmbedding(nn.Module):
         self._bound = None
         if not (enabled and cpu_ops.available()):
             return
-        op, cos_sin, applies, reference = cpu_ops.operator("rotary_neox_"), self.cos_sin_cache, cpu_ops.applies, self._reference
+        op, cos_sin, applies = cpu_ops.operator("rotary_neox_"), self.cos_sin_cache, cpu_ops.applies
+        reference = self._reference
 
         def rotate(
             positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

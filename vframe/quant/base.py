@@ -66,9 +66,11 @@ def bound_apply(impl: Any, layer: nn.Module, bias: torch.Tensor | None) -> Bound
     compute its parent's ``apply`` (a plugin written before plugin API 1.12 that subclasses
     ``UnquantizedLinearMethod`` to change ``apply``), so that ``apply`` stays in use."""
     mro = type(impl).__mro__
-    bind_owner = next(c for c in mro if "bind" in c.__dict__)
-    apply_owner = next(c for c in mro if "apply" in c.__dict__)
-    return impl.bind(layer, bias) if issubclass(bind_owner, apply_owner) else None
+    bind_owner = next((c for c in mro if "bind" in c.__dict__), None)
+    apply_owner = next((c for c in mro if "apply" in c.__dict__), None)
+    if bind_owner is None or apply_owner is None or not issubclass(bind_owner, apply_owner):
+        return None
+    return impl.bind(layer, bias)
 
 
 def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
