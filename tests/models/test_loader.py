@@ -201,3 +201,19 @@ def test_safetensors_whose_offsets_do_not_hold_the_shape_are_refused(tmp_path: P
     assert str(info.value) == (
         f"{path}: corrupt safetensors file (tensor 'w': data_offsets [0, 60] do not hold shape [4, 4])"
     )
+
+
+@pytest.mark.parametrize("leaf", ["k_scale", "v_scale", "kv_scale"])
+def test_a_checkpoint_s_kv_cache_scales_are_refused_by_name(leaf: str) -> None:
+    from vframe.models.loader.weights import load_named_weights
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ModelLoadError) as info:
+        load_named_weights(model, [(f"model.layers.0.self_attn.{leaf}", torch.tensor(0.5))])
+    assert str(info.value) == (
+        f"checkpoint tensor 'model.layers.0.self_attn.{leaf}' is a calibrated FP8 KV-cache scale, which vframe "
+        "does not read yet (its FP8 KV cache uses scale 1.0: docs/quantization.md, 'FP8 KV cache'); use a "
+        "checkpoint without KV-cache scales"
+    )
+    with pytest.raises(ModelLoadError, match=r"^checkpoint tensor 'lm_head.scale' has no place in Linear$"):
+        load_named_weights(model, [("lm_head.scale", torch.tensor(0.5))])

@@ -15,6 +15,9 @@ from torch import nn
 
 from vframe.errors import ModelLoadError
 
+# Per-layer KV-cache scales that FP8 checkpoints (vLLM's, ModelOpt's) may carry, by tensor name.
+KV_CACHE_SCALES = ("k_scale", "v_scale", "kv_scale")
+
 # (fused parameter's module, checkpoint module, shard id): ("qkv_proj", "q_proj", "q")
 StackedParams = Sequence[tuple[str, str, str | int]]
 
@@ -41,6 +44,12 @@ def load_named_weights(
         target, shard_id = _target(name, stacked_params)
         param = params.get(target)
         if param is None:
+            if name.rpartition(".")[2] in KV_CACHE_SCALES:
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} is a calibrated FP8 KV-cache scale, which vframe does not read "
+                    "yet (its FP8 KV cache uses scale 1.0: docs/quantization.md, 'FP8 KV cache'); use a checkpoint "
+                    "without KV-cache scales"
+                )
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
