@@ -165,3 +165,14 @@ def test_the_portable_path_conforms_and_its_build_is_reused(tmp_path) -> None:
     # (the fused KV write, vframe.layers.cpu_ops, is a library of its own, built there once)
     assert second.stdout.strip() == path and "built the cpu_paged" not in second.stderr
     assert os.stat(path).st_mtime_ns == mtime
+
+
+@pytest.mark.skipif("avx512f" in open("/proc/cpuinfo").read(), reason="this machine builds the AVX-512 path itself")
+def test_the_avx512_path_compiles_on_a_machine_without_it(tmp_path) -> None:
+    """A machine without AVX-512 never builds that path (-march=native), and a CPU with it
+    may not be at hand: its intrinsics (the float8 widening among them) are at least
+    compiled here, every template instantiated."""
+    command = build.LIBRARY._compile_command(build.compiler(), tmp_path / "unused.so")
+    command[command.index("-march=native")] = "-march=skylake-avx512"
+    result = subprocess.run([*command, "-fsyntax-only"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
