@@ -131,12 +131,6 @@ void rotary_neox_(const at::Tensor& positions, const at::Tensor& query, const at
   }
 }
 
-// kv_cache[0] slot slots[i] = key[i] and kv_cache[1] slot slots[i] = value[i] for the
-// first n = len(slots) rows: what two index_copy_ calls on the caches' [num_slots, KVH,
-// D] views do, in one operator (a decode step's KV write took about 20 us of dispatch a
-// layer). key / value [T, KVH, D] with each row's KVH * D values contiguous (a split of
-// the fused qkv output); kv_cache [2, num_blocks, block_size, KVH, D] contiguous, of
-// key's dtype.
 // Row `src` of `count` values of S into `dst` of float8 type F, clamped to F's largest finite value.
 template <typename F, typename S>
 void round_row_to_fp8(F* dst, const S* src, int64_t count) {
@@ -161,6 +155,13 @@ void store_kv_fp8(const at::Tensor& key, const at::Tensor& value, F* kc, F* vc, 
   }), at::kFloat, at::kBFloat16, at::kHalf);
 }
 
+// kv_cache[0] slot slots[i] = key[i] and kv_cache[1] slot slots[i] = value[i] for the
+// first n = len(slots) rows: what two index_copy_ calls on the caches' [num_slots, KVH,
+// D] views do, in one operator (a decode step's KV write took about 20 us of dispatch a
+// layer). key / value [T, KVH, D] with each row's KVH * D values contiguous (a split of
+// the fused qkv output); kv_cache [2, num_blocks, block_size, KVH, D] contiguous, of
+// key's dtype, or float8 (e4m3fn, e5m2) for float32 / bfloat16 / float16 keys, rounded
+// on the way by store_kv_fp8.
 void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache, const at::Tensor& slots) {
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "store_kv: slots int64 [n]");
   const int64_t n = slots.size(0);
