@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from vframe.core.kv_cache_spec import is_fp8
 from vframe.utils.native import BuildError, NativeLibrary
 
 logger = logging.getLogger(__name__)
@@ -86,9 +87,6 @@ def guard(dtype: torch.dtype) -> Callable[[torch.Tensor], bool] | None:
     return fused
 
 
-FP8_CACHES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def stores_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> bool:
     """Whether ``store_kv`` takes this KV write: CPU tensors of one float dtype, or K / V of
     one float dtype into a float8 cache (rounded on the way as ``to_cache_dtype`` rounds),
@@ -96,7 +94,7 @@ def stores_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, sl
     slots, outside tracing, the library built."""
     return (
         key.device.type == "cpu" and key.dtype == value.dtype and key.dtype in MAX_TOKENS
-        and (kv_cache.dtype == key.dtype or kv_cache.dtype in FP8_CACHES)
+        and (kv_cache.dtype == key.dtype or is_fp8(kv_cache.dtype))
         and slots.dtype == torch.int64 and kv_cache.is_contiguous()
         and key.stride(2) == 1 and key.stride(1) == key.shape[2]
         and value.stride(2) == 1 and value.stride(1) == value.shape[2]
