@@ -22,6 +22,7 @@ from vframe.quant.kernels import (
     QuantLinearSpec, choose_kernel,
 )
 from vframe.quant.kernels.builtin import ReferenceKernel
+from vframe.quant.native_call import NativeCall, native_call, with_native
 from vframe.testing import check_quant_kernel
 
 from packers import gptq_quantize, write_quantized_llama
@@ -67,6 +68,10 @@ def test_builtin_kernels_bind_to_their_buffers(kernel: str, weight_type: str, dt
     product = instance.bind(layer, bias)
     assert product is not None
     assert torch.equal(product(x), instance.apply(layer, x, bias))
+    if kernel != "int4_cpu":  # a Python function of torch's int4 operators: no single operator call
+        call = native_call(product)
+        assert call is not None and call.max_rows == (None if kernel == "int8_dynamic" else 32 if dtype == torch.float32 else 16)
+        assert torch.equal(call(x), instance.apply(layer, x, bias))
 
 
 def test_a_kernel_whose_bound_function_differs_from_apply_fails_the_check() -> None:
@@ -76,6 +81,22 @@ def test_a_kernel_whose_bound_function_differs_from_apply_fails_the_check() -> N
 
     with pytest.raises(AssertionError, match=r"int4-g32-sym, float32, 1 tokens: bind\(layer, bias\) computes other"):
         check_quant_kernel(BoundWrong, quick=True)
+
+
+def test_a_kernel_whose_native_call_differs_from_its_bound_function_fails_the_check() -> None:
+    """The operator call a bound function says it is must compute what it does: a decode plan
+    calls that operator instead (plugin API 1.13)."""
+
+    class NativeWrong(ReferenceKernel):
+        def bind(self, layer: nn.Module, bias: torch.Tensor | None):
+            def product(x: torch.Tensor) -> torch.Tensor:
+                return self.apply(layer, x, bias)
+
+            w = self.dequantize_weight(layer).to(self.spec.dtype) * (1 + 2**-10)
+            return with_native(product, NativeCall(torch.ops.aten.linear.default, (w, None), bias))
+
+    with pytest.raises(AssertionError, match=r"int4-g32-sym, float32, 1 tokens: the NativeCall that bind\(layer, bias\)"):
+        check_quant_kernel(NativeWrong, quick=True)
 
 
 @pytest.mark.parametrize(

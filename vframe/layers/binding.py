@@ -11,6 +11,10 @@ through their method's ``bind``, plugin API 1.12; RMSNorm and the rotary embeddi
 themselves). The bound path computes exactly what the unbound one does, bit for bit
 (tests/layers/test_binding.py).
 
+Children are bound before their parents, so that a parent may build on what its children
+bound: ``LlamaForCausalLM`` builds a decode plan from its bound layers
+(``vframe/backends/cpu_paged/plan.py``, plugin API 1.13).
+
 ``VFRAME_BIND_LAYERS=0`` leaves every layer unbound (for comparisons). A module must not
 change its tensors after it is bound; anything that does calls ``bind_model`` again.
 """
@@ -29,7 +33,7 @@ def bind_model(model: nn.Module, enabled: bool | None = None) -> int:
     if enabled is None:
         enabled = os.environ.get("VFRAME_BIND_LAYERS", "1") != "0"
     count = 0
-    for module in model.modules():
+    for module in reversed(list(model.modules())):  # children first: a parent may build on their bound functions
         bind_forward = getattr(module, "bind_forward", None)
         if callable(bind_forward):
             bind_forward(enabled)

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 LIBRARY = NativeLibrary(
     "cpu_ops", (Path(__file__).with_name("csrc") / "cpu_ops.cpp",), "vframe_cpu_ops.so",
-    "fused RMSNorm, rotary and SwiGLU operators", flags=("-ffp-contract=off",),
+    "fused RMSNorm, rotary and SwiGLU operators and the decode plan", flags=("-ffp-contract=off",),
 )
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from vframe.errors import ConfigError, LoRAAdapterError
+from vframe.layers.binding import bind_model
 from vframe.layers.linear import LinearBase
 from vframe.lora.layers import LoRALinear, LoRAStepContext
 from vframe.lora.ops import LoRAKernel, LoRASegments, add_lora
@@ -72,6 +73,7 @@ class LoRAManager:
         self._layers: dict[str, LoRALinear] = {}
         self._targets: dict[str, tuple[str, int]] = {}  # HF module path -> (layer name, slice)
         self._wrap(model, kernel)
+        bind_model(model)  # the model's modules changed: what was bound to the old ones (a decode plan) is rebuilt
 
         self._requests: dict[int, LoRARequest] = {}
         self._host: OrderedDict[int, _ShardedAdapter] = OrderedDict()  # least recently used first

@@ -294,6 +294,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    decode_plan: Any = None  # a DecodePlan once bound, where every layer can run in it (LlamaForCausalLM.bind_forward)
+
     def __init__(
         self,
         hf_config: Any,
@@ -338,9 +340,37 @@ class LlamaModel(nn.Module):
         attn_metadata: Any,
     ) -> torch.Tensor:  # [T, E]
         x = self.embed_tokens(input_ids)  # [T, E]
+        plan = self.decode_plan
+        if plan is not None and (out := plan.run(x, positions, kv_caches, attn_metadata)) is not None:
+            return self.norm(out)  # every layer in C++, a decode step (vframe/backends/cpu_paged/plan.py)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, positions, rotary_emb, kv_cache, attn_metadata)
         return self.norm(x)
+
+    def plan_layers(self, rotary_emb: RotaryEmbedding) -> list[Any] | None:
+        """The layers as a decode plan takes them, once bound; None where a layer is not
+        exactly this file's (bound) decoder layer: a subclass that normalizes q / k, a
+        mixture-of-experts MLP, a rotary of its own, an unbound part."""
+        from vframe.backends.cpu_paged.plan import PlanLayer
+
+        if type(rotary_emb).forward is not RotaryEmbedding.forward or rotary_emb._bound is None:
+            return None
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (
+                type(layer).forward is not LlamaDecoderLayer.forward
+                or type(attn).forward is not LlamaAttention.forward
+                or type(attn).norm_qk is not LlamaAttention.norm_qk
+                or type(mlp).forward is not LlamaMLP.forward
+                or any(type(n).forward is not RMSNorm.forward or n._bound is None for n in norms)
+                or any(n.eps != self.layers[0].input_layernorm.eps for n in norms)  # the plan has one eps
+            ):
+                return None
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            layers.append(PlanLayer(norms[0].weight.detach(), norms[1].weight.detach(), linears, attn.attn))
+        return layers
 
 
 class LlamaForCausalLM(nn.Module):
@@ -397,6 +427,22 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, E] -> [N, V] float32
         return self.lm_head(hidden_states).float()
+
+    def bind_forward(self, enabled: bool = True) -> None:
+        """After every layer is bound (``vframe.layers.binding`` binds children first): the
+        decode plan of ``vframe/backends/cpu_paged/plan.py`` where every layer can run in it."""
+        self.model.decode_plan = None
+        layers = self.model.plan_layers(self.rotary_emb) if enabled else None
+        if layers is None:
+            return
+        from vframe.backends.cpu_paged.plan import DecodePlan
+
+        attn = self.model.layers[0].self_attn
+        self.model.decode_plan = DecodePlan.build(
+            layers, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            eps=self.model.layers[0].input_layernorm.eps, cos_sin_cache=self.rotary_emb.cos_sin_cache, dtype=self.dtype,
+            modules=[*self.model.layers.modules(), self.rotary_emb],
+        )  # fmt: skip
 
     def get_kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
         return [layer.self_attn.kv_cache_spec(block_size, dtype) for layer in self.model.layers]

@@ -97,6 +97,10 @@ DATA_OBJECTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     (
+        "Linear layers",
+        ("vframe.quant.native_call:NativeCall",),
+    ),
+    (
         "LoRA kernels",
         ("vframe.lora.ops:LoRASegments",),
     ),

@@ -54,6 +54,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from vframe.quant import onednn_packed
+from vframe.quant.native_call import NativeCall, native_call, with_native
+
+__all__ = [
+    "BoundApply", "EmbeddingMethodBase", "IntKernelMethod", "LinearMethodBase", "NativeCall", "QuantizationConfig",
+    "UnquantizedLinearMethod", "bound_apply", "native_call", "register_weight", "set_weight_attrs", "with_native",
+]
 
 # ``apply(layer, x, bias)`` as a function of ``x`` alone, with the layer's tensors looked
 # up once: what ``LinearMethodBase.bind`` and ``QuantLinearKernel.bind`` return.
@@ -135,7 +141,11 @@ class LinearMethodBase(ABC):
         not on every call: a decode step of a small model calls a few hundred linears, and
         a chain of attribute and buffer lookups costs microseconds each time. It must
         return what ``apply`` returns, bit for bit, for every ``x``; the layer's tensors do
-        not change after it is bound. Default ``None``: the layer calls ``apply``."""
+        not change after it is bound. Default ``None``: the layer calls ``apply``.
+
+        The function may also say which single operator call computes it
+        (``with_native(product, NativeCall(...))``, plugin API 1.13,
+        ``vframe/quant/native_call.py``): a decode plan then calls that operator from C++."""
         return None
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out_per_partition, in_per_partition]
@@ -227,7 +237,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         weight = layer.weight
         if weight.is_mkldnn:
             return onednn_packed.bound_linear(weight, bias)
-        return functools.partial(F.linear, weight=weight, bias=bias)
+        return with_native(functools.partial(F.linear, weight=weight, bias=bias),
+                           NativeCall(torch.ops.aten.linear.default, (weight, bias)))
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         return onednn_packed.plain(layer.weight)

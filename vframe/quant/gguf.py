@@ -49,7 +49,8 @@ from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant import int4_cpu
 from vframe.quant.base import (
-    BoundApply, EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, bound_apply, register_weight,
+    BoundApply, EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, bound_apply, native_call, register_weight,
+    with_native,
 )
 from vframe.quant.gguf_dequant import (
     FORMATS, GGML_TYPE_NAMES, INT4_TYPES, INT8_TYPES, dequantize, int4_groups, int8_groups, row_bytes,
@@ -297,7 +298,10 @@ class GGUFLinearMethod(LinearMethodBase):
         def biased(x: torch.Tensor) -> torch.Tensor:
             return product(x) + bias
 
-        return biased
+        call = native_call(product)
+        if call is None or call.bias is not None:
+            return biased
+        return with_native(biased, dataclasses.replace(call, bias=bias))
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
         return torch.cat([self._dequantize(layer, i) for i in range(len(self.segments))])

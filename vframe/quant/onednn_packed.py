@@ -36,6 +36,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from vframe.quant.native_call import NativeCall, with_native
+
 
 @functools.cache
 def onednn_fp32_available() -> bool:
@@ -89,4 +91,4 @@ def bound_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[t
     def linear(x: torch.Tensor) -> torch.Tensor:
         return op(x, weight, bias, "none", [], "")
 
-    return linear
+    return with_native(linear, NativeCall(op, (weight, bias, "none", [], "")))

@@ -31,7 +31,8 @@ output in a narrower dtype):
   ``ref = F.linear(x, W_deq, bias)`` in float64 from the same inputs
   (``QuantizationConfig.reference_tolerance``).
 * ``bind(layer, bias)``, where it returns a function, gives ``apply``'s output bit
-  for bit on the same inputs.
+  for bit on the same inputs, and so does the operator call the function says it is
+  (``vframe.quant.native_call``).
 * At least one layer kind is quantized (``get_quant_method`` returned a method).
 
 Methods that quantize on load (``from_config(None)``) receive the float
@@ -67,6 +68,7 @@ from vframe.layers.linear import (
     RowParallelLinear,
 )
 from vframe.quant.base import LinearMethodBase, QuantizationConfig, bound_apply
+from vframe.quant.native_call import native_result
 
 CheckpointTensors = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 
@@ -266,9 +268,14 @@ def _check_apply(case: _Case, x: torch.Tensor, tolerance: float, where: str) -> 
         w_deq = layer.quant_method.dequantize_weight(layer)
         bound = bound_apply(layer.quant_method, layer, bias)
         bound_out = None if bound is None else bound(x)
+        native_out = None if bound is None else native_result(bound, x)
     where = f"{where}, {x.shape[0]} tokens"
     assert bound_out is None or torch.equal(bound_out, out), (
         f"{where}: the function bind returned differs from apply (it must compute the same, bit for bit)"
+    )
+    assert native_out is None or torch.equal(native_out, out), (
+        f"{where}: the NativeCall that bind's function carries differs from apply (it must compute the same, "
+        "bit for bit)"
     )
     expected_shape = (x.shape[0], layer.output_size_per_partition)
     assert tuple(out.shape) == expected_shape, (

@@ -21,7 +21,8 @@ kernel says it can run (``can_implement`` returns ``None``), and for each:
   the reference quantizes ``x`` per token as ``quantize_per_token`` does, for
   ``INT8_PER_BLOCK`` per block as ``quantize_per_block`` does;
 * ``bind(layer, bias)`` and ``bind(layer, None)``, where they return a function, give
-  ``apply``'s outputs bit for bit on the same inputs (plugin API 1.12).
+  ``apply``'s outputs bit for bit on the same inputs (plugin API 1.12), and so does the
+  operator call the function says it is (``vframe.quant.native_call``, plugin API 1.13).
 
 It raises ``AssertionError`` naming the case, or when the kernel runs none of
 the specs. Returns the names of the cases that ran.
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from vframe.quant.base import bound_apply
+from vframe.quant.native_call import native_result
 from vframe.quant.kernels import (
     FP4_GROUPS, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, Fp8Weight, IntWeight,
     QuantLinearKernel, QuantLinearSpec, refusal,
@@ -222,4 +224,10 @@ def _check_bound(kernel: QuantLinearKernel, layer: nn.Module, x: torch.Tensor, b
             assert torch.equal(got, expected), (
                 f"{case}: bind(layer, {'bias' if b is not None else 'None'}) computes other values than apply "
                 f"(max difference {float((got.float() - expected.float()).abs().max()):.3g}); it must be apply, bit for bit"
+            )
+            native = native_result(bound, x)
+            assert native is None or torch.equal(native, expected), (
+                f"{case}: the NativeCall that bind(layer, {'bias' if b is not None else 'None'})'s function carries "
+                f"computes other values than apply (max difference "
+                f"{float((native.float() - expected.float()).abs().max()):.3g}); it must be apply, bit for bit"
             )

@@ -14,6 +14,9 @@
 //   argmax_rows(x)             x.argmax(-1) for float32 [B, V]: the first index of a row's maximum, a NaN
 //                              counting as the maximum (torch's CPU argmax does not vectorise its
 //                              index-tracking reduction: 3.9 ms for [64, 49152], amax 0.18 ms)
+//   DecodePlan                 a torch.classes object: a Llama-style model's decoder layers for a
+//                              decode step, these operators and the layers' own linears and paged
+//                              attention called from here (vframe/backends/cpu_paged/plan.py)
 //
 // Built with -ffp-contract=off so that no product and sum fuse into one rounding.
 // rms_norm's mean adds the squares in another order than PyTorch's reduction: its
@@ -21,7 +24,11 @@
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
@@ -33,6 +40,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <string>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -319,6 +329,104 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// ------------------------------------------------------------------------------------------- //
+// A decode plan (vframe/layers/decode_plan.py): a Llama-style model's decoder layers for a step
+// whose tokens are all decodes, run here with no Python between the operators. Each layer is
+// exactly LlamaDecoderLayer.forward with every module bound (vframe/layers/binding.py):
+//
+//   h = x + o(attention(rotary(split(qkv(rms_norm(x))))))     x' = h + down(silu_and_mul(gate_up(rms_norm(h))))
+//
+// the four linears called through the dispatcher as their bound functions describe them
+// (vframe.quant.base.NativeCall: op(x, *args) [+ bias]), the norms, rotary, KV write and SwiGLU
+// as the functions above, attention as cpu_paged's paged_decode_attention. Same operators,
+// same order, same arguments as the layers' bound forward: the same result bit for bit.
+
+struct BoundCall {
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> args;  // what follows x
+  std::optional<at::Tensor> bias;  // added after the call (out + bias), where op does not take it
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    torch::jit::Stack stack;
+    stack.reserve(args.size() + 1);
+    stack.emplace_back(x);
+    stack.insert(stack.end(), args.begin(), args.end());
+    op.callBoxed(stack);
+    at::Tensor out = std::move(stack[0]).toTensor();
+    return bias ? at::add(out, *bias) : out;
+  }
+};
+
+c10::OperatorHandle find_operator(const std::string& name, const std::string& overload) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload == "default" ? "" : overload.c_str());
+}
+
+struct PlanLayer {
+  at::Tensor input_norm, post_norm;
+  int64_t sliding_window;  // 0: none
+  std::vector<BoundCall> linears;  // qkv, o, gate_up, down
+};
+
+struct DecodePlan : torch::CustomClassHolder {
+  int64_t heads, kv_heads, head_dim;
+  double scale, eps;
+  at::Tensor cos_sin;
+  c10::OperatorHandle attention;
+  std::vector<PlanLayer> layers;
+
+  DecodePlan(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps, at::Tensor cos_sin)
+      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), scale(scale), eps(eps), cos_sin(std::move(cos_sin)),
+        attention(find_operator("vframe_cpu::paged_decode_attention", "")) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t sliding_window) {
+    layers.push_back(PlanLayer{std::move(input_norm), std::move(post_norm), sliding_window, {}});
+  }
+
+  // The last layer's next linear, in the order qkv, o, gate_up, down.
+  void add_linear(const std::string& name, const std::string& overload, std::vector<c10::IValue> args,
+                  std::optional<at::Tensor> bias) {
+    TORCH_CHECK(!layers.empty() && layers.back().linears.size() < 4, "DecodePlan.add_linear: add_layer first, four linears each");
+    c10::OperatorHandle op = find_operator(name, overload);
+    const auto& schema = op.schema().arguments();
+    TORCH_CHECK(args.size() + 1 == schema.size(), "DecodePlan.add_linear: ", name, " takes ", schema.size(),
+                " arguments, not x and ", args.size());
+    for (size_t i = 0; i < args.size(); ++i) {  // Python cannot send an empty list as Any: it sends None
+      const auto list = schema[i + 1].type()->cast<c10::ListType>();
+      if (list && args[i].isNone()) args[i] = c10::impl::GenericList(list->getElementType());
+    }
+    layers.back().linears.push_back(BoundCall{std::move(op), std::move(args), std::move(bias)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  // x [T, E] (the embedded tokens) -> the last layer's output [T, E], before the final norm.
+  at::Tensor run(at::Tensor x, const at::Tensor& positions, const std::vector<at::Tensor>& kv_caches,
+                 const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                 const at::Tensor& req_ids, const at::Tensor& query_rows) const {
+    TORCH_CHECK(kv_caches.size() == layers.size(), "DecodePlan.run: one KV cache per layer");
+    const int64_t tokens = x.size(0);
+    const std::vector<int64_t> sizes{heads, kv_heads, kv_heads};
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const PlanLayer& layer = layers[i];
+      TORCH_CHECK(layer.linears.size() == 4, "DecodePlan.run: layer ", i, " has ", layer.linears.size(), " linears, not 4");
+      const at::Tensor& kv = kv_caches[i];
+      at::Tensor qkv = layer.linears[0](rms_norm(x, layer.input_norm, eps)).view({tokens, heads + 2 * kv_heads, head_dim});
+      std::vector<at::Tensor> qkv_heads = qkv.split_with_sizes(sizes, 1);
+      const at::Tensor &q = qkv_heads[0], &k = qkv_heads[1], &v = qkv_heads[2];
+      rotary_neox_(positions, q, k, cos_sin);
+      store_kv(k, v, kv, slots);
+      at::Tensor attended = at::empty_like(q);
+      torch::jit::Stack stack{attended, q, kv.select(0, 0), kv.select(0, 1), block_table, seq_lens,
+                              req_ids, query_rows, scale, layer.sliding_window};
+      attention.callBoxed(stack);
+      at::Tensor h = at::add(x, layer.linears[1](attended.reshape({tokens, heads * head_dim})));
+      at::Tensor mlp = layer.linears[3](silu_and_mul(layer.linears[2](rms_norm(h, layer.post_norm, eps))));
+      x = at::add(h, mlp);
+    }
+    return x;
+  }
+};
+
 }  // namespace
 
 TORCH_LIBRARY(vframe_cpu_ops, m) {
@@ -327,6 +435,12 @@ TORCH_LIBRARY(vframe_cpu_ops, m) {
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.class_<DecodePlan>("DecodePlan")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor>())
+      .def("add_layer", &DecodePlan::add_layer)
+      .def("add_linear", &DecodePlan::add_linear)
+      .def("num_layers", &DecodePlan::num_layers)
+      .def("run", &DecodePlan::run);
 }
 
 TORCH_LIBRARY_IMPL(vframe_cpu_ops, CPU, m) {

@@ -248,7 +248,9 @@ class QuantLinearKernel(ABC):
         """``apply(layer, x, bias)`` as a function of ``x`` alone, with ``layer``'s buffers
         and the operator looked up once (plugin API 1.12; see
         ``vframe.quant.base.LinearMethodBase.bind``): bit for bit ``apply`` for every
-        ``x``. Default ``None``: ``apply`` is called."""
+        ``x``. The function may carry the single operator call it is
+        (``vframe.quant.native_call.with_native``, plugin API 1.13) for a decode plan to
+        call from C++. Default ``None``: ``apply`` is called."""
         return None
 
     @abstractmethod

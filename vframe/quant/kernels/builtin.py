@@ -13,7 +13,7 @@ from torch import nn
 
 from vframe.quant import int4_cpu
 from vframe.errors import ModelLoadError
-from vframe.quant.base import BoundApply
+from vframe.quant.base import BoundApply, NativeCall, with_native
 from vframe.quant.kernels import (
     ACTIVATION_BLOCK, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight,
     Fp8Weight, IntWeight, QuantLinearKernel, QuantLinearSpec,
@@ -121,7 +121,7 @@ class Int8DynamicKernel(QuantLinearKernel):
             out = op(x, w, scale)
             return out if bias is None else out + bias
 
-        return product
+        return with_native(product, NativeCall(op, (w, scale), bias))
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         return self.get(layer, "weight").float() * self.get(layer, "scale")[:, None]
@@ -241,7 +241,7 @@ class _DequantizedGemm:
             out = op(x, *args, x.dtype)
             return out if bias is None else out + bias
 
-        return product
+        return with_native(product, NativeCall(op, (*args, self.spec.dtype), bias, max_rows))
 
     def _in_place_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         op, args = self._in_place_call(layer)

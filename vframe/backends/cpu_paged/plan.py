@@ -1,0 +1,155 @@
+"""A decode plan: a Llama-style model's decoder layers run in C++ for decode steps.
+
+A batch-1 decode step of a small model is some 30 short operator calls a layer; with every
+layer bound (``vframe/layers/binding.py``) the Python around them is still about 100 us a
+layer (module calls, views, splits, residual adds, ``torch.ops`` dispatch), a quarter of a
+GGUF step of SmolLM2. Where every part of a layer can be called from C++ the model builds
+a plan once, after binding (``LlamaForCausalLM.bind_forward``): the ``DecodePlan`` class of
+``vframe/layers/csrc/cpu_ops.cpp`` holds each layer's norm weights and its four linears as
+their bound functions describe them (``vframe.quant.native_call``: an operator and its
+arguments) and runs a whole step's layers with no Python in between: the same operators in
+the same order with the same arguments as the bound layers, so the same result bit for bit
+(tests/backends/test_decode_plan.py).
+
+The plan takes a step when it is all decodes on this backend (one query token per request,
+no padding rows), of at most ``max_tokens`` tokens (the smallest row limit of the
+linears' operators and of the fused operators' dtype), outside autograd and tracing;
+anything else runs the layers, and so does every step while a forward hook is registered on
+any module the plan stands in for (or globally): the layers call hooks, the plan cannot.
+``VFRAME_DECODE_PLAN=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.modules.module as module_hooks
+from torch import nn
+
+from vframe.backends.cpu_paged.backend import CpuPagedAttentionImpl, CpuPagedMetadata
+from vframe.layers import cpu_ops
+from vframe.quant.native_call import NativeCall, native_call
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanLayer:
+    """What one decoder layer hands the plan (``LlamaModel.plan_layers``)."""
+
+    input_norm: torch.Tensor  # [E], the RMSNorm weights
+    post_norm: torch.Tensor  # [E]
+    linears: tuple[Any, Any, Any, Any]  # qkv, o, gate_up, down: the layers (LinearBase)
+    attention: Any  # the layer's attention impl
+
+
+def enabled() -> bool:
+    return os.environ.get("VFRAME_DECODE_PLAN", "1") != "0"
+
+
+def _native(linear: Any) -> NativeCall | None:
+    """The operator call a bound single-rank linear layer says it is."""
+    if getattr(linear, "tp_size", 1) != 1:
+        return None
+    return native_call(getattr(linear, "_bound", None))
+
+
+class DecodePlan:
+    """The C++ plan of a model's layers and the steps it takes."""
+
+    def __init__(self, handle: Any, max_tokens: int, dtype: torch.dtype, modules: Iterable[nn.Module] = ()) -> None:
+        self.handle = handle
+        self.max_tokens = max_tokens
+        self.dtype = dtype
+        # The forward hooks of the modules the plan stands in for, and the global ones: a hook
+        # registered on any of them (now or later) sends steps to the layers, which call it.
+        self._hooks = (
+            module_hooks._global_forward_hooks, module_hooks._global_forward_pre_hooks,
+            *(d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)),
+        )
+
+    @classmethod
+    def build(
+        cls,
+        layers: list[PlanLayer],
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        cos_sin_cache: torch.Tensor,  # [max_pos, D] float32, the rotary table
+        dtype: torch.dtype,
+        modules: Iterable[nn.Module] = (),  # every module the plan stands in for (their hooks)
+    ) -> DecodePlan | None:
+        """The plan of ``layers``, or None (logged) where some part cannot run in it."""
+        reason = cls._refusal(layers, dtype)
+        if reason is not None:
+            logger.debug("no decode plan: %s", reason)
+            return None
+        scale = layers[0].attention.scale
+        handle = torch.classes.vframe_cpu_ops.DecodePlan(num_heads, num_kv_heads, head_dim, scale, eps, cos_sin_cache)
+        limits = [cpu_ops.MAX_TOKENS[dtype] or sys.maxsize]
+        for layer in layers:
+            handle.add_layer(layer.input_norm, layer.post_norm, layer.attention.sliding_window or 0)
+            for linear in layer.linears:
+                call = _native(linear)
+                # an empty list cannot cross as Any: None stands for it (the plan makes the schema's empty list)
+                args = [None if isinstance(a, list | tuple) and not a else a for a in call.args]
+                handle.add_linear(call.op._schema.name, call.op._overloadname, args, call.bias)
+                limits.append(call.max_rows or sys.maxsize)
+        return cls(handle, min(limits), dtype, modules)
+
+    @staticmethod
+    def _refusal(layers: list[PlanLayer], dtype: torch.dtype) -> str | None:
+        if not enabled():
+            return "VFRAME_DECODE_PLAN=0"
+        if not layers:
+            return "no layers"
+        if cpu_ops.guard(dtype) is None:
+            return f"the fused CPU operators do not run {dtype}"
+        scale = layers[0].attention.scale
+        for i, layer in enumerate(layers):
+            attention = layer.attention
+            if type(attention).forward is not CpuPagedAttentionImpl.forward:
+                return f"layer {i}'s attention is {type(attention).__name__}, not cpu_paged's"
+            if attention.scale != scale:
+                return f"layer {i}'s attention scale differs from layer 0's"
+            for linear in layer.linears:
+                if _native(linear) is None:
+                    return f"{getattr(linear, 'prefix', linear)} has no native bound call"
+            if any(t.dtype != dtype or not t.is_contiguous() for t in (layer.input_norm, layer.post_norm)):
+                return f"layer {i}'s norm weights are not contiguous {dtype}"
+        return None
+
+    def run(
+        self,
+        x: torch.Tensor,  # [T, E], the embedded tokens
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],
+        attn_metadata: Any,
+    ) -> torch.Tensor | None:  # [T, E] before the final norm; None: the step is not the plan's
+        meta = attn_metadata
+        tokens = x.shape[0]
+        if (
+            type(meta) is not CpuPagedMetadata
+            or meta.prefill_plan.prefills
+            or meta.decode_req_ids.shape[0] != tokens
+            or meta.prefill_plan.num_actual_tokens != tokens
+            or tokens > self.max_tokens
+            or x.dtype != self.dtype
+            or positions.dtype != torch.int64
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or any(self._hooks)
+        ):
+            return None
+        return self.handle.run(
+            x, positions, kv_caches, meta.prefill_plan.slot_mapping, meta.block_table, meta.seq_lens,
+            meta.decode_req_ids, meta.decode_rows,
+        )  # fmt: skip
