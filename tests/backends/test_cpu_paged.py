@@ -1,4 +1,4 @@
-"""The ``cpu_paged`` backend: its C++ decode operator against the float32
+"""The ``cpu_paged`` backend: its C++ decode and prefill operators against the float32
 definition (random block tables, NaN in every slot it must not read, GQA, MQA,
 head sizes with and without a compiled-in specialisation, sliding windows), the
 conformance kit in three dtypes, greedy tokens against the torch backend on
@@ -55,11 +55,9 @@ def test_decode_operator_against_the_definition(
         torch.set_num_threads(before)
 
 
-def _check_decode_operator(
-    num_heads: int, num_kv_heads: int, head_size: int, block_size: int, window: int | None, dtype: torch.dtype
-) -> None:
-    torch.manual_seed(0)
-    seq_lens = [1, 5, block_size, block_size + 1, 3 * block_size - 2, 70]
+def _paged_requests(seq_lens: list[int], num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype):
+    """A cache of NaN where each request owns a random set of blocks and only its first
+    seq_len slots are written; its block table, and each request's keys and values."""
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"), dtype=dtype)
     # each request owns a random set of blocks; only its first seq_len slots are written
@@ -77,6 +75,15 @@ def _check_decode_operator(
         values.append(v)
     width = max(len(t) for t in tables)
     block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return cache, block_table, keys, values
+
+
+def _check_decode_operator(
+    num_heads: int, num_kv_heads: int, head_size: int, block_size: int, window: int | None, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(0)
+    seq_lens = [1, 5, block_size, block_size + 1, 3 * block_size - 2, 70]
+    cache, block_table, keys, values = _paged_requests(seq_lens, num_kv_heads, head_size, block_size, dtype)
     # the decodes sit at rows 2, 0, 5, ... of a step whose other rows the operator must leave alone
     rows = torch.tensor([2, 0, 5, 1, 7, 3])
     query = torch.randn(8, num_heads, head_size, dtype=dtype)
@@ -94,6 +101,57 @@ def _check_decode_operator(
     assert (out[untouched] == 7.0).all()
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_size", "block_size", "window"),
+    [
+        (9, 3, 64, 16, None),  # SmolLM2's shape
+        (8, 1, 128, 16, None),  # MQA, a specialised head size
+        (4, 4, 48, 8, None),  # MHA, a head size taken at run time
+        (6, 2, 64, 16, 7),  # sliding window
+        (4, 2, 80, 16, 100),  # a window longer than some requests, a head size of ten vectors
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, max(2, torch.get_num_threads())])
+def test_prefill_operator_against_the_definition(
+    num_heads: int, num_kv_heads: int, head_size: int, block_size: int, window: int | None, dtype: torch.dtype,
+    threads: int,
+) -> None:
+    """Whole prompts and chunks over a cached prefix (the query is the last Q positions of
+    the request's keys), tiles of 16 query tokens with a shorter last one, more keys than
+    one block of 128: against the float32 definition, nothing read past a request's own
+    slots (NaN there), no other row of the step written."""
+    torch.manual_seed(1)
+    # (seq_len, query_len)
+    requests = [(5, 5), (40, 40), (70, 3), (300, 37), (block_size, 2), (2 * block_size + 1, 17)]
+    cache, block_table, keys, values = _paged_requests([n for n, _ in requests], num_kv_heads, head_size,
+                                                       block_size, dtype)
+    starts, row = [], 1  # row 0 and one row between requests belong to no request
+    for _, q_len in requests:
+        starts.append(row)
+        row += q_len + 1
+    query = torch.randn(row, num_heads, head_size, dtype=dtype)
+    out = torch.full_like(query, 7.0)
+    scale = head_size**-0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.vframe_cpu.paged_prefill_attention(
+            out, query, cache[0], cache[1], block_table, torch.tensor([n for n, _ in requests], dtype=torch.int32),
+            torch.arange(len(requests)), torch.tensor(starts), torch.tensor([q for _, q in requests]), scale, window or 0,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    atol, rtol = ATTENTION_TOLERANCES[dtype]
+    written = []
+    for b, ((_, q_len), start) in enumerate(zip(requests, starts)):
+        want = reference_attention(query[start : start + q_len], keys[b], values[b], scale, window)
+        torch.testing.assert_close(out[start : start + q_len].float(), want, atol=atol, rtol=rtol)
+        written += range(start, start + q_len)
+    untouched = [r for r in range(row) if r not in written]
+    assert (out[untouched] == 7.0).all()
+
+
 def test_bad_arguments_are_refused_by_name() -> None:
     q = torch.randn(2, 4, 64)
     cache = torch.zeros(3, 16, 2, 64)
@@ -105,6 +163,17 @@ def test_bad_arguments_are_refused_by_name() -> None:
         torch.ops.vframe_cpu.paged_decode_attention(
             torch.empty_like(q), q, cache, cache, torch.zeros(2, 1, dtype=torch.int64), *args[3:]
         )
+    prefill = torch.ops.vframe_cpu.paged_prefill_attention
+    one_each = torch.ones(2, dtype=torch.int32)  # seq_lens: one token per request
+    with pytest.raises(RuntimeError, match="paged_prefill_attention: request 1 has 2 query tokens of 1"):
+        prefill(torch.empty_like(q), q, cache, cache, args[2], one_each, torch.tensor([1]), torch.tensor([0]),
+                torch.tensor([2]), 0.125, 0)
+    with pytest.raises(RuntimeError, match="request 0's query rows 1 .. 3 are not rows of the 2-row query"):
+        prefill(torch.empty_like(q), q, cache, cache, args[2], one_each + 1, torch.tensor([0]), torch.tensor([1]),
+                torch.tensor([2]), 0.125, 0)
+    with pytest.raises(RuntimeError, match="paged_prefill_attention: the request vectors must be contiguous int64"):
+        prefill(torch.empty_like(q), q, cache, cache, args[2], one_each, torch.arange(2), torch.tensor([0]),
+                torch.tensor([1, 1]), 0.125, 0)
 
 
 def test_greedy_tokens_equal_the_torch_backend() -> None:

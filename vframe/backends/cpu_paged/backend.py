@@ -1,15 +1,16 @@
 """Paged attention on the CPU without gathers.
 
-A step's decodes (one query token each) go to ``torch.ops.vframe_cpu.paged_decode_attention``,
-which reads each request's keys and values where they lie in the cache, through
-its block table: no copy of whole blocks into padded tensors, no mask over the
-padding, and one pass over each K/V row for all the query heads that share it.
-Requests with more query tokens (prefills and chunks of them) are attended as the
-``torch`` backend does it, with ``scaled_dot_product_attention``.
+Every request's keys and values are read where they lie in the cache, through its block
+table: no copy of whole blocks into padded tensors, no mask over the padding. A step's
+decodes (one query token each) go to ``torch.ops.vframe_cpu.paged_decode_attention``, which
+reads each K/V row once for all the query heads that share it; its prefills (a prompt, or a
+chunk of one over its cached prefix) to ``paged_prefill_attention``, causal within each
+request (and its sliding window), a tile of query tokens and their heads against each K/V row.
 
-The operator is compiled once per machine with the system's C++ compiler
+The operators are compiled once per machine with the system's C++ compiler
 (``build.py``); where none is found the backend refuses in ``check_available``
-and ``attention_backend=auto`` takes ``torch``.
+and ``attention_backend=auto`` takes ``torch``, which stays the reference the tests
+compare against.
 """
 
 from __future__ import annotations
@@ -19,41 +20,46 @@ from typing import Any
 
 import torch
 
-from vframe.backends.torch_attn import (
-    TorchAttentionBackend,
-    TorchAttentionImpl,
-    TorchAttentionMetadata,
-    attend_prefills,
-    kv_cache_views,
-    write_kv_cache,
-)
-from vframe.core.interfaces import (
-    AttentionImpl,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
-)
+from vframe.backends.torch_attn import TorchAttentionBackend, TorchAttentionImpl, write_kv_cache
+from vframe.core.interfaces import AttentionImpl, AttentionMetadataBuilder, CommonAttentionMetadata
 
 
 @dataclass
 class CpuPagedMetadata:
-    """The plan of one step: the torch plan of its prefills, and its decodes."""
+    """The plan of one step, shared by every layer: which requests decode, which prefill."""
 
-    prefill_plan: TorchAttentionMetadata  # decode_groups empty
+    common: CommonAttentionMetadata
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64, where each new token's K/V goes
+    num_actual_tokens: int
     block_table: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32
     decode_req_ids: torch.Tensor  # [n] int64, rows of block_table / seq_lens
     decode_rows: torch.Tensor  # [n] int64, their query rows
+    prefill_req_ids: torch.Tensor  # [p] int64, requests with more than one query token
+    prefill_starts: torch.Tensor  # [p] int64, their first query row
+    prefill_lens: torch.Tensor  # [p] int64, their query tokens
 
     @classmethod
-    def from_common(cls, common: CommonAttentionMetadata, sliding_window: int | None = None) -> CpuPagedMetadata:
+    def from_common(cls, common: CommonAttentionMetadata) -> CpuPagedMetadata:
         qsl = common.query_start_loc_cpu
-        decodes = [b for b in range(common.num_reqs) if qsl[b + 1] - qsl[b] == 1]
+        decodes, prefills = [], []
+        for b in range(common.num_reqs):
+            query_len = qsl[b + 1] - qsl[b]
+            if query_len == 1:
+                decodes.append(b)
+            elif query_len > 1:
+                prefills.append(b)
         return cls(
-            prefill_plan=TorchAttentionMetadata.from_common(common, sliding_window, plan_decodes=False),
+            common=common,
+            slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
+            num_actual_tokens=common.num_actual_tokens,
             block_table=common.block_table.to(torch.int32).contiguous(),
             seq_lens=common.seq_lens.to(torch.int32).contiguous(),
             decode_req_ids=torch.tensor(decodes, dtype=torch.long),
             decode_rows=torch.tensor([qsl[b] for b in decodes], dtype=torch.long),
+            prefill_req_ids=torch.tensor(prefills, dtype=torch.long),
+            prefill_starts=torch.tensor([qsl[b] for b in prefills], dtype=torch.long),
+            prefill_lens=torch.tensor([qsl[b + 1] - qsl[b] for b in prefills], dtype=torch.long),
         )
 
 
@@ -63,9 +69,9 @@ class CpuPagedMetadataBuilder(AttentionMetadataBuilder):
 
 
 class CpuPagedAttentionImpl(TorchAttentionImpl):
-    # The cache tensor last seen, its K and V halves and the decode operator, looked up
+    # The cache tensor last seen, its K and V halves and the two operators, looked up
     # once (a decode step of a small model calls forward a few dozen times).
-    _kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any] | None = None
+    _kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, Any] | None = None
 
     def forward(
         self,
@@ -77,27 +83,28 @@ class CpuPagedAttentionImpl(TorchAttentionImpl):
     ) -> torch.Tensor:  # [T, H, D]
         meta = attn_metadata
         if isinstance(meta, CommonAttentionMetadata):
-            meta = CpuPagedMetadata.from_common(meta, self.sliding_window)
-        prefill_plan = meta.prefill_plan
-        if self.sliding_window is not None and prefill_plan.prefills:
-            # The shared plan has no window; a windowed layer plans its own prefill masks.
-            prefill_plan = TorchAttentionMetadata.from_common(prefill_plan.common, self.sliding_window, False)
-
+            meta = CpuPagedMetadata.from_common(meta)
         output = torch.empty_like(query)  # every token's row is written below (a decode or a prefill)
-        if prefill_plan.num_actual_tokens < output.shape[0]:
-            output[prefill_plan.num_actual_tokens :] = 0  # padding rows past the step's tokens stay zero
-        write_kv_cache(key, value, kv_cache, prefill_plan.slot_mapping)
-        if prefill_plan.prefills:
-            attend_prefills(output, query, key, value, *kv_cache_views(kv_cache), prefill_plan.prefills, self.scale)
+        if meta.num_actual_tokens < output.shape[0]:
+            output[meta.num_actual_tokens :] = 0  # padding rows past the step's tokens stay zero
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        views = self._kv_views
+        if views is None or views[0] is not kv_cache:
+            ops = torch.ops.vframe_cpu
+            views = self._kv_views = (
+                kv_cache, kv_cache[0], kv_cache[1], ops.paged_decode_attention.default, ops.paged_prefill_attention.default,
+            )  # fmt: skip
+        _, key_cache, value_cache, decode, prefill = views
+        window = self.sliding_window or 0
+        if meta.prefill_req_ids.numel():
+            prefill(
+                output, query, key_cache, value_cache, meta.block_table, meta.seq_lens,
+                meta.prefill_req_ids, meta.prefill_starts, meta.prefill_lens, self.scale, window,
+            )  # fmt: skip
         if meta.decode_req_ids.numel():
-            views = self._kv_views
-            if views is None or views[0] is not kv_cache:
-                decode = torch.ops.vframe_cpu.paged_decode_attention.default
-                views = self._kv_views = (kv_cache, kv_cache[0], kv_cache[1], decode)
-            _, key_cache, value_cache, decode = views
             decode(
                 output, query, key_cache, value_cache, meta.block_table, meta.seq_lens,
-                meta.decode_req_ids, meta.decode_rows, self.scale, self.sliding_window or 0,
+                meta.decode_req_ids, meta.decode_rows, self.scale, window,
             )  # fmt: skip
         return output
 

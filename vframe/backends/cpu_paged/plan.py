@@ -138,9 +138,8 @@ class DecodePlan:
         tokens = x.shape[0]
         if (
             type(meta) is not CpuPagedMetadata
-            or meta.prefill_plan.prefills
             or meta.decode_req_ids.shape[0] != tokens
-            or meta.prefill_plan.num_actual_tokens != tokens
+            or meta.num_actual_tokens != tokens
             or tokens > self.max_tokens
             or x.dtype != self.dtype
             or positions.dtype != torch.int64
@@ -150,6 +149,6 @@ class DecodePlan:
         ):
             return None
         return self.handle.run(
-            x, positions, kv_caches, meta.prefill_plan.slot_mapping, meta.block_table, meta.seq_lens,
+            x, positions, kv_caches, meta.slot_mapping, meta.block_table, meta.seq_lens,
             meta.decode_req_ids, meta.decode_rows,
         )  # fmt: skip

@@ -385,7 +385,8 @@ struct DecodePlan : torch::CustomClassHolder {
   // The last layer's next linear, in the order qkv, o, gate_up, down.
   void add_linear(const std::string& name, const std::string& overload, std::vector<c10::IValue> args,
                   std::optional<at::Tensor> bias) {
-    TORCH_CHECK(!layers.empty() && layers.back().linears.size() < 4, "DecodePlan.add_linear: add_layer first, four linears each");
+    TORCH_CHECK(!layers.empty() && layers.back().linears.size() < 4,
+                "DecodePlan.add_linear: add_layer first, four linears each");
     c10::OperatorHandle op = find_operator(name, overload);
     const auto& schema = op.schema().arguments();
     TORCH_CHECK(args.size() + 1 == schema.size(), "DecodePlan.add_linear: ", name, " takes ", schema.size(),

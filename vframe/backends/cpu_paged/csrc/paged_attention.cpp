@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -320,7 +321,7 @@ void attend_request_avx512(
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)  // AVX-512 CPUs too: prefill_rows uses these
 // The AVX2 path (CPUs without AVX-512), head sizes a multiple of 8 (NC = D / 8 vectors):
 // scores 8 tokens at a time, their 8 partial vectors reduced together (reduce8); the
 // softmax's exp vectorized (exp_nonpositive8); the value pass keeps one query head's
@@ -484,7 +485,10 @@ void attend_kv_heads_avx2(int64_t h0, int64_t nkv, int64_t num_kv_heads, int64_t
     }
   }
 }
-#define VFRAME_PAGED_AVX2 1
+#define VFRAME_PAGED_AVX2_ROWS 1  // load8, reduce8, softmax_avx2: prefill_rows' vector path
+#if !defined(__AVX512F__)
+#define VFRAME_PAGED_AVX2 1  // the decode's AVX2 path (AVX-512 CPUs take attend_request_avx512)
+#endif
 #endif
 
 // Tasks [0, n) over torch's threads, longest first (cost(task)), each thread taking the
@@ -622,75 +626,296 @@ void decode_attention(
   });
 }
 
-template <typename T, typename C>
-void dispatch_head_size(int64_t head_size, auto&&... args) {
-  if constexpr (std::is_same_v<T, C>) {
-    switch (head_size) {
-      case 64: return decode_attention<T, C, 64>(args...);
-      case 128: return decode_attention<T, C, 128>(args...);
-      case 96: return decode_attention<T, C, 96>(args...);
-      case 80: return decode_attention<T, C, 80>(args...);
-      case 256: return decode_attention<T, C, 256>(args...);
-      default: return decode_attention<T, C, 0>(args...);
+// --------------------------------------------------------------------------------------- //
+// Prefill: a request's Q query tokens, positions L - Q .. L - 1 of its L tokens (their keys
+// and values already stored), against its keys causally (and within its sliding window),
+// every key and value read in place through the block table: a chunk over a cached prefix
+// gathers nothing. One task per (request, KV head, tile of kPrefillTile query tokens): the
+// tile's group x tile query rows share each K/V row the task reads, keys kPrefillKeyBlock
+// at a time so that a block's rows stay in L1 / L2 while every row of the tile passes over them.
+//
+//   pass 1: s[r][t] = scale * q[r] . k[t]     t in [lo[r], hi[r]): the row's window, up to its own position
+//   softmax over each row's t, in float32
+//   pass 2: out[r]  = sum_t p[r][t] * v[t]    t in order
+constexpr int64_t kPrefillTile = 16;       // query tokens a task
+constexpr int64_t kPrefillKeyBlock = 128;  // keys a pass over the tile's rows
+
+// One tile's rows through both passes: q [rows, D] (pre-scaled), row r attends the keys
+// slots[lo[r]] .. slots[hi[r] - 1] of KV head h; scores [rows, nkeys], acc [rows, D].
+template <typename C, int HD>
+void prefill_rows(int64_t rows, int64_t head_size_rt, const float* q, const int64_t* lo, const int64_t* hi,
+                  const C* k_cache, const C* v_cache, int64_t slot_size, int64_t h, const int64_t* slots,
+                  int64_t nkeys, float* scores, float* acc) {
+  const int64_t D = HD > 0 ? HD : head_size_rt;
+  k_cache += h * D;
+  v_cache += h * D;
+#if defined(VFRAME_PAGED_AVX2_ROWS)
+  if constexpr (HD > 0 && HD % 8 == 0) {
+    constexpr int NC = HD / 8;
+    for (int64_t kb = 0; kb < nkeys; kb += kPrefillKeyBlock) {  // pass 1
+      const int64_t kb_end = std::min(nkeys, kb + kPrefillKeyBlock);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t_begin = std::max(kb, lo[r]), t_end = std::min(kb_end, hi[r]);
+        __m256 qv[NC];
+        for (int c = 0; c < NC; ++c) qv[c] = _mm256_loadu_ps(q + r * D + c * 8);
+        for (int64_t t0 = t_begin; t0 < t_end; t0 += 8) {
+          const int64_t nt = std::min<int64_t>(8, t_end - t0);
+          __m256 partial[8];
+          for (int64_t i = 0; i < 8; ++i) {
+            if (i >= nt) {
+              partial[i] = _mm256_setzero_ps();
+              continue;
+            }
+            const C* kr = k_cache + slots[t0 + i] * slot_size;
+            __m256 s = _mm256_mul_ps(qv[0], load8(kr));
+            for (int c = 1; c < NC; ++c) s = _mm256_fmadd_ps(qv[c], load8(kr + c * 8), s);
+            partial[i] = s;
+          }
+          alignas(32) float r8[8];
+          _mm256_store_ps(r8, reduce8(partial));
+          std::copy(r8, r8 + nt, scores + r * nkeys + t0);
+        }
+      }
     }
-  } else {  // float8 caches: the common head sizes unrolled, the others at run time
-    switch (head_size) {
-      case 64: return decode_attention<T, C, 64>(args...);
-      case 128: return decode_attention<T, C, 128>(args...);
-      default: return decode_attention<T, C, 0>(args...);
+    for (int64_t r = 0; r < rows; ++r) softmax_avx2(scores + r * nkeys + lo[r], hi[r] - lo[r]);
+    std::fill(acc, acc + rows * D, 0.f);
+    for (int64_t kb = 0; kb < nkeys; kb += kPrefillKeyBlock) {  // pass 2
+      const int64_t kb_end = std::min(nkeys, kb + kPrefillKeyBlock);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t_begin = std::max(kb, lo[r]), t_end = std::min(kb_end, hi[r]);
+        if (t_begin >= t_end) continue;
+        __m256 a[NC];
+        for (int c = 0; c < NC; ++c) a[c] = _mm256_loadu_ps(acc + r * D + c * 8);
+        const float* sr = scores + r * nkeys;
+        for (int64_t t = t_begin; t < t_end; ++t) {
+          const C* vr = v_cache + slots[t] * slot_size;
+          const __m256 p = _mm256_set1_ps(sr[t] * kLoadScale<C>);
+          for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(p, load8(vr + c * 8), a[c]);
+        }
+        for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + r * D + c * 8, a[c]);
+      }
+    }
+    return;
+  }
+#endif
+  // The portable path: the same passes, a scalar dot product and exp per score.
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = q + r * D;
+    float* sr = scores + r * nkeys;
+    float mx = -INFINITY;
+    for (int64_t t = lo[r]; t < hi[r]; ++t) {
+      const C* kr = k_cache + slots[t] * slot_size;
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qr[d] * to_float(kr[d]);
+      sr[t] = s;
+      mx = std::max(mx, s);
+    }
+    float sum = 0.f;
+    for (int64_t t = lo[r]; t < hi[r]; ++t) sum += (sr[t] = std::exp(sr[t] - mx));
+    float* ar = acc + r * D;
+    std::fill(ar, ar + D, 0.f);
+    for (int64_t t = lo[r]; t < hi[r]; ++t) {
+      const C* vr = v_cache + slots[t] * slot_size;
+      const float p = sr[t] / sum;
+      for (int64_t d = 0; d < D; ++d) ar[d] += p * to_float(vr[d]);
     }
   }
 }
 
-// The query's dtype T, then the cache's: T itself or float8.
-template <typename T>
-void dispatch_cache(at::ScalarType cache_type, int64_t head_size, auto&&... args) {
-  switch (cache_type) {
-    case at::kFloat8_e4m3fn: return dispatch_head_size<T, c10::Float8_e4m3fn>(head_size, args...);
-    case at::kFloat8_e5m2: return dispatch_head_size<T, c10::Float8_e5m2>(head_size, args...);
-    default: return dispatch_head_size<T, T>(head_size, args...);
+// T: the query's and output's dtype; C: the cache's (T, or a float8 type).
+template <typename T, typename C, int HD>
+void prefill_attention(
+    at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_table, const at::Tensor& seq_lens,
+    const at::Tensor& req_ids,       // [p] int64: the prefilling requests (rows of block_table / seq_lens)
+    const at::Tensor& query_starts,  // [p] int64: their first query row
+    const at::Tensor& query_lens,    // [p] int64: their query tokens this step
+    double scale, int64_t sliding_window) {
+  const int64_t p = req_ids.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t D = HD > 0 ? HD : query.size(2);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t slot_size = num_kv_heads * D;
+  const int64_t q_row_stride = query.stride(0), q_head_stride = query.stride(1);
+  const int64_t o_row_stride = out.stride(0), o_head_stride = out.stride(1);
+  const int64_t table_stride = block_table.stride(0);
+  const T* q_ptr = query.const_data_ptr<T>();
+  T* o_ptr = out.mutable_data_ptr<T>();
+  const C* k_ptr = reinterpret_cast<const C*>(key_cache.const_data_ptr());
+  const C* v_ptr = reinterpret_cast<const C*>(value_cache.const_data_ptr());
+  const int32_t* table = block_table.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const int64_t* reqs = req_ids.const_data_ptr<int64_t>();
+  const int64_t* starts = query_starts.const_data_ptr<int64_t>();
+  const int64_t* qlens = query_lens.const_data_ptr<int64_t>();
+#if defined(VFRAME_PAGED_AVX2_ROWS)
+  constexpr bool kVectorLoads = HD > 0 && HD % 8 == 0;  // prefill_rows' AVX2 path: loads scaled by 1 / kLoadScale
+#else
+  constexpr bool kVectorLoads = false;
+#endif
+  const float fscale = static_cast<float>(scale) * (kVectorLoads ? kLoadScale<C> : 1.f);
+  // tasks: (request, tile, KV head), a request's tasks consecutive
+  std::vector<int64_t> first_task(p + 1, 0);
+  for (int64_t i = 0; i < p; ++i) {
+    TORCH_CHECK(reqs[i] >= 0 && reqs[i] < seq_lens.size(0) && reqs[i] < block_table.size(0),
+                "paged_prefill_attention: request ", reqs[i], " has no row in seq_lens and block_table");
+    TORCH_CHECK(qlens[i] >= 1 && qlens[i] <= lens[reqs[i]], "paged_prefill_attention: request ", reqs[i], " has ",
+                qlens[i], " query tokens of ", lens[reqs[i]]);
+    TORCH_CHECK(starts[i] >= 0 && starts[i] + qlens[i] <= query.size(0), "paged_prefill_attention: request ", reqs[i],
+                "'s query rows ", starts[i], " .. ", starts[i] + qlens[i], " are not rows of the ", query.size(0),
+                "-row query");
+    TORCH_CHECK((lens[reqs[i]] + block_size - 1) / block_size <= block_table.size(1), "paged_prefill_attention: request ",
+                reqs[i], "'s ", lens[reqs[i]], " tokens need more blocks than block_table's ", block_table.size(1));
+    first_task[i + 1] = first_task[i] + (qlens[i] + kPrefillTile - 1) / kPrefillTile * num_kv_heads;
   }
+  const auto request_of = [&](int64_t task) {
+    return std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+  };
+  const auto window_start = [&](int64_t n) { return sliding_window > 0 ? std::max<int64_t>(0, n - sliding_window) : 0; };
+  // A task's last query position + 1, and its first key (the first row's window start).
+  const auto task_keys = [&](int64_t task, int64_t* key_start, int64_t* i0, int64_t* i1) {
+    const int64_t i = request_of(task), local = task - first_task[i];
+    const int64_t tile = local / num_kv_heads;
+    *i0 = tile * kPrefillTile;
+    *i1 = std::min(qlens[i], *i0 + kPrefillTile);
+    const int64_t first_pos = lens[reqs[i]] - qlens[i];
+    *key_start = window_start(first_pos + *i0 + 1);
+    return first_pos + *i1;
+  };
+  const auto cost = [&](int64_t task) {
+    int64_t key_start, i0, i1;
+    return (task_keys(task, &key_start, &i0, &i1) - key_start) * (i1 - i0);
+  };
+  run_longest_first(first_task[p], cost, [&] {
+    std::vector<float> q(kPrefillTile * group * D), acc(kPrefillTile * group * D), scores;
+    std::vector<int64_t> slots, lo(kPrefillTile * group), hi(kPrefillTile * group);
+    return [&, q = std::move(q), acc = std::move(acc), scores = std::move(scores), slots = std::move(slots),
+            lo = std::move(lo), hi = std::move(hi)](int64_t task) mutable {
+      const int64_t i = request_of(task), h = (task - first_task[i]) % num_kv_heads;
+      int64_t key_start, i0, i1;
+      const int64_t key_end = task_keys(task, &key_start, &i0, &i1);
+      const int64_t b = reqs[i], first_pos = lens[b] - qlens[i], nkeys = key_end - key_start;
+      const int32_t* blocks = table + b * table_stride;
+      slots.resize(nkeys);
+      for (int64_t t = key_start; t < key_end;) {  // block by block
+        const int64_t base = static_cast<int64_t>(blocks[t / block_size]) * block_size;
+        for (const int64_t end_t = std::min(key_end, (t / block_size + 1) * block_size); t < end_t; ++t)
+          slots[t - key_start] = base + t % block_size;
+      }
+      const int64_t rows = (i1 - i0) * group;  // row (token j, head g): j * group + g
+      for (int64_t j = 0; j < i1 - i0; ++j) {
+        const int64_t pos = first_pos + i0 + j;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = j * group + g;
+          lo[r] = window_start(pos + 1) - key_start;
+          hi[r] = pos + 1 - key_start;
+          const T* src = q_ptr + (starts[i] + i0 + j) * q_row_stride + (h * group + g) * q_head_stride;
+          for (int64_t d = 0; d < D; ++d) q[r * D + d] = to_float(src[d]) * fscale;
+        }
+      }
+      scores.resize(rows * nkeys);
+      prefill_rows<C, HD>(rows, D, q.data(), lo.data(), hi.data(), k_ptr, v_ptr, slot_size, h, slots.data(), nkeys,
+                          scores.data(), acc.data());
+      for (int64_t j = 0; j < i1 - i0; ++j)
+        for (int64_t g = 0; g < group; ++g) {
+          T* dst = o_ptr + (starts[i] + i0 + j) * o_row_stride + (h * group + g) * o_head_stride;
+          const float* a = acc.data() + (j * group + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(a[d]);
+        }
+    };
+  });
+}
+
+// kernel.template operator()<T, C, HD>(), HD the head size where it is unrolled, else 0
+// (taken at run time).
+template <typename T, typename C, typename Kernel>
+void dispatch_head_size(int64_t head_size, const Kernel& kernel) {
+  if constexpr (std::is_same_v<T, C>) {
+    switch (head_size) {
+      case 64: return kernel.template operator()<T, C, 64>();
+      case 128: return kernel.template operator()<T, C, 128>();
+      case 96: return kernel.template operator()<T, C, 96>();
+      case 80: return kernel.template operator()<T, C, 80>();
+      case 256: return kernel.template operator()<T, C, 256>();
+      default: return kernel.template operator()<T, C, 0>();
+    }
+  } else {  // float8 caches: the common head sizes unrolled, the others at run time
+    switch (head_size) {
+      case 64: return kernel.template operator()<T, C, 64>();
+      case 128: return kernel.template operator()<T, C, 128>();
+      default: return kernel.template operator()<T, C, 0>();
+    }
+  }
+}
+
+// The query's dtype T, then the cache's: T itself or float8 (float32 and bfloat16 queries).
+template <typename Kernel>
+void dispatch_types(const char* name, const at::Tensor& query, at::ScalarType cache_type, const Kernel& kernel) {
+  const int64_t head_size = query.size(2);
+  const auto with_cache = [&]<typename T>() {
+    switch (cache_type) {
+      case at::kFloat8_e4m3fn: return dispatch_head_size<T, c10::Float8_e4m3fn>(head_size, kernel);
+      case at::kFloat8_e5m2: return dispatch_head_size<T, c10::Float8_e5m2>(head_size, kernel);
+      default: return dispatch_head_size<T, T>(head_size, kernel);
+    }
+  };
+  switch (query.scalar_type()) {
+    case at::kFloat: return with_cache.template operator()<float>();
+    case at::kBFloat16: return with_cache.template operator()<c10::BFloat16>();
+    case at::kHalf: return dispatch_head_size<c10::Half, c10::Half>(head_size, kernel);
+    default: TORCH_CHECK(false, name, " supports float32, bfloat16 and float16, not ", query.scalar_type());
+  }
+}
+
+// What both operators ask of their tensors.
+void check_attention_inputs(const char* name, const at::Tensor& out, const at::Tensor& query,
+                            const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
+                            const at::Tensor& seq_lens, std::initializer_list<const at::Tensor*> int64_vectors) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), name, ": query and out must be [T, H, D] alike");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, name, ": query and out need a contiguous last dim");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              name, ": key_cache and value_cache must be contiguous [num_blocks, block_size, KVH, D]");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), name, ": head sizes of query and cache differ");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, name, ": num_heads must be a multiple of num_kv_heads");
+  const at::ScalarType cache_type = key_cache.scalar_type();
+  const bool fp8_cache = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && value_cache.scalar_type() == cache_type &&
+                  (cache_type == query.scalar_type() || (fp8_cache && query.scalar_type() != at::kHalf)),
+              name, ": query and out must share a dtype, and the caches hold it or float8 (float8 with float32 or "
+              "bfloat16 queries); got query ", query.scalar_type(), ", cache ", cache_type);
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              name, ": block_table and seq_lens must be int32");
+  TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous(), name, ": block_table rows must be contiguous");
+  const int64_t n = (*int64_vectors.begin())->numel();
+  for (const at::Tensor* t : int64_vectors)
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == n,
+                name, ": the request vectors must be contiguous int64 of one length");
 }
 
 void paged_decode_attention(
     at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& req_ids,
     const at::Tensor& query_rows, double scale, int64_t sliding_window) {
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [T, H, D] alike");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous last dim");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "key_cache and value_cache must be contiguous [num_blocks, block_size, KVH, D]");
-  TORCH_CHECK(key_cache.size(3) == query.size(2), "head sizes of query and cache differ");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  const at::ScalarType cache_type = key_cache.scalar_type();
-  const bool fp8_cache = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
-  TORCH_CHECK(out.scalar_type() == query.scalar_type() && value_cache.scalar_type() == cache_type &&
-                  (cache_type == query.scalar_type() || (fp8_cache && query.scalar_type() != at::kHalf)),
-              "query and out must share a dtype, and the caches hold it or float8 (float8 with float32 or "
-              "bfloat16 queries); got query ", query.scalar_type(), ", cache ", cache_type);
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "block_table and seq_lens must be int32");
-  TORCH_CHECK(block_table.stride(1) == 1 && seq_lens.is_contiguous(), "block_table rows must be contiguous");
-  TORCH_CHECK(req_ids.scalar_type() == at::kLong && query_rows.scalar_type() == at::kLong &&
-                  req_ids.is_contiguous() && query_rows.is_contiguous() && req_ids.numel() == query_rows.numel(),
-              "req_ids and query_rows must be contiguous int64 of one length");
-  switch (query.scalar_type()) {
-    case at::kFloat:
-      dispatch_cache<float>(cache_type, query.size(2), out, query, key_cache, value_cache, block_table, seq_lens,
-                            req_ids, query_rows, scale, sliding_window);
-      break;
-    case at::kBFloat16:
-      dispatch_cache<c10::BFloat16>(cache_type, query.size(2), out, query, key_cache, value_cache, block_table,
-                                    seq_lens, req_ids, query_rows, scale, sliding_window);
-      break;
-    case at::kHalf:
-      dispatch_head_size<c10::Half, c10::Half>(query.size(2), out, query, key_cache, value_cache, block_table,
-                                               seq_lens, req_ids, query_rows, scale, sliding_window);
-      break;
-    default:
-      TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16, not ",
-                  query.scalar_type());
-  }
+  check_attention_inputs("paged_decode_attention", out, query, key_cache, value_cache, block_table, seq_lens,
+                         {&req_ids, &query_rows});
+  dispatch_types("paged_decode_attention", query, key_cache.scalar_type(), [&]<typename T, typename C, int HD>() {
+    decode_attention<T, C, HD>(out, query, key_cache, value_cache, block_table, seq_lens, req_ids, query_rows, scale,
+                               sliding_window);
+  });
+}
+
+void paged_prefill_attention(
+    at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& req_ids,
+    const at::Tensor& query_starts, const at::Tensor& query_lens, double scale, int64_t sliding_window) {
+  check_attention_inputs("paged_prefill_attention", out, query, key_cache, value_cache, block_table, seq_lens,
+                         {&req_ids, &query_starts, &query_lens});
+  dispatch_types("paged_prefill_attention", query, key_cache.scalar_type(), [&]<typename T, typename C, int HD>() {
+    prefill_attention<T, C, HD>(out, query, key_cache, value_cache, block_table, seq_lens, req_ids, query_starts,
+                                query_lens, scale, sliding_window);
+  });
 }
 
 }  // namespace
@@ -700,6 +925,13 @@ TORCH_LIBRARY(vframe_cpu, m) {
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor query_rows, float scale, "
       "int sliding_window) -> ()");
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor query_starts, Tensor query_lens, float scale, "
+      "int sliding_window) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(vframe_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(vframe_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+}
