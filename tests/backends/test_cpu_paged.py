@@ -30,6 +30,19 @@ def test_conforms(dtype: torch.dtype) -> None:
     check_attention_backend("cpu_paged", dtype=dtype)
 
 
+def test_prefills_past_the_kernel_s_length_take_sdpa_and_conform(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long contexts go to SDPA in layers without a window (the kit's prompts are short: the
+    limit is lowered to 8 tokens so that both paths, and windows on the kernel, are run)."""
+    from vframe.backends.cpu_paged import backend
+
+    calls = []
+    attend = backend.attend_prefills
+    monkeypatch.setattr(backend, "KERNEL_MAX_SEQ_LEN", 8)
+    monkeypatch.setattr(backend, "attend_prefills", lambda *args: calls.append(len(args[-2])) or attend(*args))
+    check_attention_backend("cpu_paged", dtype=torch.float32)
+    assert calls and min(calls) >= 1
+
+
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_size", "block_size", "window"),
     [

@@ -96,7 +96,7 @@ class TorchAttentionMetadata:
                 decode_reqs.append(b)
             elif query_len > 1:
                 prefills.append(
-                    _plan_prefill(qsl[b], qsl[b + 1], seq_lens[b], block_table[b], block_size, sliding_window)
+                    plan_prefill(qsl[b], qsl[b + 1], seq_lens[b], block_table[b], block_size, sliding_window)
                 )
 
         if not plan_decodes:
@@ -161,7 +161,7 @@ def _slots(
     return block_table[..., block_idx] * block_size + positions % block_size
 
 
-def _plan_prefill(
+def plan_prefill(
     query_start: int,
     query_end: int,
     seq_len: int,

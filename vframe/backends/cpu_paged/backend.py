@@ -6,6 +6,11 @@ decodes (one query token each) go to ``torch.ops.vframe_cpu.paged_decode_attenti
 reads each K/V row once for all the query heads that share it; its prefills (a prompt, or a
 chunk of one over its cached prefix) to ``paged_prefill_attention``, causal within each
 request (and its sliding window), a tile of query tokens and their heads against each K/V row.
+Past ``KERNEL_MAX_SEQ_LEN`` tokens of context a prefill in a layer without a window is
+attended as the ``torch`` backend does (SDPA, whose GEMM tiles win there; a cached prefix
+gathered), since the kernel's dot products do about as much work per key as SDPA's at 1,024
+tokens and fall behind after (AVX2 EPYC, 2 threads, SmolLM2's heads, one prompt: 256 tokens
+1.0 against 1.25 ms, 512 4.9 against 9.2, 1,024 about even, 2,048 94 against 82).
 
 The operators are compiled once per machine with the system's C++ compiler
 (``build.py``); where none is found the backend refuses in ``check_available``
@@ -20,8 +25,21 @@ from typing import Any
 
 import torch
 
-from vframe.backends.torch_attn import TorchAttentionBackend, TorchAttentionImpl, write_kv_cache
+from vframe.backends.torch_attn import (
+    PrefillSpan,
+    TorchAttentionBackend,
+    TorchAttentionImpl,
+    attend_prefills,
+    kv_cache_views,
+    plan_prefill,
+    write_kv_cache,
+)
 from vframe.core.interfaces import AttentionImpl, AttentionMetadataBuilder, CommonAttentionMetadata
+
+
+# Longest context (cached and new tokens) a prefill takes the C++ kernel for in a layer
+# without a sliding window; longer ones take SDPA (module docstring).
+KERNEL_MAX_SEQ_LEN = 1024
 
 
 @dataclass
@@ -38,10 +56,14 @@ class CpuPagedMetadata:
     prefill_req_ids: torch.Tensor  # [p] int64, requests with more than one query token
     prefill_starts: torch.Tensor  # [p] int64, their first query row
     prefill_lens: torch.Tensor  # [p] int64, their query tokens
+    # A layer without a window: the kernel's prefills (at most KERNEL_MAX_SEQ_LEN tokens of
+    # context; the three vectors above, restricted), and SDPA's (longer).
+    short_prefills: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    long_prefills: list[PrefillSpan]
 
     @classmethod
     def from_common(cls, common: CommonAttentionMetadata) -> CpuPagedMetadata:
-        qsl = common.query_start_loc_cpu
+        qsl, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
         decodes, prefills = [], []
         for b in range(common.num_reqs):
             query_len = qsl[b + 1] - qsl[b]
@@ -49,6 +71,15 @@ class CpuPagedMetadata:
                 decodes.append(b)
             elif query_len > 1:
                 prefills.append(b)
+        short = [b for b in prefills if seq_lens[b] <= KERNEL_MAX_SEQ_LEN]
+        long_prefills = []
+        if len(short) < len(prefills):
+            block_table = common.block_table.to(device=common.slot_mapping.device, dtype=torch.long)
+            long_prefills = [
+                plan_prefill(qsl[b], qsl[b + 1], seq_lens[b], block_table[b], common.block_size, None)
+                for b in prefills if seq_lens[b] > KERNEL_MAX_SEQ_LEN
+            ]
+        prefill_vectors = cls._prefill_vectors(prefills, qsl)
         return cls(
             common=common,
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
@@ -57,9 +88,20 @@ class CpuPagedMetadata:
             seq_lens=common.seq_lens.to(torch.int32).contiguous(),
             decode_req_ids=torch.tensor(decodes, dtype=torch.long),
             decode_rows=torch.tensor([qsl[b] for b in decodes], dtype=torch.long),
-            prefill_req_ids=torch.tensor(prefills, dtype=torch.long),
-            prefill_starts=torch.tensor([qsl[b] for b in prefills], dtype=torch.long),
-            prefill_lens=torch.tensor([qsl[b + 1] - qsl[b] for b in prefills], dtype=torch.long),
+            prefill_req_ids=prefill_vectors[0],
+            prefill_starts=prefill_vectors[1],
+            prefill_lens=prefill_vectors[2],
+            short_prefills=prefill_vectors if not long_prefills else cls._prefill_vectors(short, qsl),
+            long_prefills=long_prefills,
+        )
+
+    @staticmethod
+    def _prefill_vectors(reqs: list[int], qsl: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Requests ``reqs``, their first query rows and their query tokens, as int64 vectors."""
+        return (
+            torch.tensor(reqs, dtype=torch.long),
+            torch.tensor([qsl[b] for b in reqs], dtype=torch.long),
+            torch.tensor([qsl[b + 1] - qsl[b] for b in reqs], dtype=torch.long),
         )
 
 
@@ -96,11 +138,14 @@ class CpuPagedAttentionImpl(TorchAttentionImpl):
             )  # fmt: skip
         _, key_cache, value_cache, decode, prefill = views
         window = self.sliding_window or 0
-        if meta.prefill_req_ids.numel():
+        # A windowed layer keeps every prefill on the kernel (SDPA's causal path has no window).
+        prefills = (meta.prefill_req_ids, meta.prefill_starts, meta.prefill_lens) if window else meta.short_prefills
+        if prefills[0].numel():
             prefill(
-                output, query, key_cache, value_cache, meta.block_table, meta.seq_lens,
-                meta.prefill_req_ids, meta.prefill_starts, meta.prefill_lens, self.scale, window,
+                output, query, key_cache, value_cache, meta.block_table, meta.seq_lens, *prefills, self.scale, window,
             )  # fmt: skip
+        if meta.long_prefills and not window:
+            attend_prefills(output, query, key, value, *kv_cache_views(kv_cache), meta.long_prefills, self.scale)
         if meta.decode_req_ids.numel():
             decode(
                 output, query, key_cache, value_cache, meta.block_table, meta.seq_lens,
