@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -43,15 +45,26 @@ def test_prefills_past_the_kernel_s_length_take_sdpa_and_conform(monkeypatch: py
     assert calls and min(calls) >= 1
 
 
-@pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_size", "block_size", "window"),
-    [
-        (9, 3, 64, 16, None),  # SmolLM2's shape
-        (8, 1, 128, 16, None),  # MQA, a specialised head size
-        (4, 4, 48, 8, None),  # MHA, a head size taken at run time
-        (6, 2, 64, 16, 7),  # sliding window
-    ],
-)
+SHAPE_NAMES = ("num_heads", "num_kv_heads", "head_size", "block_size", "window")
+SHAPES = [
+    (9, 3, 64, 16, None),  # SmolLM2's shape
+    (8, 1, 128, 16, None),  # MQA, a specialised head size
+    (4, 4, 48, 8, None),  # MHA, a head size taken at run time
+    (6, 2, 64, 16, 7),  # sliding window
+]
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(SHAPE_NAMES, SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # AVX2 splits few requests (under 4 per thread) by KV head and takes many whole: one thread
 # and these six requests take the second path, two or more threads the first.
@@ -60,12 +73,8 @@ def test_decode_operator_against_the_definition(
     num_heads: int, num_kv_heads: int, head_size: int, block_size: int, window: int | None, dtype: torch.dtype,
     threads: int,
 ) -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         _check_decode_operator(num_heads, num_kv_heads, head_size, block_size, window, dtype)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _paged_requests(seq_lens: list[int], num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype):
@@ -114,16 +123,8 @@ def _check_decode_operator(
     assert (out[untouched] == 7.0).all()
 
 
-@pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_size", "block_size", "window"),
-    [
-        (9, 3, 64, 16, None),  # SmolLM2's shape
-        (8, 1, 128, 16, None),  # MQA, a specialised head size
-        (4, 4, 48, 8, None),  # MHA, a head size taken at run time
-        (6, 2, 64, 16, 7),  # sliding window
-        (4, 2, 80, 16, 100),  # a window longer than some requests, a head size of ten vectors
-    ],
-)
+# and a window longer than some requests, a head size of ten vectors
+@pytest.mark.parametrize(SHAPE_NAMES, [*SHAPES, (4, 2, 80, 16, 100)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, max(2, torch.get_num_threads())])
 def test_prefill_operator_against_the_definition(
@@ -132,7 +133,7 @@ def test_prefill_operator_against_the_definition(
 ) -> None:
     """Whole prompts and chunks over a cached prefix (the query is the last Q positions of
     the request's keys), tiles of 16 query tokens with a shorter last one, more keys than
-    one block of 128: against the float32 definition, nothing read past a request's own
+    one block of 64: against the float32 definition, nothing read past a request's own
     slots (NaN there), no other row of the step written."""
     torch.manual_seed(1)
     # (seq_len, query_len)
@@ -146,15 +147,11 @@ def test_prefill_operator_against_the_definition(
     query = torch.randn(row, num_heads, head_size, dtype=dtype)
     out = torch.full_like(query, 7.0)
     scale = head_size**-0.5
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         torch.ops.vframe_cpu.paged_prefill_attention(
             out, query, cache[0], cache[1], block_table, torch.tensor([n for n, _ in requests], dtype=torch.int32),
             torch.arange(len(requests)), torch.tensor(starts), torch.tensor([q for _, q in requests]), scale, window or 0,
         )  # fmt: skip
-    finally:
-        torch.set_num_threads(before)
     atol, rtol = ATTENTION_TOLERANCES[dtype]
     written = []
     for b, ((_, q_len), start) in enumerate(zip(requests, starts)):

@@ -509,6 +509,31 @@ void run_longest_first(int64_t n, Cost&& cost, MakeWorker&& make_worker) {
   });
 }
 
+// What both operators read off their tensors: sizes, strides and typed pointers
+// (out and query [T, H, D]; the caches [num_blocks, block_size, KVH, D]).
+template <typename T, typename C>
+struct PagedTensors {
+  int64_t num_heads, block_size, num_kv_heads, group;
+  int64_t q_row_stride, q_head_stride, o_row_stride, o_head_stride, table_stride;
+  const T* q_ptr;
+  T* o_ptr;
+  const C* k_ptr;
+  const C* v_ptr;
+  const int32_t* table;
+  const int32_t* lens;
+};
+
+template <typename T, typename C>
+PagedTensors<T, C> paged_tensors(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& block_table,
+                                 const at::Tensor& seq_lens) {
+  return {query.size(1), key_cache.size(1), key_cache.size(2), query.size(1) / key_cache.size(2),
+          query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+          query.const_data_ptr<T>(), out.mutable_data_ptr<T>(), reinterpret_cast<const C*>(key_cache.const_data_ptr()),
+          reinterpret_cast<const C*>(value_cache.const_data_ptr()), block_table.const_data_ptr<int32_t>(),
+          seq_lens.const_data_ptr<int32_t>()};
+}
+
 // T: the query's and output's dtype; C: the cache's (T, or a float8 type).
 template <typename T, typename C, int HD>
 void decode_attention(
@@ -522,21 +547,10 @@ void decode_attention(
     const at::Tensor& query_rows,   // [n] int64: their rows in query / out
     double scale, int64_t sliding_window) {
   const int64_t n = req_ids.size(0);
-  const int64_t num_heads = query.size(1);
   const int64_t D = HD > 0 ? HD : query.size(2);
-  const int64_t block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t q_row_stride = query.stride(0), q_head_stride = query.stride(1);
-  const int64_t o_row_stride = out.stride(0), o_head_stride = out.stride(1);
-  const int64_t table_stride = block_table.stride(0);
-
-  const T* q_ptr = query.const_data_ptr<T>();
-  T* o_ptr = out.mutable_data_ptr<T>();
-  const C* k_ptr = reinterpret_cast<const C*>(key_cache.const_data_ptr());
-  const C* v_ptr = reinterpret_cast<const C*>(value_cache.const_data_ptr());
-  const int32_t* table = block_table.const_data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const auto [num_heads, block_size, num_kv_heads, group, q_row_stride, q_head_stride, o_row_stride, o_head_stride,
+              table_stride, q_ptr, o_ptr, k_ptr, v_ptr, table, lens] =
+      paged_tensors<T, C>(out, query, key_cache, value_cache, block_table, seq_lens);
   const int64_t* reqs = req_ids.const_data_ptr<int64_t>();
   const int64_t* rows = query_rows.const_data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
@@ -736,21 +750,11 @@ void prefill_attention(
     const at::Tensor& query_lens,    // [p] int64: their query tokens this step
     double scale, int64_t sliding_window) {
   const int64_t p = req_ids.size(0);
-  const int64_t num_heads = query.size(1);
   const int64_t D = HD > 0 ? HD : query.size(2);
-  const int64_t block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
+  const auto [num_heads, block_size, num_kv_heads, group, q_row_stride, q_head_stride, o_row_stride, o_head_stride,
+              table_stride, q_ptr, o_ptr, k_ptr, v_ptr, table, lens] =
+      paged_tensors<T, C>(out, query, key_cache, value_cache, block_table, seq_lens);
   const int64_t slot_size = num_kv_heads * D;
-  const int64_t q_row_stride = query.stride(0), q_head_stride = query.stride(1);
-  const int64_t o_row_stride = out.stride(0), o_head_stride = out.stride(1);
-  const int64_t table_stride = block_table.stride(0);
-  const T* q_ptr = query.const_data_ptr<T>();
-  T* o_ptr = out.mutable_data_ptr<T>();
-  const C* k_ptr = reinterpret_cast<const C*>(key_cache.const_data_ptr());
-  const C* v_ptr = reinterpret_cast<const C*>(value_cache.const_data_ptr());
-  const int32_t* table = block_table.const_data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   const int64_t* reqs = req_ids.const_data_ptr<int64_t>();
   const int64_t* starts = query_starts.const_data_ptr<int64_t>();
   const int64_t* qlens = query_lens.const_data_ptr<int64_t>();
