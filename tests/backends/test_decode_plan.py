@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from tiny_qwen import save_tiny_qwen
 
 from vframe import LLM, SamplingParams
 
@@ -109,30 +109,11 @@ def test_bfloat16_plans_take_up_to_16_tokens(monkeypatch: pytest.MonkeyPatch) ->
     assert taken[:3] == [False, False, False] and all(taken[3:]) and len(taken) >= 8, taken  # prefill, 2 x 18 tokens
 
 
-def _save_tiny(path: Path, name: str, **overrides: object) -> Path:
-    """A random transformers checkpoint of ``name`` (Qwen2, Qwen3) with random biases."""
-    import transformers
-
-    config = getattr(transformers, f"{name}Config")(**({
-        "vocab_size": 112, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-        "tie_word_embeddings": False,
-    } | overrides))
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if param_name.endswith(".bias"):
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(str(path))
-    return path
-
-
 def test_qkv_biases_and_sliding_windows_run_in_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Qwen2: a bias on the q/k/v product, a window of 8 tokens on the second layer only;
     prompts longer than the window."""
-    path = _save_tiny(tmp_path, "Qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    llm = LLM(str(path), dtype="float32", max_model_len=128, num_threads=1, enable_prefix_caching=False,
+    save_tiny_qwen(tmp_path, "Qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, num_threads=1, enable_prefix_caching=False,
               attention_backend="cpu_paged", max_num_batched_tokens=16)
     model = llm.llm_engine.model_runner.model.model
     assert [layer.self_attn.attn.sliding_window for layer in model.layers] == [None, 8]
@@ -150,7 +131,8 @@ def test_models_and_settings_the_plan_cannot_run_keep_their_layers(tmp_path: Pat
         return llm.llm_engine.model_runner.model.model.decode_plan
 
     # Qwen3 normalizes q and k before the rotation: its layers are not the plan's
-    assert plan_of(str(_save_tiny(tmp_path / "qwen3", "Qwen3", head_dim=16))) is None
+    save_tiny_qwen(tmp_path / "qwen3", "Qwen3", head_dim=16)
+    assert plan_of(str(tmp_path / "qwen3")) is None
     assert plan_of(attention_backend="torch") is None  # the plan's attention is cpu_paged's
     assert plan_of(enable_lora=True, max_loras=1) is None  # LoRA wraps the linears after loading
     monkeypatch.setenv("VFRAME_DECODE_PLAN", "0")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from parity import assert_engine_matches_transformers, prompts_of_lengths
 from test_llama import PagedRun
+from tiny_qwen import TINY, VOCAB, save_tiny_qwen
 
 from vframe.backends.torch_attn import TorchAttentionBackend
 from vframe.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
@@ -18,35 +19,7 @@ from vframe.models.loader import load_model, resolve_model
 from vframe.models.qwen import ARCHITECTURES, Qwen2ForCausalLM, Qwen3ForCausalLM, sliding_windows
 from vframe.plugins import get_registry
 
-VOCAB = 112
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-)
 PROMPT_LENGTHS = [5, 23, 37, 12]
-
-
-def save_tiny_qwen(path: Path, config_cls_name: str, **overrides: object) -> torch.nn.Module:
-    """A random checkpoint of transformers' ``Qwen2ForCausalLM`` or
-    ``Qwen3ForCausalLM``, every bias drawn at random (transformers starts them at
-    zero, and a model that dropped a zero bias would pass)."""
-    import transformers
-
-    config = getattr(transformers, f"{config_cls_name}Config")(**(TINY | overrides))
-    torch.manual_seed(0)
-    hf_model = getattr(transformers, f"{config_cls_name}ForCausalLM")(config).eval()
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, 0.5)
-    hf_model.save_pretrained(str(path))
-    return hf_model
 
 
 def qkv_biases(hf_model: torch.nn.Module, layer: int) -> torch.Tensor:  # [(H + 2 * KVH) * D]

@@ -86,9 +86,9 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def bound_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """``packed_linear(x, weight, bias)`` as a function of ``x``, the operator looked up once."""
-    op = torch.ops.mkldnn._linear_pointwise.default
+    op, args = torch.ops.mkldnn._linear_pointwise.default, (weight, bias, "none", [], "")
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        return op(x, weight, bias, "none", [], "")
+        return op(x, *args)
 
-    return with_native(linear, NativeCall(op, (weight, bias, "none", [], "")))
+    return with_native(linear, NativeCall(op, args))

@@ -53,11 +53,10 @@ class CpuPagedMetadata:
     seq_lens: torch.Tensor  # [B] int32
     decode_req_ids: torch.Tensor  # [n] int64, rows of block_table / seq_lens
     decode_rows: torch.Tensor  # [n] int64, their query rows
-    prefill_req_ids: torch.Tensor  # [p] int64, requests with more than one query token
-    prefill_starts: torch.Tensor  # [p] int64, their first query row
-    prefill_lens: torch.Tensor  # [p] int64, their query tokens
-    # A layer without a window: the kernel's prefills (at most KERNEL_MAX_SEQ_LEN tokens of
-    # context; the three vectors above, restricted), and SDPA's (longer).
+    # Requests with more than one query token, their first query rows and their query tokens
+    # ([p] int64 each): every one for a layer with a window; for one without, the kernel's
+    # (at most KERNEL_MAX_SEQ_LEN tokens of context) and SDPA's (longer).
+    prefills: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     short_prefills: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     long_prefills: list[PrefillSpan]
 
@@ -79,7 +78,7 @@ class CpuPagedMetadata:
                 plan_prefill(qsl[b], qsl[b + 1], seq_lens[b], block_table[b], common.block_size, None)
                 for b in prefills if seq_lens[b] > KERNEL_MAX_SEQ_LEN
             ]
-        prefill_vectors = cls._prefill_vectors(prefills, qsl)
+        all_prefills = cls._prefill_vectors(prefills, qsl)
         return cls(
             common=common,
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
@@ -88,10 +87,8 @@ class CpuPagedMetadata:
             seq_lens=common.seq_lens.to(torch.int32).contiguous(),
             decode_req_ids=torch.tensor(decodes, dtype=torch.long),
             decode_rows=torch.tensor([qsl[b] for b in decodes], dtype=torch.long),
-            prefill_req_ids=prefill_vectors[0],
-            prefill_starts=prefill_vectors[1],
-            prefill_lens=prefill_vectors[2],
-            short_prefills=prefill_vectors if not long_prefills else cls._prefill_vectors(short, qsl),
+            prefills=all_prefills,
+            short_prefills=all_prefills if not long_prefills else cls._prefill_vectors(short, qsl),
             long_prefills=long_prefills,
         )
 
@@ -139,7 +136,7 @@ class CpuPagedAttentionImpl(TorchAttentionImpl):
         _, key_cache, value_cache, decode, prefill = views
         window = self.sliding_window or 0
         # A windowed layer keeps every prefill on the kernel (SDPA's causal path has no window).
-        prefills = (meta.prefill_req_ids, meta.prefill_starts, meta.prefill_lens) if window else meta.short_prefills
+        prefills = meta.prefills if window else meta.short_prefills
         if prefills[0].numel():
             prefill(
                 output, query, key_cache, value_cache, meta.block_table, meta.seq_lens, *prefills, self.scale, window,

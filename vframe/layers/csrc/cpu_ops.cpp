@@ -330,14 +330,14 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 }
 
 // ------------------------------------------------------------------------------------------- //
-// A decode plan (vframe/layers/decode_plan.py): a Llama-style model's decoder layers for a step
+// A decode plan (vframe/backends/cpu_paged/plan.py): a Llama-style model's decoder layers for a step
 // whose tokens are all decodes, run here with no Python between the operators. Each layer is
 // exactly LlamaDecoderLayer.forward with every module bound (vframe/layers/binding.py):
 //
 //   h = x + o(attention(rotary(split(qkv(rms_norm(x))))))     x' = h + down(silu_and_mul(gate_up(rms_norm(h))))
 //
 // the four linears called through the dispatcher as their bound functions describe them
-// (vframe.quant.base.NativeCall: op(x, *args) [+ bias]), the norms, rotary, KV write and SwiGLU
+// (vframe.quant.native_call.NativeCall: op(x, *args) [+ bias]), the norms, rotary, KV write and SwiGLU
 // as the functions above, attention as cpu_paged's paged_decode_attention. Same operators,
 // same order, same arguments as the layers' bound forward: the same result bit for bit.
 

@@ -75,6 +75,23 @@ inline int64_t slot_of(const int32_t* blocks, int64_t block_size, int64_t t) {
   return static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
 }
 
+// slots[0 .. end - begin) = the cache slots of positions begin .. end - 1, block by block
+// (one table read a block, no division per token).
+inline void fill_slots(std::vector<int64_t>& slots, const int32_t* blocks, int64_t block_size, int64_t begin,
+                       int64_t end) {
+  slots.resize(end - begin);
+  for (int64_t t = begin; t < end;) {
+    const int64_t base = static_cast<int64_t>(blocks[t / block_size]) * block_size;
+    for (const int64_t block_end = std::min(end, (t / block_size + 1) * block_size); t < block_end; ++t)
+      slots[t - begin] = base + t % block_size;
+  }
+}
+
+// The first position a token at position n - 1 attends: its sliding window's start (0: none).
+inline int64_t window_start(int64_t n, int64_t sliding_window) {
+  return sliding_window > 0 ? std::max<int64_t>(0, n - sliding_window) : 0;
+}
+
 // Asks for the cache lines of one slot ahead of use: blocks lie anywhere in the
 // cache, so the hardware prefetcher cannot follow a request from block to block.
 template <typename T>
@@ -554,10 +571,6 @@ void decode_attention(
   const int64_t* reqs = req_ids.const_data_ptr<int64_t>();
   const int64_t* rows = query_rows.const_data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-  // The first position attended by a request of seq_len tokens (its sliding window's start).
-  const auto window_start = [&](int64_t seq_len) {
-    return sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
-  };
   // Query heads [first, first + count) of query row r into q [count, D], float32, scaled.
   const auto load_queries = [&](int64_t r, int64_t first, int64_t count, float* q) {
     for (int64_t j = 0; j < count; ++j) {
@@ -591,14 +604,8 @@ void decode_attention(
           const int64_t i = task / tasks_per_request, h0 = task % tasks_per_request * kv_per_task;
           const int64_t b = reqs[i], r = rows[i];
           const int64_t seq_len = lens[b];
-          const int64_t start = window_start(seq_len);
-          slots.resize(seq_len - start);
-          const int32_t* blocks = table + b * table_stride;
-          for (int64_t t = start; t < seq_len;) {  // block by block
-            const int64_t base = static_cast<int64_t>(blocks[t / block_size]) * block_size;
-            for (const int64_t end_t = std::min(seq_len, (t / block_size + 1) * block_size); t < end_t; ++t)
-              slots[t - start] = base + t % block_size;
-          }
+          const int64_t start = window_start(seq_len, sliding_window);
+          fill_slots(slots, table + b * table_stride, block_size, start, seq_len);
           load_queries(r, h0 * group, heads, q.data());
           scale_for_loads<C>(q.data(), heads * D);
           scores.resize(heads * (seq_len - start));
@@ -617,7 +624,7 @@ void decode_attention(
                int64_t i) mutable {
       const int64_t b = reqs[i], r = rows[i];
       const int64_t seq_len = lens[b];
-      const int64_t start = window_start(seq_len);
+      const int64_t start = window_start(seq_len, sliding_window);
       load_queries(r, 0, num_heads, q.data());
       scores.resize(num_heads * (seq_len - start));
       bool done = false;
@@ -781,7 +788,6 @@ void prefill_attention(
   const auto request_of = [&](int64_t task) {
     return std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
   };
-  const auto window_start = [&](int64_t n) { return sliding_window > 0 ? std::max<int64_t>(0, n - sliding_window) : 0; };
   // A task's last query position + 1, and its first key (the first row's window start).
   const auto task_keys = [&](int64_t task, int64_t* key_start, int64_t* i0, int64_t* i1) {
     const int64_t i = request_of(task), local = task - first_task[i];
@@ -789,7 +795,7 @@ void prefill_attention(
     *i0 = tile * kPrefillTile;
     *i1 = std::min(qlens[i], *i0 + kPrefillTile);
     const int64_t first_pos = lens[reqs[i]] - qlens[i];
-    *key_start = window_start(first_pos + *i0 + 1);
+    *key_start = window_start(first_pos + *i0 + 1, sliding_window);
     return first_pos + *i1;
   };
   const auto cost = [&](int64_t task) {
@@ -805,19 +811,13 @@ void prefill_attention(
       int64_t key_start, i0, i1;
       const int64_t key_end = task_keys(task, &key_start, &i0, &i1);
       const int64_t b = reqs[i], first_pos = lens[b] - qlens[i], nkeys = key_end - key_start;
-      const int32_t* blocks = table + b * table_stride;
-      slots.resize(nkeys);
-      for (int64_t t = key_start; t < key_end;) {  // block by block
-        const int64_t base = static_cast<int64_t>(blocks[t / block_size]) * block_size;
-        for (const int64_t end_t = std::min(key_end, (t / block_size + 1) * block_size); t < end_t; ++t)
-          slots[t - key_start] = base + t % block_size;
-      }
+      fill_slots(slots, table + b * table_stride, block_size, key_start, key_end);
       const int64_t rows = (i1 - i0) * group;  // row (token j, head g): j * group + g
       for (int64_t j = 0; j < i1 - i0; ++j) {
         const int64_t pos = first_pos + i0 + j;
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = j * group + g;
-          lo[r] = window_start(pos + 1) - key_start;
+          lo[r] = window_start(pos + 1, sliding_window) - key_start;
           hi[r] = pos + 1 - key_start;
           const T* src = q_ptr + (starts[i] + i0 + j) * q_row_stride + (h * group + g) * q_head_stride;
           for (int64_t d = 0; d < D; ++d) q[r * D + d] = to_float(src[d]) * fscale;
