@@ -82,12 +82,23 @@ def test_the_plan_takes_the_decode_steps_and_computes_what_the_layers_do(
     assert sum(taken) >= 8 and not all(taken), taken  # 3 requests x 10 tokens: most steps decode only
 
 
-def test_bfloat16_plans_take_up_to_16_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In bfloat16 the layers' fused operators stop at 16 tokens (cpu_ops.MAX_TOKENS), so
-    does the plan: 18 requests decode in the layers, the last three in the plan."""
+@pytest.mark.parametrize(
+    ("kind", "settings", "max_tokens"),
+    [
+        ("dense", {}, sys.maxsize),
+        ("GGUF int4_cpu", {"quantization": "gguf"}, sys.maxsize),  # bfloat16's 4-bit default: torch's operator
+        ("GGUF woq_cpu", {"quantization": "gguf", "quant_kernel": "woq_cpu"}, 16),  # in place up to 16 rows
+    ],
+)
+def test_bfloat16_plans_take_what_their_linears_take(
+    kind: str, settings: dict, max_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """18 requests decode together, then 3 alone: a plan whose linears have no row limit
+    takes every decode step, woq_cpu's (16 rows in bfloat16) only the 3-token ones; the
+    same tokens and logprobs with the plan as with the layers."""
     llm = LLM(dtype="bfloat16", max_model_len=128, num_threads=2, enable_prefix_caching=False,
-              attention_backend="cpu_paged")
-    assert llm.llm_engine.model_runner.model.model.decode_plan.max_tokens == 16
+              attention_backend="cpu_paged", **settings)
+    assert llm.llm_engine.model_runner.model.model.decode_plan.max_tokens == max_tokens
     prompts = [f"Count from {i} to {i + 5}:" for i in range(15)] + PROMPTS
     lengths = [{"prompt_token_ids": llm.get_tokenizer().encode(p)} for p in prompts]
     # 15 short requests finish after 3 tokens, three go on alone
@@ -105,8 +116,10 @@ def test_bfloat16_plans_take_up_to_16_tokens(monkeypatch: pytest.MonkeyPatch) ->
 
     with_plan = run()
     model.decode_plan = None
-    assert run() == with_plan
-    assert taken[:3] == [False, False, False] and all(taken[3:]) and len(taken) >= 8, taken  # prefill, 2 x 18 tokens
+    assert run() == with_plan, kind
+    # the prefill is no decode step; then 2 steps of 18 tokens, at least 5 of 3
+    assert taken[0] is False and len(taken) >= 8, taken
+    assert taken[1:3] == [max_tokens >= 18] * 2 and all(taken[3:]), (kind, taken)
 
 
 def test_qkv_biases_and_sliding_windows_run_in_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

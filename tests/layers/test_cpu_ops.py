@@ -37,9 +37,9 @@ def test_the_operators_build_here() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 7, 300])
-def test_rotary_is_bit_exact_on_views_of_a_fused_projection(dtype: torch.dtype, tokens: int) -> None:
-    heads, kv_heads, dim = 9, 3, 64  # SmolLM2's q / k heads
+@pytest.mark.parametrize(("tokens", "dim"), [(1, 64), (7, 64), (300, 64), (5, 20)])  # 20: a scalar tail
+def test_rotary_is_bit_exact_on_views_of_a_fused_projection(dtype: torch.dtype, tokens: int, dim: int) -> None:
+    heads, kv_heads = 9, 3  # SmolLM2's q / k heads
     g = torch.Generator().manual_seed(tokens)
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 4).to(dtype)
     q = qkv[:, : heads * dim].view(tokens, heads, dim)  # strided views, as the attention layer cuts them
@@ -58,11 +58,14 @@ def test_rotary_is_bit_exact_on_views_of_a_fused_projection(dtype: torch.dtype, 
 
 # ulps relative to |value| * eps: a last-bit step counts as up to 2
 @pytest.mark.parametrize(("dtype", "max_ulps"), [(torch.float32, 8), (torch.bfloat16, 2), (torch.float16, 2)])
-def test_rms_norm_equals_the_expression_up_to_the_variance_s_last_bit(dtype: torch.dtype, max_ulps: int) -> None:
+@pytest.mark.parametrize("width", [576, 37])  # vectors only, and a scalar tail
+def test_rms_norm_equals_the_expression_up_to_the_variance_s_last_bit(
+    dtype: torch.dtype, max_ulps: int, width: int
+) -> None:
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(64, 576, generator=g) * 3).to(dtype)
-    norm = RMSNorm(576, 1e-5, dtype)
-    norm.weight.data = torch.randn(576, generator=g).to(dtype)
+    x = (torch.randn(64, width, generator=g) * 3).to(dtype)
+    norm = RMSNorm(width, 1e-5, dtype)
+    norm.weight.data = torch.randn(width, generator=g).to(dtype)
     with torch.inference_mode():
         expected = torch_rms_norm(x, norm.weight, 1e-5)
         got = cpu_ops.rms_norm(x, norm.weight, 1e-5)
@@ -98,13 +101,9 @@ def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_ops.available()
 
 
-@pytest.mark.parametrize(("dtype", "limit"), [(torch.bfloat16, 16), (torch.float16, 16), (torch.float32, None)])
-def test_the_layers_take_the_operators_up_to_the_dtype_s_limit(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, limit: int | None
-) -> None:
-    """16-bit: decode-sized inputs go to the fused operators, prefills keep PyTorch's
-    vectorised kernels; float32: the fused operators at every size."""
-    assert cpu_ops.MAX_TOKENS[dtype] == limit
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_layers_take_the_operators_at_every_size(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """Decode steps and prefills alike, in every float dtype (the loops are vectorised)."""
     calls = []
     monkeypatch.setattr(cpu_ops, "rms_norm", lambda x, w, eps: calls.append("norm") or torch_rms_norm(x, w, eps))
     monkeypatch.setattr(cpu_ops, "rotary_neox_", lambda *args: calls.append("rope"))
@@ -114,8 +113,7 @@ def test_the_layers_take_the_operators_up_to_the_dtype_s_limit(
             x = torch.randn(tokens, 64).to(dtype)
             norm(x)
             rope(torch.arange(tokens) % 8, x.view(tokens, 1, 64), x.view(tokens, 1, 64).clone())
-    fused = 4 if limit is None else 2
-    assert calls == ["norm", "rope"] * fused
+    assert calls == ["norm", "rope"] * 4
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -196,6 +194,22 @@ def test_silu_and_mul_equals_the_swiglu_expression(dtype: torch.dtype, tokens: i
         torch.testing.assert_close(got, expected, rtol=4 * torch.finfo(dtype).eps, atol=1e-30)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_rounds_every_16_bit_value_as_pytorch(dtype: torch.dtype) -> None:
+    """All 65,536 bit patterns as gates (subnormals, infinities, NaNs included), each times
+    a random up: the vector loops' loads, rounding to nearest even and stores give PyTorch's
+    bits (a NaN is a NaN in both)."""
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).reshape(-1, 32)
+    up = torch.randn(gate.shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    expected = torch.nn.functional.silu(gate) * up
+
+    got = torch.ops.vframe_cpu_ops.silu_and_mul(torch.cat([gate, up], dim=1))
+
+    assert torch.equal(got.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(got[finite].view(torch.int16), expected[finite].view(torch.int16))
+
+
 def test_the_mlp_takes_silu_and_mul_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     fused = torch.ops.vframe_cpu_ops.silu_and_mul
@@ -205,11 +219,11 @@ def test_the_mlp_takes_silu_and_mul_where_it_applies(monkeypatch: pytest.MonkeyP
         for dtype in (torch.float32, torch.bfloat16):
             for tokens in (1, 17):
                 cpu_ops.silu_and_mul(x[:tokens].to(dtype))
-    assert calls == [1, 17, 1]  # bfloat16 beyond 16 tokens keeps PyTorch's kernels
+    assert calls == [1, 17, 1, 17]
     with torch.enable_grad():
         y = torch.randn(2, 64, requires_grad=True)
         cpu_ops.silu_and_mul(y).sum().backward()  # autograd keeps the expression, which has a gradient
-    assert calls == [1, 17, 1] and y.grad is not None
+    assert calls == [1, 17, 1, 17] and y.grad is not None
 
 
 def test_argmax_equals_torch_s_argmax_ties_nan_and_inf_included() -> None:

@@ -68,11 +68,11 @@ def test_builtin_kernels_bind_to_their_buffers(kernel: str, weight_type: str, dt
     product = instance.bind(layer, bias)
     assert product is not None
     assert torch.equal(product(x), instance.apply(layer, x, bias))
-    if kernel != "int4_cpu":  # a Python function of torch's int4 operators: no single operator call
-        call = native_call(product)
-        max_rows = None if kernel == "int8_dynamic" else 32 if dtype == torch.float32 else 16  # where apply's path changes
-        assert call is not None and call.max_rows == max_rows
-        assert torch.equal(call(x), instance.apply(layer, x, bias))
+    call = native_call(product)
+    # where apply's path changes (int4_cpu and int8_dynamic: one operator for every row count)
+    max_rows = None if kernel in ("int4_cpu", "int8_dynamic") else 32 if dtype == torch.float32 else 16
+    assert call is not None and call.max_rows == max_rows
+    assert torch.equal(call(x), instance.apply(layer, x, bias))
 
 
 def test_a_kernel_whose_bound_function_differs_from_apply_fails_the_check() -> None:

@@ -2,10 +2,9 @@
 sampler's greedy argmax for CPU tensors (``csrc/cpu_ops.cpp``,
 built once per machine like ``cpu_paged``'s operators). A decode step of a small
 model is mostly these short elementwise chains between its matmuls: one operator
-each instead of eight to fourteen PyTorch calls. Their loops are plain C++ (scalar
-bfloat16 rounding), so for more than ``MAX_TOKENS`` tokens of bfloat16 or float16
-(prefill, big decode batches) PyTorch's vectorised kernels are faster and the layers
-keep them; in float32 the fused operators run at every size.
+each instead of eight to fourteen PyTorch calls, at every size: their loops convert
+eight (AVX2 + F16C) or sixteen (AVX-512) values at a time, rounding bfloat16 and float16
+where PyTorch's separate operators round.
 
 ``available()`` is False, and the layers keep their PyTorch expressions, where the
 library cannot be built or ``VFRAME_CPU_FUSED_OPS=0`` (for comparisons). The
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -50,39 +48,33 @@ def available() -> bool:
     return True
 
 
-# Up to this many tokens of bfloat16 / float16 the fused operators win (PyTorch's dispatch
-# dominates); above, PyTorch's vectorised kernels do (2 threads, bfloat16, SmolLM2's sizes:
-# RMSNorm 3.6 vs 15.4 us at 1 token, 24 vs 20 us at 16, 190 vs 69 us at 256; rotary 4.6 vs
-# 22.5, 30 vs 35, 376 vs 128 us). In float32 the loops vectorise (no rounding to a narrower
-# type) and read the rows once where PyTorch's chain reads them six times: the fused
-# operators win at every size (AVX2 AMD EPYC, 2 threads: RMSNorm 33 vs 84 us at 256 tokens,
-# 14 vs 56 at 64; rotary 30 vs 1,921 and 11 vs 124 us), so float32 has no limit.
-MAX_TOKENS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: None}
+# The dtypes the operators run. Vectorised, they win at every size (Zen 4, 2 threads,
+# bfloat16, SmolLM2's sizes, fused against PyTorch's expression: RMSNorm 6 vs 23 us at 16
+# tokens, 41 vs 87 at 256; rotary 11 vs 54 and 101 vs 230 us; SwiGLU 20 vs 25 and 178 vs
+# 174 us, 0.66 vs 0.91 ms at 1,024). Before the bfloat16 / float16 loops were vectorised
+# (scalar rounding) they lost above 16 tokens, and the layers kept PyTorch's there.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether ``x`` ([T, ...]) takes the fused operators: a float dtype on the CPU, at most
-    ``MAX_TOKENS[dtype]`` tokens (None: any number), outside autograd and tracing."""
-    if x.dtype not in MAX_TOKENS or x.device.type != "cpu":
-        return False
-    limit = MAX_TOKENS[x.dtype]
+    """Whether ``x`` ([T, ...]) takes the fused operators: a float dtype on the CPU, outside
+    autograd and tracing, the library built."""
     return (
-        (limit is None or x.shape[0] <= limit)
+        x.dtype in DTYPES and x.device.type == "cpu"
         and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and available()
     )
 
 
 def guard(dtype: torch.dtype) -> Callable[[torch.Tensor], bool] | None:
     """``applies`` for activations of ``dtype`` with what cannot change between calls decided
-    once (the dtype's token limit, the library built): what a layer bound after loading
-    asks on every call (``vframe.layers.binding``). None: never for ``dtype``."""
-    if dtype not in MAX_TOKENS or not available():
+    once (the dtype, the library built): what a layer bound after loading asks on every
+    call (``vframe.layers.binding``). None: never for ``dtype``."""
+    if dtype not in DTYPES or not available():
         return None
-    limit = MAX_TOKENS[dtype] or sys.maxsize
     is_grad_enabled, is_compiling = torch.is_grad_enabled, torch.compiler.is_compiling
 
     def fused(x: torch.Tensor) -> bool:
-        return x.dtype == dtype and x.is_cpu and x.shape[0] <= limit and not is_grad_enabled() and not is_compiling()
+        return x.dtype == dtype and x.is_cpu and not is_grad_enabled() and not is_compiling()
 
     return fused
 
@@ -93,7 +85,7 @@ def stores_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, sl
     each K / V row contiguous (``[T, KVH, D]`` views of the fused qkv output are), int64
     slots, outside tracing, the library built."""
     return (
-        key.device.type == "cpu" and key.dtype == value.dtype and key.dtype in MAX_TOKENS
+        key.device.type == "cpu" and key.dtype == value.dtype and key.dtype in DTYPES
         and (kv_cache.dtype == key.dtype or is_fp8(kv_cache.dtype))
         and slots.dtype == torch.int64 and kv_cache.is_contiguous()
         and key.stride(2) == 1 and key.stride(1) == key.shape[2]

@@ -13,7 +13,7 @@ the same order with the same arguments as the bound layers, so the same result b
 
 The plan takes a step when it is all decodes on this backend (one query token per request,
 no padding rows), of at most ``max_tokens`` tokens (the smallest row limit of the
-linears' operators and of the fused operators' dtype), outside autograd and tracing;
+linears' operators), outside autograd and tracing;
 anything else runs the layers, and so does every step while a forward hook is registered on
 any module the plan stands in for (or globally): the layers call hooks, the plan cannot.
 ``VFRAME_DECODE_PLAN=0`` turns it off.
@@ -94,7 +94,7 @@ class DecodePlan:
             return None
         scale = layers[0].attention.scale
         handle = torch.classes.vframe_cpu_ops.DecodePlan(num_heads, num_kv_heads, head_dim, scale, eps, cos_sin_cache)
-        limits = [cpu_ops.MAX_TOKENS[dtype] or sys.maxsize]
+        limits = [sys.maxsize]
         for layer in layers:
             handle.add_layer(layer.input_norm, layer.post_norm, layer.attention.sliding_window or 0)
             for linear in layer.linears:

@@ -60,6 +60,88 @@ inline float round_to<float>(float x) {
   return x;
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+// Eight values of T as float32 and back, with the rounding c10's conversions do: bfloat16
+// to nearest even (a NaN becomes the quiet NaN 0x7FC0, as c10::BFloat16 makes it), float16
+// by F16C's IEEE rounding to nearest even. round8<T>(v) is float(T(v)) for each lane, so a
+// chain of them rounds exactly where PyTorch's separate operators round.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// float32 -> the bfloat16 bits in the upper half of each 32-bit lane (lower half zero)
+inline __m256i bf16_bits(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))),
+                            _mm256_set1_epi32(0x7FC00000), nan);
+}
+
+template <typename T>
+inline __m256 round8(__m256 v);
+template <>
+inline __m256 round8<float>(__m256 v) { return v; }
+template <>
+inline __m256 round8<c10::BFloat16>(__m256 v) { return _mm256_castsi256_ps(bf16_bits(v)); }
+template <>
+inline __m256 round8<c10::Half>(__m256 v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)); }
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i high = _mm256_srli_epi32(bf16_bits(v), 16);  // 0..0xFFFF in each lane
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+#if defined(__AVX512F__)
+// The same sixteen at a time.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))),
+                                 _mm512_set1_epi32(0x7FC00000));
+}
+template <typename T>
+inline __m512 round16(__m512 v);
+template <>
+inline __m512 round16<float>(__m512 v) { return v; }
+template <>
+inline __m512 round16<c10::BFloat16>(__m512 v) { return _mm512_castsi512_ps(bf16_bits(v)); }
+template <>
+inline __m512 round16<c10::Half>(__m512 v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)); }
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
+}
+inline void store16(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, int64_t x_stride, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -67,14 +149,27 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, int6
       const T* xr = x + r * x_stride;
       T* o = out + r * n;
       float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+      __m256 squares = _mm256_setzero_ps();
+      for (; i + 8 <= n; i += 8) {
+        const __m256 v = load8(xr + i);
+        squares = _mm256_add_ps(squares, _mm256_mul_ps(v, v));
+      }
+      sum = hsum8(squares);
+#endif
+      for (; i < n; ++i) {
         const float v = static_cast<float>(xr[i]);
         sum += v * v;
       }
       const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
+      i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+      const __m256 scale = _mm256_set1_ps(inv);
+      for (; i + 8 <= n; i += 8)
+        store8(o + i, _mm256_mul_ps(load8(w + i), round8<T>(_mm256_mul_ps(load8(xr + i), scale))));
+#endif
+      for (; i < n; ++i) {
         const float normed = round_to<T>(static_cast<float>(xr[i]) * inv);
         o[i] = static_cast<T>(static_cast<float>(w[i]) * normed);
       }
@@ -104,8 +199,16 @@ void rotate_heads(T* base, int64_t tokens, int64_t heads, int64_t s0, int64_t s1
       const int64_t t = th / heads, h = th % heads;
       T* x = base + t * s0 + h * s1;
       const float* cs = cache + pos[t] * cache_stride;
-#pragma omp simd
-      for (int64_t j = 0; j < half; ++j) {
+      int64_t j = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+      for (; j + 8 <= half; j += 8) {
+        const __m256 c = round8<T>(load8(cs + j)), s = round8<T>(load8(cs + j + half));
+        const __m256 x1 = load8(x + j), x2 = load8(x + j + half);
+        store8(x + j, _mm256_sub_ps(round8<T>(_mm256_mul_ps(x1, c)), round8<T>(_mm256_mul_ps(x2, s))));
+        store8(x + j + half, _mm256_add_ps(round8<T>(_mm256_mul_ps(x2, c)), round8<T>(_mm256_mul_ps(x1, s))));
+      }
+#endif
+      for (; j < half; ++j) {
         const float c = round_to<T>(cs[j]), s = round_to<T>(cs[j + half]);
         const float x1 = static_cast<float>(x[j]), x2 = static_cast<float>(x[j + half]);
         const float a = round_to<T>(x1 * c) - round_to<T>(x2 * s);
@@ -216,24 +319,6 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   }
 }
 
-#if defined(__AVX2__)
-inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
-template <typename T>
-inline __m256 load8f(const T* p) {
-  alignas(32) float f[8];
-  for (int j = 0; j < 8; ++j) f[j] = static_cast<float>(p[j]);
-  return _mm256_load_ps(f);
-}
-// o[0..8) = T(float(T(s)) * float(u)): the product of two tensors of T, rounded as PyTorch rounds it
-inline void store8_product(float* o, __m256 s, const float* u) { _mm256_storeu_ps(o, _mm256_mul_ps(s, _mm256_loadu_ps(u))); }
-template <typename T>
-inline void store8_product(T* o, __m256 s, const T* u) {
-  alignas(32) float f[8];
-  _mm256_store_ps(f, s);
-  for (int j = 0; j < 8; ++j) o[j] = static_cast<T>(static_cast<float>(static_cast<T>(f[j])) * static_cast<float>(u[j]));
-}
-#endif
-
 // silu(g) in float32 exactly as PyTorch's CPU kernel computes it (aten silu_kernel with
 // AVX2 vectors): g / (1 + exp(-g)), SLEEF's 1-ulp expf on 8 floats at a time, over the
 // row in pieces of 16 (two vectors, TensorIterator's unrolled step), the last values
@@ -249,13 +334,24 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t 
       const T* u = g + inter;
       T* o = out + r * inter;
       int64_t i = 0;
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
+      const __m512 one16 = _mm512_set1_ps(1.0f);
+      for (; i + 32 <= inter; i += 32) {
+        for (int j = 0; j < 32; j += 16) {
+          const __m512 gv = load16(g + i + j);
+          const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32(INT32_MIN)));
+          const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one16, Sleef_expf16_u10avx512f(neg)));
+          store16(o + i + j, _mm512_mul_ps(round16<T>(sv), load16(u + i + j)));
+        }
+      }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
       const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
       for (; i + 16 <= inter; i += 16) {
         for (int j = 0; j < 16; j += 8) {
-          const __m256 gv = load8f(g + i + j);
+          const __m256 gv = load8(g + i + j);
           const __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, Sleef_expf8_u10avx2(_mm256_xor_ps(sign, gv))));
-          store8_product(o + i + j, sv, u + i + j);
+          store8(o + i + j, _mm256_mul_ps(round8<T>(sv), load8(u + i + j)));  // T(float(T(silu)) * float(u))
         }
       }
 #endif

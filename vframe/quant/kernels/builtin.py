@@ -494,9 +494,12 @@ class TorchInt4CpuKernel(_Permuted):
     def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
         if self.permuted:
             return None
-        return functools.partial(int4_cpu.matmul, weight=self.get(layer, "weight"),
-                                 scales_and_zeros=self.get(layer, "scales_and_zeros"),
-                                 kernel_group_size=self.kernel_group, bias=bias)
+        weight, scales_and_zeros = self.get(layer, "weight"), self.get(layer, "scales_and_zeros")
+        product = functools.partial(int4_cpu.matmul, weight=weight, scales_and_zeros=scales_and_zeros,
+                                    kernel_group_size=self.kernel_group, bias=bias)
+        # On 2-D activations (a decode plan's) matmul is this one operator call, plus the bias.
+        return with_native(product, NativeCall(torch.ops.aten._weight_int4pack_mm_for_cpu.default,
+                                               (weight, self.kernel_group, scales_and_zeros), bias))
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         w = int4_cpu.unpack(self.get(layer, "weight"), self.get(layer, "scales_and_zeros"), self.kernel_group)
