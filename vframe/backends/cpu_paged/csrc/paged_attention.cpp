@@ -261,12 +261,62 @@ inline void softmax_avx512(float* s, int64_t len) {
 
 constexpr int64_t kMaxGroup = 16;
 
+// acc[g] += sum_i p[g * len + i] * v_i for G query heads of one KV head (offset within a slot),
+// the chunk's nt slots
+template <typename T, int NC, int G, typename Prefetch>
+inline void weighted_values(const T* const* slots, int64_t offset, int64_t nt, const float* p, int64_t len, float* acc,
+                            const Prefetch& prefetch) {
+  constexpr int64_t D = NC * 16;
+  __m512 a[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nt; ++i) {
+    prefetch(i);
+    __m512 v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = load16(slots[i] + offset + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * len + i] * kLoadScale<T>);
+      for (int c = 0; c < NC; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c)
+      _mm512_storeu_ps(acc + g * D + c * 16, _mm512_add_ps(_mm512_loadu_ps(acc + g * D + c * 16), a[g][c]));
+}
+
+#if defined(__AVX512BF16__)
+// Pass 1 for a bfloat16 cache and bfloat16 queries (AVX512-BF16): vdpbf16ps multiplies
+// pairs of bfloat16 exactly and adds them in float32, 32 a vector, so a key row of 64 is
+// two loads and two instructions per query head, nothing widened; a chunk's 16 partial
+// vectors of one query head are reduced together, then scaled. qb: the unscaled bfloat16
+// queries [H, D].
+template <int NC>
+inline void bf16_scores(const c10::BFloat16* const* slots, int64_t offset, int64_t nt, const c10::BFloat16* qb,
+                        float scale, float* out) {
+  static_assert(NC % 2 == 0, "pairs of 16-float vectors: 32 bfloat16 a load");
+  constexpr int W = NC / 2;  // 32-value words of a row
+  __m512bh q[W];
+  for (int w = 0; w < W; ++w) q[w] = (__m512bh)_mm512_loadu_si512(qb + w * 32);
+  __m512 partial[16];
+  for (int64_t i = 0; i < 16; ++i) {
+    __m512 s = _mm512_setzero_ps();
+    if (i < nt)
+      for (int w = 0; w < W; ++w) s = _mm512_dpbf16_ps(s, q[w], (__m512bh)_mm512_loadu_si512(slots[i] + offset + w * 32));
+    partial[i] = s;
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1u);
+  _mm512_mask_storeu_ps(out, valid, _mm512_mul_ps(reduce16(partial), _mm512_set1_ps(scale)));
+}
+#endif
+
 template <typename T, int NC>
 void attend_request_avx512(
-    int64_t num_kv_heads, int64_t group, const float* q, const T* k_cache, const T* v_cache,
-    const int32_t* blocks, int64_t block_size, int64_t start, int64_t seq_len, float* scores, float* acc) {
+    int64_t slot_size,     // values a slot holds (every KV head's)
+    int64_t num_kv_heads,  // the KV heads to attend: k_cache / v_cache point at the first one's values
+    int64_t group, const float* q, const T* k_cache, const T* v_cache,
+    const int32_t* blocks, int64_t block_size, int64_t start, int64_t seq_len, float* scores, float* acc,
+    const c10::BFloat16* qb = nullptr, float scale = 1.f) {  // qb: see bf16_scores
   constexpr int64_t D = NC * 16;
-  const int64_t slot_size = num_kv_heads * D;
   const int64_t len = seq_len - start;
   const int64_t num_heads = num_kv_heads * group;
   const T* slots[16];
@@ -283,13 +333,23 @@ void attend_request_avx512(
   // The next chunk's slots, one per token of this chunk: spread out so that the
   // prefetches never queue up behind each other.
   auto prefetch_next = [&](int64_t i) {
-    if (i < num_next) prefetch_slot(next[i], slot_size);
+    if (i < num_next) prefetch_slot(next[i], num_kv_heads * D);
   };
   // pass 1: scores
   for (int64_t t0 = start; t0 < seq_len; t0 += 16) {
     const int64_t nt = std::min<int64_t>(16, seq_len - t0);
     chunk_slots(k_cache, t0, nt);
     const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1u);
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16> && NC % 2 == 0) {
+      if (qb != nullptr) {
+        for (int64_t i = 0; i < 16; ++i) prefetch_next(i);
+        for (int64_t hq = 0; hq < num_heads; ++hq)
+          bf16_scores<NC>(slots, hq / group * D, nt, qb + hq * D, scale, scores + hq * len + (t0 - start));
+        continue;
+      }
+    }
+#endif
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t i = 0; i < 16; ++i) {
         if (h == 0) prefetch_next(i);
@@ -308,29 +368,24 @@ void attend_request_avx512(
   }
   for (int64_t hq = 0; hq < num_heads; ++hq) softmax_avx512(scores + hq * len, len);
   // pass 2: the probability-weighted sum of values; per chunk and head, up to four
-  // query heads accumulate in registers and are added to acc once
+  // query heads accumulate in registers (a count fixed at compile time, so that they stay
+  // there) and are added to acc once
   std::fill(acc, acc + num_heads * D, 0.f);
   for (int64_t t0 = start; t0 < seq_len; t0 += 16) {
     const int64_t nt = std::min<int64_t>(16, seq_len - t0);
     chunk_slots(v_cache, t0, nt);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += 4) {
-        const int64_t ng = std::min<int64_t>(4, group - g0);
-        __m512 a[4][NC];
-        for (int64_t g = 0; g < 4; ++g)
-          for (int c = 0; c < NC; ++c) a[g][c] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < nt; ++i) {
+        const float* p = scores + (h * group + g0) * len + (t0 - start);
+        float* a = acc + (h * group + g0) * D;
+        const auto prefetch = [&](int64_t i) {
           if (h == 0 && g0 == 0) prefetch_next(i);
-          __m512 v[NC];
-          for (int c = 0; c < NC; ++c) v[c] = load16(slots[i] + h * D + c * 16);
-          for (int64_t g = 0; g < ng; ++g) {
-            const __m512 p = _mm512_set1_ps(scores[(h * group + g0 + g) * len + (t0 - start + i)] * kLoadScale<T>);
-            for (int c = 0; c < NC; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
-          }
-        }
-        for (int64_t g = 0; g < ng; ++g) {
-          float* ag = acc + (h * group + g0 + g) * D;
-          for (int c = 0; c < NC; ++c) _mm512_storeu_ps(ag + c * 16, _mm512_add_ps(_mm512_loadu_ps(ag + c * 16), a[g][c]));
+        };
+        switch (std::min<int64_t>(4, group - g0)) {
+          case 1: weighted_values<T, NC, 1>(slots, h * D, nt, p, len, a, prefetch); break;
+          case 2: weighted_values<T, NC, 2>(slots, h * D, nt, p, len, a, prefetch); break;
+          case 3: weighted_values<T, NC, 3>(slots, h * D, nt, p, len, a, prefetch); break;
+          default: weighted_values<T, NC, 4>(slots, h * D, nt, p, len, a, prefetch); break;
         }
       }
     }
@@ -618,6 +673,44 @@ void decode_attention(
     }
   }
 #endif
+#if defined(__AVX512F__)
+  if constexpr (HD > 0 && HD % 16 == 0) {
+    if (group <= kMaxGroup) {
+      // One task per request where the requests spread evenly over the threads (many, or a
+      // multiple of the threads), else per (request, KV head), so that a lone request's heads
+      // spread over the threads.
+      const int64_t threads = at::get_num_threads();
+      const int64_t kv_per_task = n >= 4 * threads || n % threads == 0 ? num_kv_heads : 1;
+      const int64_t tasks_per_request = num_kv_heads / kv_per_task;
+      const int64_t slot_size = num_kv_heads * D;
+      auto seq_len_of = [&](int64_t task) { return static_cast<int64_t>(lens[reqs[task / tasks_per_request]]); };
+      run_longest_first(n * tasks_per_request, seq_len_of, [&] {
+        const int64_t heads = kv_per_task * group;  // query heads per task
+        std::vector<float> q(heads * D), acc(heads * D), scores;
+        return [&, heads, q = std::move(q), acc = std::move(acc), scores = std::move(scores)](int64_t task) mutable {
+          const int64_t i = task / tasks_per_request, h0 = task % tasks_per_request * kv_per_task;
+          const int64_t b = reqs[i], r = rows[i];
+          const int64_t seq_len = lens[b];
+          const int64_t start = window_start(seq_len, sliding_window);
+          load_queries(r, h0 * group, heads, q.data());
+          scale_for_loads<C>(q.data(), heads * D);
+          scores.resize(heads * (seq_len - start));
+          const c10::BFloat16* qb = nullptr;  // bfloat16 queries as they are, where bf16_scores takes them
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && HD % 32 == 0) {
+            if (q_head_stride == D) qb = q_ptr + r * q_row_stride + h0 * group * D;
+          }
+#endif
+          attend_request_avx512<C, HD / 16>(slot_size, kv_per_task, group, q.data(), k_ptr + h0 * D, v_ptr + h0 * D,
+                                             table + b * table_stride, block_size, start, seq_len, scores.data(),
+                                             acc.data(), qb, fscale);
+          store_outputs(r, h0 * group, heads, acc.data());
+        };
+      });
+      return;
+    }
+  }
+#endif
   run_longest_first(n, [&](int64_t i) { return static_cast<int64_t>(lens[reqs[i]]); }, [&] {
     std::vector<float> q(num_heads * D), acc(num_heads * D), row(num_kv_heads * D), scores;
     return [&, q = std::move(q), acc = std::move(acc), row = std::move(row), scores = std::move(scores)](
@@ -627,21 +720,8 @@ void decode_attention(
       const int64_t start = window_start(seq_len, sliding_window);
       load_queries(r, 0, num_heads, q.data());
       scores.resize(num_heads * (seq_len - start));
-      bool done = false;
-#if defined(__AVX512F__)
-      if constexpr (HD > 0 && HD % 16 == 0) {
-        if (group <= kMaxGroup) {
-          scale_for_loads<C>(q.data(), num_heads * D);
-          attend_request_avx512<C, HD / 16>(num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride,
-                                             block_size, start, seq_len, scores.data(), acc.data());
-          done = true;
-        }
-      }
-#endif
-      if (!done) {
-        attend_request<C, HD>(D, num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride, block_size,
-                              start, seq_len, scores.data(), acc.data(), row.data());
-      }
+      attend_request<C, HD>(D, num_kv_heads, group, q.data(), k_ptr, v_ptr, table + b * table_stride, block_size,
+                            start, seq_len, scores.data(), acc.data(), row.data());
       store_outputs(r, 0, num_heads, acc.data());
     };
   });
@@ -757,7 +837,7 @@ void prefill_rows(int64_t rows, int64_t head_size_rt, const float* q, const int6
 // and each key value broadcast. The softmax runs down st's columns (16 rows a vector, the
 // causal / window mask from each row's lo, hi); the values pass keeps kValueRows rows'
 // accumulators in registers and broadcasts their probabilities. Zen 4, bfloat16, 2 threads,
-// the offline workload's 4,096-token prefill steps: attention 29.7 -> {FILL} ms a layer.
+// the offline workload's 4,096-token prefill steps: attention 29.7 -> 13.6 ms a layer.
 constexpr int64_t kTileKeys = 64;
 
 // st[t][0 .. 16 RV) += ... for t < nk: qt [D][rows_pad] (this chunk's first column), kf [nk][D]
