@@ -39,7 +39,7 @@ def test_prefills_past_the_kernel_s_length_take_sdpa_and_conform(monkeypatch: py
 
     calls = []
     attend = backend.attend_prefills
-    monkeypatch.setattr(backend, "KERNEL_MAX_SEQ_LEN", 8)
+    monkeypatch.setattr(backend, "kernel_max_seq_len", lambda: 8)
     monkeypatch.setattr(backend, "attend_prefills", lambda *args: calls.append(len(args[-2])) or attend(*args))
     check_attention_backend("cpu_paged", dtype=torch.float32)
     assert calls and min(calls) >= 1
@@ -246,12 +246,25 @@ def test_the_portable_path_conforms_and_its_build_is_reused(tmp_path) -> None:
     assert os.stat(path).st_mtime_ns == mtime
 
 
-@pytest.mark.skipif("avx512f" in open("/proc/cpuinfo").read(), reason="this machine builds the AVX-512 path itself")
-def test_the_avx512_path_compiles_on_a_machine_without_it(tmp_path) -> None:
-    """A machine without AVX-512 never builds that path (-march=native), and a CPU with it
-    may not be at hand: its intrinsics (the float8 widening among them) are at least
-    compiled here, every template instantiated."""
-    command = build.LIBRARY._compile_command(build.compiler(), tmp_path / "unused.so")
-    command[command.index("-march=native")] = "-march=skylake-avx512"
+def test_prefills_take_sdpa_past_1024_tokens_only_without_the_avx512_tiles() -> None:
+    from vframe.backends.cpu_paged import backend
+
+    avx512 = "avx512f" in open("/proc/cpuinfo").read()  # -march=native: the build has what the CPU has
+    assert torch.ops.vframe_cpu.prefill_tiles() is avx512
+    assert backend.kernel_max_seq_len() == (sys.maxsize if avx512 else 1024)
+
+
+@pytest.mark.skipif("avx512_bf16" in open("/proc/cpuinfo").read(), reason="this machine builds the AVX-512 paths itself")
+@pytest.mark.parametrize("library", ["cpu_paged", "cpu_ops"])
+def test_the_avx512_paths_compile_on_a_machine_without_them(tmp_path, library: str) -> None:
+    """A machine without AVX-512 (or without its bfloat16 instructions) never builds those
+    paths (-march=native), and a CPU with them may not be at hand: their intrinsics (the
+    float8 widening, vdpbf16ps, SLEEF's 16-float exp among them) are at least compiled here,
+    every template instantiated. Cooper Lake: AVX-512 with BF16."""
+    from vframe.layers import cpu_ops
+
+    native = build.LIBRARY if library == "cpu_paged" else cpu_ops.LIBRARY
+    command = native._compile_command(build.compiler(), tmp_path / "unused.so")
+    command[command.index("-march=native")] = "-march=cooperlake"
     result = subprocess.run([*command, "-fsyntax-only"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -6,11 +6,15 @@ decodes (one query token each) go to ``torch.ops.vframe_cpu.paged_decode_attenti
 reads each K/V row once for all the query heads that share it; its prefills (a prompt, or a
 chunk of one over its cached prefix) to ``paged_prefill_attention``, causal within each
 request (and its sliding window), a tile of query tokens and their heads against each K/V row.
-Past ``KERNEL_MAX_SEQ_LEN`` tokens of context a prefill in a layer without a window is
-attended as the ``torch`` backend does (SDPA, whose GEMM tiles win there; a cached prefix
-gathered), since the kernel's dot products do about as much work per key as SDPA's at 1,024
-tokens and fall behind after (AVX2 EPYC, 2 threads, SmolLM2's heads, one prompt: 256 tokens
-1.0 against 1.25 ms, 512 4.9 against 9.2, 1,024 about even, 2,048 94 against 82).
+Where the kernel scores a tile's rows one dot product at a time (AVX2 CPUs), past
+``KERNEL_MAX_SEQ_LEN`` tokens of context a prefill in a layer without a window is attended
+as the ``torch`` backend does (SDPA, whose GEMM tiles win there; a cached prefix gathered),
+since those dot products do about as much work per key as SDPA's at 1,024 tokens and fall
+behind after (AVX2 EPYC, 2 threads, SmolLM2's heads, one prompt: 256 tokens 1.0 against 1.25
+ms, 512 4.9 against 9.2, 1,024 about even, 2,048 94 against 82). With AVX-512 its tiles are
+small matrix products that stay ahead at every length (Zen 4, bfloat16, one prompt's whole
+forward: 2,048 tokens 2.52-2.56 s against SDPA's 2.73-3.10, 3,072 4.40-4.49 against 5.11-5.29):
+no limit there (``kernel_max_seq_len``).
 
 The operators are compiled once per machine with the system's C++ compiler
 (``build.py``); where none is found the backend refuses in ``check_available``
@@ -20,6 +24,8 @@ compare against.
 
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +43,15 @@ from vframe.backends.torch_attn import (
 from vframe.core.interfaces import AttentionImpl, AttentionMetadataBuilder, CommonAttentionMetadata
 
 
-# Longest context (cached and new tokens) a prefill takes the C++ kernel for in a layer
+# Longest context (cached and new tokens) a prefill takes the C++ row kernel for in a layer
 # without a sliding window; longer ones take SDPA (module docstring).
 KERNEL_MAX_SEQ_LEN = 1024
+
+
+@functools.cache
+def kernel_max_seq_len() -> int:
+    """``KERNEL_MAX_SEQ_LEN``, or no limit where the operators take the AVX-512 tiles."""
+    return sys.maxsize if torch.ops.vframe_cpu.prefill_tiles() else KERNEL_MAX_SEQ_LEN
 
 
 @dataclass
@@ -55,7 +67,7 @@ class CpuPagedMetadata:
     decode_rows: torch.Tensor  # [n] int64, their query rows
     # Requests with more than one query token, their first query rows and their query tokens
     # ([p] int64 each): every one for a layer with a window; for one without, the kernel's
-    # (at most KERNEL_MAX_SEQ_LEN tokens of context) and SDPA's (longer).
+    # (at most kernel_max_seq_len() tokens of context) and SDPA's (longer).
     prefills: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     short_prefills: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     long_prefills: list[PrefillSpan]
@@ -70,13 +82,14 @@ class CpuPagedMetadata:
                 decodes.append(b)
             elif query_len > 1:
                 prefills.append(b)
-        short = [b for b in prefills if seq_lens[b] <= KERNEL_MAX_SEQ_LEN]
+        limit = kernel_max_seq_len()
+        short = [b for b in prefills if seq_lens[b] <= limit]
         long_prefills = []
         if len(short) < len(prefills):
             block_table = common.block_table.to(device=common.slot_mapping.device, dtype=torch.long)
             long_prefills = [
                 plan_prefill(qsl[b], qsl[b + 1], seq_lens[b], block_table[b], common.block_size, None)
-                for b in prefills if seq_lens[b] > KERNEL_MAX_SEQ_LEN
+                for b in prefills if seq_lens[b] > limit
             ]
         all_prefills = cls._prefill_vectors(prefills, qsl)
         return cls(

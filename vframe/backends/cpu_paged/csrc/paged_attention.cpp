@@ -1150,9 +1150,20 @@ void paged_prefill_attention(
   });
 }
 
+// Whether this build's prefill takes the AVX-512 tiles (head sizes that 16 divide), whose
+// products stay ahead of SDPA at every length (backend.py lifts its length limit).
+bool prefill_tiles() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vframe_cpu, m) {
+  m.def("prefill_tiles() -> bool", &prefill_tiles);
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor query_rows, float scale, "
