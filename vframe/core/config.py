@@ -246,8 +246,8 @@ class SchedulerSection(BaseModel):
     kv_cache_manager: str = Field("default", description="KV cache manager registry name")
     max_num_seqs: int = Field(256, ge=1, description="most requests running in one step")
     max_num_batched_tokens: int | None = Field(
-        None, ge=1, description="token budget of one step (default 4096; 2048 for `vframe serve` on the CPU; "
-        "at least max_model_len without chunking)"
+        None, ge=1, description="token budget of one step (default 4096; for `vframe serve` on the CPU 2048 in "
+        "float32, 1024 in bfloat16 on a CPU with native bfloat16; at least max_model_len without chunking)"
     )
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
     long_prefill_token_threshold: int = Field(

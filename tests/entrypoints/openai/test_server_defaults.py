@@ -5,13 +5,26 @@ from __future__ import annotations
 import pytest
 
 from vframe.core.config import EngineConfig
-from vframe.entrypoints.openai.api_server import SERVER_CPU_TOKEN_BUDGET, apply_server_defaults
+from vframe.core.worker.model_runner import cpu_has_fast_bf16
+from vframe.entrypoints.openai.api_server import (
+    SERVER_CPU_TOKEN_BUDGET,
+    SERVER_CPU_TOKEN_BUDGET_BF16,
+    apply_server_defaults,
+)
 
 
-def test_a_cpu_server_steps_2048_tokens_unless_told_otherwise() -> None:
-    assert SERVER_CPU_TOKEN_BUDGET == 2048
-    config = apply_server_defaults(EngineConfig.from_sources(device="cpu"))
-    assert config.scheduler.max_num_batched_tokens == 2048
+@pytest.mark.parametrize(
+    ("dtype", "budget"),
+    [
+        ("float32", 2048),
+        ("bfloat16", 1024),
+        ("auto", 1024 if cpu_has_fast_bf16() else 2048),  # auto: bfloat16 where the CPU has it natively
+    ],
+)
+def test_a_cpu_server_steps_a_budget_for_its_dtype_unless_told_otherwise(dtype: str, budget: int) -> None:
+    assert (SERVER_CPU_TOKEN_BUDGET, SERVER_CPU_TOKEN_BUDGET_BF16) == (2048, 1024)
+    config = apply_server_defaults(EngineConfig.from_sources(device="cpu", dtype=dtype))
+    assert config.scheduler.max_num_batched_tokens == budget
     # the offline engine keeps its own default (4096, chosen when the engine starts)
     assert EngineConfig.from_sources(device="cpu").scheduler.max_num_batched_tokens is None
 
