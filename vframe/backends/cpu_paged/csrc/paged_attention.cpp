@@ -871,6 +871,51 @@ inline void tile_scores(const float* qt, int64_t rows_pad, const float* kf, int6
   }
 }
 
+#if defined(__AVX512BF16__)
+// tile_scores for a bfloat16 cache and bfloat16 queries (AVX512-BF16): qp [D / 2][rows_pad]
+// holds each row's queries as they are, a pair of dimensions in each 32-bit word; a key's
+// pair is broadcast from its cache row (kr[t], nothing widened) and vdpbf16ps multiplies
+// both pairs exactly and adds them in float32: half tile_scores' instructions. The sums are
+// scaled on the way out.
+template <int RV, int NC>
+inline void tile_scores_bf16(const uint32_t* qp, int64_t rows_pad, const c10::BFloat16* const* kr, int64_t nk,
+                             float scale, float* st) {
+  constexpr int P = NC * 8;  // pairs of a row
+  const __m512 sv = _mm512_set1_ps(scale);
+  const auto pair = [](const c10::BFloat16* row, int d) {
+    uint32_t w;
+    std::memcpy(&w, row + 2 * d, sizeof(w));
+    return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w));
+  };
+  int64_t t = 0;
+  for (; t + 4 <= nk; t += 4) {
+    __m512 a[4][RV];
+    for (int k = 0; k < 4; ++k)
+      for (int j = 0; j < RV; ++j) a[k][j] = _mm512_setzero_ps();
+    for (int d = 0; d < P; ++d) {
+      __m512bh q[RV];
+      for (int j = 0; j < RV; ++j) q[j] = (__m512bh)_mm512_loadu_si512(qp + d * rows_pad + 16 * j);
+      for (int k = 0; k < 4; ++k) {
+        const __m512bh b = pair(kr[t + k], d);
+        for (int j = 0; j < RV; ++j) a[k][j] = _mm512_dpbf16_ps(a[k][j], q[j], b);
+      }
+    }
+    for (int k = 0; k < 4; ++k)
+      for (int j = 0; j < RV; ++j) _mm512_storeu_ps(st + (t + k) * rows_pad + 16 * j, _mm512_mul_ps(a[k][j], sv));
+  }
+  for (; t < nk; ++t) {
+    __m512 a[RV];
+    for (int j = 0; j < RV; ++j) a[j] = _mm512_setzero_ps();
+    for (int d = 0; d < P; ++d) {
+      const __m512bh b = pair(kr[t], d);
+      for (int j = 0; j < RV; ++j)
+        a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(qp + d * rows_pad + 16 * j), b);
+    }
+    for (int j = 0; j < RV; ++j) _mm512_storeu_ps(st + t * rows_pad + 16 * j, _mm512_mul_ps(a[j], sv));
+  }
+}
+#endif
+
 // acc [R][D] += sum_t pt[t][r] vf[t]: pt [nk][rows_pad] (this chunk's first column), vf [nk][D]
 template <int R, int NC>
 inline void tile_values(const float* pt, int64_t rows_pad, const float* vf, int64_t nk, float* acc) {
@@ -904,7 +949,9 @@ inline void tile_rows(const C* cache, int64_t slot_size, const int64_t* slots, i
 template <typename C, int NC>
 void prefill_tile_avx512(int64_t rows, const float* q, const int64_t* lo, const int64_t* hi, const C* k_cache,
                          const C* v_cache, int64_t slot_size, int64_t h, const int64_t* slots, int64_t nkeys,
-                         std::vector<float>& scratch, float* acc) {
+                         std::vector<float>& scratch, float* acc,
+                         const c10::BFloat16* const* qb = nullptr,  // the rows' bfloat16 queries: tile_scores_bf16
+                         float scale = 1.f) {
   constexpr int D = NC * 16;
   const int64_t rows_pad = (rows + 15) / 16 * 16;
   scratch.resize(D * rows_pad + nkeys * rows_pad + kTileKeys * D + 2 * rows_pad);
@@ -919,7 +966,31 @@ void prefill_tile_avx512(int64_t rows, const float* q, const int64_t* lo, const 
   }
   k_cache += h * D;
   v_cache += h * D;
-  for (int64_t kb = 0; kb < nkeys; kb += kTileKeys) {  // pass 1: scores
+  bool scored = false;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<C, c10::BFloat16> && NC % 2 == 0) {
+    if (qb != nullptr) {
+      auto* qp = reinterpret_cast<uint32_t*>(qt);  // D / 2 pairs a row: fits in qt
+      for (int64_t r = 0; r < rows_pad; ++r)
+        for (int d = 0; d < D / 2; ++d) {
+          uint32_t w = 0;
+          if (r < rows) std::memcpy(&w, qb[r] + 2 * d, sizeof(w));
+          qp[d * rows_pad + r] = w;
+        }
+      const c10::BFloat16* kr[kTileKeys];
+      for (int64_t kb = 0; kb < nkeys; kb += kTileKeys) {
+        const int64_t nk = std::min(kTileKeys, nkeys - kb);
+        for (int64_t t = 0; t < nk; ++t) kr[t] = k_cache + slots[kb + t] * slot_size;
+        int64_t j = 0;
+        for (; j + 48 <= rows_pad; j += 48) tile_scores_bf16<3, NC>(qp + j, rows_pad, kr, nk, scale, st + kb * rows_pad + j);
+        if (rows_pad - j == 32) tile_scores_bf16<2, NC>(qp + j, rows_pad, kr, nk, scale, st + kb * rows_pad + j);
+        if (rows_pad - j == 16) tile_scores_bf16<1, NC>(qp + j, rows_pad, kr, nk, scale, st + kb * rows_pad + j);
+      }
+      scored = true;
+    }
+  }
+#endif
+  for (int64_t kb = 0; kb < nkeys && !scored; kb += kTileKeys) {  // pass 1: scores
     const int64_t nk = std::min(kTileKeys, nkeys - kb);
     tile_rows<C, NC>(k_cache, slot_size, slots + kb, nk, kv);
     int64_t j = 0;
@@ -1021,8 +1092,9 @@ void prefill_attention(
   run_longest_first(first_task[p], cost, [&] {
     std::vector<float> q(kPrefillTile * group * D), acc(kPrefillTile * group * D), scores;
     std::vector<int64_t> slots, lo(kPrefillTile * group), hi(kPrefillTile * group);
+    std::vector<const T*> sources(kPrefillTile * group);  // each row's query as it is
     return [&, q = std::move(q), acc = std::move(acc), scores = std::move(scores), slots = std::move(slots),
-            lo = std::move(lo), hi = std::move(hi)](int64_t task) mutable {
+            lo = std::move(lo), hi = std::move(hi), sources = std::move(sources)](int64_t task) mutable {
       const int64_t i = request_of(task), h = (task - first_task[i]) % num_kv_heads;
       int64_t key_start, i0, i1;
       const int64_t key_end = task_keys(task, &key_start, &i0, &i1);
@@ -1035,14 +1107,16 @@ void prefill_attention(
           const int64_t r = j * group + g;
           lo[r] = window_start(pos + 1, sliding_window) - key_start;
           hi[r] = pos + 1 - key_start;
-          const T* src = q_ptr + (starts[i] + i0 + j) * q_row_stride + (h * group + g) * q_head_stride;
+          const T* src = sources[r] = q_ptr + (starts[i] + i0 + j) * q_row_stride + (h * group + g) * q_head_stride;
           for (int64_t d = 0; d < D; ++d) q[r * D + d] = to_float(src[d]) * fscale;
         }
       }
 #if defined(__AVX512F__)
       if constexpr (HD > 0 && HD % 16 == 0) {
+        const c10::BFloat16* const* qb = nullptr;  // bfloat16 queries and cache: scores by vdpbf16ps
+        if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) qb = sources.data();
         prefill_tile_avx512<C, HD / 16>(rows, q.data(), lo.data(), hi.data(), k_ptr, v_ptr, slot_size, h, slots.data(),
-                                        nkeys, scores, acc.data());
+                                        nkeys, scores, acc.data(), qb, fscale);
       } else
 #endif
       {
