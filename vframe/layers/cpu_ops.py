@@ -51,7 +51,7 @@ def available() -> bool:
 # The dtypes the operators run. Vectorised, they win at every size (Zen 4, 2 threads,
 # bfloat16, SmolLM2's sizes, fused against PyTorch's expression: RMSNorm 6 vs 23 us at 16
 # tokens, 41 vs 87 at 256; rotary 11 vs 54 and 101 vs 230 us; SwiGLU 20 vs 25 and 178 vs
-# 174 us, 0.66 vs 0.91 ms at 1,024). Before the bfloat16 / float16 loops were vectorised
+# 174 us, 0.66 vs 0.91-3.1 ms at 1,024 in two runs). Before the bfloat16 / float16 loops were vectorised
 # (scalar rounding) they lost above 16 tokens, and the layers kept PyTorch's there.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
