@@ -641,6 +641,31 @@ void decode_attention(
     }
   };
 
+  // The vector paths' tasks: one per (request, kv_per_task KV heads from h0), longest request
+  // first; each loads its query heads (scaled for the cache's loads), attend(b, h0, start,
+  // seq_len, q, scores, slots, acc) fills acc [heads, D], which goes to out.
+  [[maybe_unused]] const auto run_tasks = [&](int64_t kv_per_task, const auto& attend) {
+    const int64_t tasks_per_request = num_kv_heads / kv_per_task;
+    auto seq_len_of = [&](int64_t task) { return static_cast<int64_t>(lens[reqs[task / tasks_per_request]]); };
+    run_longest_first(n * tasks_per_request, seq_len_of, [&] {
+      const int64_t heads = kv_per_task * group;  // query heads per task
+      std::vector<float> q(heads * D), acc(heads * D), scores;
+      std::vector<int64_t> slots;
+      return [&, heads, q = std::move(q), acc = std::move(acc), scores = std::move(scores),
+              slots = std::move(slots)](int64_t task) mutable {
+        const int64_t i = task / tasks_per_request, h0 = task % tasks_per_request * kv_per_task;
+        const int64_t b = reqs[i], r = rows[i];
+        const int64_t seq_len = lens[b];
+        const int64_t start = window_start(seq_len, sliding_window);
+        load_queries(r, h0 * group, heads, q.data());
+        scale_for_loads<C>(q.data(), heads * D);
+        scores.resize(heads * (seq_len - start));
+        attend(b, r, h0, start, seq_len, q.data(), scores.data(), slots, acc.data());
+        store_outputs(r, h0 * group, heads, acc.data());
+      };
+    });
+  };
+
 #if defined(VFRAME_PAGED_AVX2)
   if constexpr (HD > 0 && HD % 8 == 0) {
     if (group <= kMaxHeads8) {
@@ -648,26 +673,11 @@ void decode_attention(
       // spread over the threads. Many: one task per request, each slot read once.
       const bool per_request = num_heads <= kMaxHeads8 && n >= 4 * at::get_num_threads();
       const int64_t kv_per_task = per_request ? num_kv_heads : 1;
-      const int64_t tasks_per_request = num_kv_heads / kv_per_task;
-      auto seq_len_of = [&](int64_t task) { return static_cast<int64_t>(lens[reqs[task / tasks_per_request]]); };
-      run_longest_first(n * tasks_per_request, seq_len_of, [&] {
-        const int64_t heads = kv_per_task * group;  // query heads per task
-        std::vector<float> q(heads * D), acc(heads * D), scores;
-        std::vector<int64_t> slots;
-        return [&, heads, q = std::move(q), acc = std::move(acc), scores = std::move(scores),
-                slots = std::move(slots)](int64_t task) mutable {
-          const int64_t i = task / tasks_per_request, h0 = task % tasks_per_request * kv_per_task;
-          const int64_t b = reqs[i], r = rows[i];
-          const int64_t seq_len = lens[b];
-          const int64_t start = window_start(seq_len, sliding_window);
-          fill_slots(slots, table + b * table_stride, block_size, start, seq_len);
-          load_queries(r, h0 * group, heads, q.data());
-          scale_for_loads<C>(q.data(), heads * D);
-          scores.resize(heads * (seq_len - start));
-          attend_kv_heads_avx2<C, HD / 8>(h0, kv_per_task, num_kv_heads, group, q.data(), k_ptr, v_ptr, slots.data(),
-                                          seq_len - start, scores.data(), acc.data());
-          store_outputs(r, h0 * group, heads, acc.data());
-        };
+      run_tasks(kv_per_task, [&](int64_t b, int64_t, int64_t h0, int64_t start, int64_t seq_len, const float* q,
+                                 float* scores, std::vector<int64_t>& slots, float* acc) {
+        fill_slots(slots, table + b * table_stride, block_size, start, seq_len);
+        attend_kv_heads_avx2<C, HD / 8>(h0, kv_per_task, num_kv_heads, group, q, k_ptr, v_ptr, slots.data(),
+                                        seq_len - start, scores, acc);
       });
       return;
     }
@@ -681,31 +691,17 @@ void decode_attention(
       // spread over the threads.
       const int64_t threads = at::get_num_threads();
       const int64_t kv_per_task = n >= 4 * threads || n % threads == 0 ? num_kv_heads : 1;
-      const int64_t tasks_per_request = num_kv_heads / kv_per_task;
-      const int64_t slot_size = num_kv_heads * D;
-      auto seq_len_of = [&](int64_t task) { return static_cast<int64_t>(lens[reqs[task / tasks_per_request]]); };
-      run_longest_first(n * tasks_per_request, seq_len_of, [&] {
-        const int64_t heads = kv_per_task * group;  // query heads per task
-        std::vector<float> q(heads * D), acc(heads * D), scores;
-        return [&, heads, q = std::move(q), acc = std::move(acc), scores = std::move(scores)](int64_t task) mutable {
-          const int64_t i = task / tasks_per_request, h0 = task % tasks_per_request * kv_per_task;
-          const int64_t b = reqs[i], r = rows[i];
-          const int64_t seq_len = lens[b];
-          const int64_t start = window_start(seq_len, sliding_window);
-          load_queries(r, h0 * group, heads, q.data());
-          scale_for_loads<C>(q.data(), heads * D);
-          scores.resize(heads * (seq_len - start));
-          const c10::BFloat16* qb = nullptr;  // bfloat16 queries as they are, where bf16_scores takes them
+      run_tasks(kv_per_task, [&](int64_t b, int64_t r, int64_t h0, int64_t start, int64_t seq_len, const float* q,
+                                 float* scores, std::vector<int64_t>&, float* acc) {
+        const c10::BFloat16* qb = nullptr;  // bfloat16 queries as they are, where bf16_scores takes them
 #if defined(__AVX512BF16__)
-          if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && HD % 32 == 0) {
-            if (q_head_stride == D) qb = q_ptr + r * q_row_stride + h0 * group * D;
-          }
+        if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && HD % 32 == 0) {
+          if (q_head_stride == D) qb = q_ptr + r * q_row_stride + h0 * group * D;
+        }
 #endif
-          attend_request_avx512<C, HD / 16>(slot_size, kv_per_task, group, q.data(), k_ptr + h0 * D, v_ptr + h0 * D,
-                                             table + b * table_stride, block_size, start, seq_len, scores.data(),
-                                             acc.data(), qb, fscale);
-          store_outputs(r, h0 * group, heads, acc.data());
-        };
+        attend_request_avx512<C, HD / 16>(num_kv_heads * D, kv_per_task, group, q, k_ptr + h0 * D, v_ptr + h0 * D,
+                                           table + b * table_stride, block_size, start, seq_len, scores, acc, qb,
+                                           fscale);
       });
       return;
     }
