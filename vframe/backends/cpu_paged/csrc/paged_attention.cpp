@@ -100,6 +100,13 @@ inline void prefetch_slot(const T* slot, int64_t slot_size) {
   for (int64_t off = 0; off < slot_size * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
 }
 
+// As prefetch_slot, into L2 (prefetcht1): for data wanted a while later, not next.
+template <typename T>
+inline void prefetch_slot_l2(const T* slot, int64_t slot_size) {
+  const char* p = reinterpret_cast<const char*>(slot);
+  for (int64_t off = 0; off < slot_size * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
 constexpr int64_t kPrefetchDistance = 4;  // slots
 
 // One request: every query head against the request's keys and values. Each
@@ -203,7 +210,7 @@ inline __m512 load16(const c10::Float8_e4m3fn* p) {
 }
 
 // r[i] = sum of the 16 lanes of v[i]
-inline __m512 reduce16(const __m512* v) {
+__attribute__((always_inline)) inline __m512 reduce16(const __m512* v) {
   __m512 t[8], u[4];
   for (int i = 0; i < 8; ++i)
     t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -314,10 +321,12 @@ void attend_request_avx512(
     int64_t slot_size,     // values a slot holds (every KV head's)
     int64_t num_kv_heads,  // the KV heads to attend: k_cache / v_cache point at the first one's values
     int64_t group, const float* q, const T* k_cache, const T* v_cache,
-    const int32_t* blocks, int64_t block_size, int64_t start, int64_t seq_len, float* scores, float* acc,
+    const int64_t* cache_slots,  // the cache slots of positions start .. seq_len - 1 (fill_slots)
+    int64_t start, int64_t seq_len, float* scores, float* acc,
     const c10::BFloat16* qb = nullptr, float scale = 1.f) {  // qb: see bf16_scores
   constexpr int64_t D = NC * 16;
   const int64_t len = seq_len - start;
+  const auto slot_at = [&](const T* cache, int64_t t) { return cache + cache_slots[t - start] * slot_size; };
   const int64_t num_heads = num_kv_heads * group;
   const T* slots[16];
   __m512 partial[kMaxGroup][16];
@@ -326,14 +335,22 @@ void attend_request_avx512(
   const T* next[16];
   int64_t num_next = 0;
   auto chunk_slots = [&](const T* cache, int64_t t0, int64_t nt) {
-    for (int64_t i = 0; i < nt; ++i) slots[i] = cache + slot_of(blocks, block_size, t0 + i) * slot_size;
+    for (int64_t i = 0; i < nt; ++i) slots[i] = slot_at(cache, t0 + i);
     num_next = std::clamp<int64_t>(seq_len - t0 - 16, 0, 16);
-    for (int64_t i = 0; i < num_next; ++i) next[i] = cache + slot_of(blocks, block_size, t0 + 16 + i) * slot_size;
+    for (int64_t i = 0; i < num_next; ++i) next[i] = slot_at(cache, t0 + 16 + i);
   };
   // The next chunk's slots, one per token of this chunk: spread out so that the
   // prefetches never queue up behind each other.
   auto prefetch_next = [&](int64_t i) {
     if (i < num_next) prefetch_slot(next[i], num_kv_heads * D);
+  };
+  // Pass 1 streams the keys from memory and, alongside, asks for the chunk's values (pass 2
+  // then finds them in L2: a request's values are 24 KiB per 64-dim KV head at 100 tokens)
+  // and for the keys two chunks ahead. SmolLM2 bf16, 64 requests of 300 tokens, a layer
+  // inside a decode step: 1.29-1.61 -> 1.00-1.06 ms (0.45 with the cache in L2).
+  auto prefetch_ahead = [&](int64_t t0, int64_t nt) {
+    for (int64_t t = t0 + 32; t < std::min(t0 + 48, seq_len); ++t) prefetch_slot_l2(slot_at(k_cache, t), num_kv_heads * D);
+    for (int64_t t = t0; t < t0 + nt; ++t) prefetch_slot_l2(slot_at(v_cache, t), num_kv_heads * D);
   };
   // pass 1: scores
   for (int64_t t0 = start; t0 < seq_len; t0 += 16) {
@@ -344,12 +361,14 @@ void attend_request_avx512(
     if constexpr (std::is_same_v<T, c10::BFloat16> && NC % 2 == 0) {
       if (qb != nullptr) {
         for (int64_t i = 0; i < 16; ++i) prefetch_next(i);
+        prefetch_ahead(t0, nt);
         for (int64_t hq = 0; hq < num_heads; ++hq)
           bf16_scores<NC>(slots, hq / group * D, nt, qb + hq * D, scale, scores + hq * len + (t0 - start));
         continue;
       }
     }
 #endif
+    prefetch_ahead(t0, nt);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t i = 0; i < 16; ++i) {
         if (h == 0) prefetch_next(i);
@@ -642,8 +661,9 @@ void decode_attention(
   };
 
   // The vector paths' tasks: one per (request, kv_per_task KV heads from h0), longest request
-  // first; each loads its query heads (scaled for the cache's loads), attend(b, h0, start,
-  // seq_len, q, scores, slots, acc) fills acc [heads, D], which goes to out.
+  // first; each loads its query heads (scaled for the cache's loads) and looks the request's
+  // slots up in the block table once (fill_slots); attend(r, h0, start, seq_len, q, scores,
+  // slots, acc) fills acc [heads, D], which goes to out's row r.
   [[maybe_unused]] const auto run_tasks = [&](int64_t kv_per_task, const auto& attend) {
     const int64_t tasks_per_request = num_kv_heads / kv_per_task;
     auto seq_len_of = [&](int64_t task) { return static_cast<int64_t>(lens[reqs[task / tasks_per_request]]); };
@@ -660,7 +680,8 @@ void decode_attention(
         load_queries(r, h0 * group, heads, q.data());
         scale_for_loads<C>(q.data(), heads * D);
         scores.resize(heads * (seq_len - start));
-        attend(b, r, h0, start, seq_len, q.data(), scores.data(), slots, acc.data());
+        fill_slots(slots, table + b * table_stride, block_size, start, seq_len);
+        attend(r, h0, start, seq_len, q.data(), scores.data(), slots.data(), acc.data());
         store_outputs(r, h0 * group, heads, acc.data());
       };
     });
@@ -673,10 +694,9 @@ void decode_attention(
       // spread over the threads. Many: one task per request, each slot read once.
       const bool per_request = num_heads <= kMaxHeads8 && n >= 4 * at::get_num_threads();
       const int64_t kv_per_task = per_request ? num_kv_heads : 1;
-      run_tasks(kv_per_task, [&](int64_t b, int64_t, int64_t h0, int64_t start, int64_t seq_len, const float* q,
-                                 float* scores, std::vector<int64_t>& slots, float* acc) {
-        fill_slots(slots, table + b * table_stride, block_size, start, seq_len);
-        attend_kv_heads_avx2<C, HD / 8>(h0, kv_per_task, num_kv_heads, group, q, k_ptr, v_ptr, slots.data(),
+      run_tasks(kv_per_task, [&](int64_t, int64_t h0, int64_t start, int64_t seq_len, const float* q, float* scores,
+                                 const int64_t* slots, float* acc) {
+        attend_kv_heads_avx2<C, HD / 8>(h0, kv_per_task, num_kv_heads, group, q, k_ptr, v_ptr, slots,
                                         seq_len - start, scores, acc);
       });
       return;
@@ -691,8 +711,8 @@ void decode_attention(
       // spread over the threads.
       const int64_t threads = at::get_num_threads();
       const int64_t kv_per_task = n >= 4 * threads || n % threads == 0 ? num_kv_heads : 1;
-      run_tasks(kv_per_task, [&](int64_t b, int64_t r, int64_t h0, int64_t start, int64_t seq_len, const float* q,
-                                 float* scores, std::vector<int64_t>&, float* acc) {
+      run_tasks(kv_per_task, [&](int64_t r, int64_t h0, int64_t start, int64_t seq_len, const float* q, float* scores,
+                                 const int64_t* slots, float* acc) {
         const c10::BFloat16* qb = nullptr;  // bfloat16 queries as they are, where bf16_scores takes them
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && HD % 32 == 0) {
@@ -700,8 +720,7 @@ void decode_attention(
         }
 #endif
         attend_request_avx512<C, HD / 16>(num_kv_heads * D, kv_per_task, group, q, k_ptr + h0 * D, v_ptr + h0 * D,
-                                           table + b * table_stride, block_size, start, seq_len, scores, acc, qb,
-                                           fscale);
+                                           slots, start, seq_len, scores, acc, qb, fscale);
       });
       return;
     }
