@@ -323,7 +323,9 @@ void attend_request_avx512(
     int64_t group, const float* q, const T* k_cache, const T* v_cache,
     const int64_t* cache_slots,  // the cache slots of positions start .. seq_len - 1 (fill_slots)
     int64_t start, int64_t seq_len, float* scores, float* acc,
-    const c10::BFloat16* qb = nullptr, float scale = 1.f) {  // qb: see bf16_scores
+    const c10::BFloat16* qb = nullptr, float scale = 1.f,  // qb: see bf16_scores
+    // the keys of the task this thread runs next (its first KV head's values, slots, count)
+    const T* upcoming_k = nullptr, const int64_t* upcoming_slots = nullptr, int64_t upcoming_len = 0) {
   constexpr int64_t D = NC * 16;
   const int64_t len = seq_len - start;
   const auto slot_at = [&](const T* cache, int64_t t) { return cache + cache_slots[t - start] * slot_size; };
@@ -389,9 +391,17 @@ void attend_request_avx512(
   // pass 2: the probability-weighted sum of values; per chunk and head, up to four
   // query heads accumulate in registers (a count fixed at compile time, so that they stay
   // there) and are added to acc once
+  // Pass 2 reads the values from L2 and computes; meanwhile the next task's keys are asked
+  // for, spread over its chunks, so that memory is busy in both passes. SmolLM2 bf16, 64
+  // requests of 300 tokens, a layer inside a decode step: 0.99-1.08 -> 0.88-0.97 ms.
   std::fill(acc, acc + num_heads * D, 0.f);
+  const int64_t chunks = (len + 15) / 16, upcoming_per_chunk = (upcoming_len + chunks - 1) / chunks;
+  int64_t upcoming_done = 0;
   for (int64_t t0 = start; t0 < seq_len; t0 += 16) {
     const int64_t nt = std::min<int64_t>(16, seq_len - t0);
+    for (const int64_t end = std::min(upcoming_len, upcoming_done + upcoming_per_chunk); upcoming_done < end;
+         ++upcoming_done)
+      prefetch_slot_l2(upcoming_k + upcoming_slots[upcoming_done] * slot_size, num_kv_heads * D);
     chunk_slots(v_cache, t0, nt);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += 4) {
@@ -582,11 +592,21 @@ void attend_kv_heads_avx2(int64_t h0, int64_t nkv, int64_t num_kv_heads, int64_t
 #endif
 #endif
 
+// A decode task's keys, for the thread to ask for ahead of the task: the offset of its first
+// KV head within a slot, its cache slots in position order, and how many.
+struct Upcoming {
+  int64_t offset = 0;
+  const int64_t* slots = nullptr;
+  int64_t len = 0;
+};
+
 // Tasks [0, n) over torch's threads, longest first (cost(task)), each thread taking the
 // next task when it finishes one: decode requests of different lengths balance, where
 // at::parallel_for's static split hands one thread whichever half is longer (AVX2 EPYC, 2
 // threads, requests of 32 to 640 tokens, a layer: 64 of them 3.6-3.8 -> 3.4-3.6 ms, 4 0.46 -> 0.39 ms). make_worker() builds one
-// thread's body (with its own scratch buffers), called with each task it takes.
+// thread's body (with its own scratch buffers), called with each task it takes. A body that
+// takes two arguments is also told the task its thread runs next (-1: none), claimed before
+// it starts this one, so that it can ask for that task's data while it computes.
 template <typename Cost, typename MakeWorker>
 void run_longest_first(int64_t n, Cost&& cost, MakeWorker&& make_worker) {
   std::vector<int64_t> order(n);
@@ -596,7 +616,15 @@ void run_longest_first(int64_t n, Cost&& cost, MakeWorker&& make_worker) {
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     auto work = make_worker();
-    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) work(order[k]);
+    const auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
+    if constexpr (std::is_invocable_v<decltype(work)&, int64_t, int64_t>) {
+      for (int64_t k = claim(), upcoming; k < n; k = upcoming) {
+        upcoming = claim();
+        work(order[k], upcoming < n ? order[upcoming] : int64_t{-1});
+      }
+    } else {
+      for (int64_t k; (k = claim()) < n;) work(order[k]);
+    }
   });
 }
 
@@ -663,25 +691,32 @@ void decode_attention(
   // The vector paths' tasks: one per (request, kv_per_task KV heads from h0), longest request
   // first; each loads its query heads (scaled for the cache's loads) and looks the request's
   // slots up in the block table once (fill_slots); attend(r, h0, start, seq_len, q, scores,
-  // slots, acc) fills acc [heads, D], which goes to out's row r.
+  // slots, acc, upcoming) fills acc [heads, D], which goes to out's row r. upcoming: the
+  // task the thread runs next (its KV heads' offset and slots; none: len 0).
   [[maybe_unused]] const auto run_tasks = [&](int64_t kv_per_task, const auto& attend) {
     const int64_t tasks_per_request = num_kv_heads / kv_per_task;
     auto seq_len_of = [&](int64_t task) { return static_cast<int64_t>(lens[reqs[task / tasks_per_request]]); };
+    const auto task_slots = [&](int64_t task, std::vector<int64_t>& slots) {
+      const int64_t seq_len = lens[reqs[task / tasks_per_request]];
+      const int64_t start = window_start(seq_len, sliding_window);
+      fill_slots(slots, table + reqs[task / tasks_per_request] * table_stride, block_size, start, seq_len);
+      return Upcoming{task % tasks_per_request * kv_per_task * D, slots.data(), seq_len - start};
+    };
     run_longest_first(n * tasks_per_request, seq_len_of, [&] {
       const int64_t heads = kv_per_task * group;  // query heads per task
       std::vector<float> q(heads * D), acc(heads * D), scores;
-      std::vector<int64_t> slots;
-      return [&, heads, q = std::move(q), acc = std::move(acc), scores = std::move(scores),
-              slots = std::move(slots)](int64_t task) mutable {
+      std::vector<int64_t> slots, upcoming_slots;
+      return [&, heads, q = std::move(q), acc = std::move(acc), scores = std::move(scores), slots = std::move(slots),
+              upcoming_slots = std::move(upcoming_slots)](int64_t task, int64_t upcoming) mutable {
         const int64_t i = task / tasks_per_request, h0 = task % tasks_per_request * kv_per_task;
-        const int64_t b = reqs[i], r = rows[i];
-        const int64_t seq_len = lens[b];
-        const int64_t start = window_start(seq_len, sliding_window);
+        const int64_t r = rows[i];
+        const Upcoming up = upcoming >= 0 ? task_slots(upcoming, upcoming_slots) : Upcoming{};
+        const Upcoming now = task_slots(task, slots);
+        const int64_t seq_len = lens[reqs[i]], start = seq_len - now.len;
         load_queries(r, h0 * group, heads, q.data());
         scale_for_loads<C>(q.data(), heads * D);
-        scores.resize(heads * (seq_len - start));
-        fill_slots(slots, table + b * table_stride, block_size, start, seq_len);
-        attend(r, h0, start, seq_len, q.data(), scores.data(), slots.data(), acc.data());
+        scores.resize(heads * now.len);
+        attend(r, h0, start, seq_len, q.data(), scores.data(), now.slots, acc.data(), up);
         store_outputs(r, h0 * group, heads, acc.data());
       };
     });
@@ -695,7 +730,7 @@ void decode_attention(
       const bool per_request = num_heads <= kMaxHeads8 && n >= 4 * at::get_num_threads();
       const int64_t kv_per_task = per_request ? num_kv_heads : 1;
       run_tasks(kv_per_task, [&](int64_t, int64_t h0, int64_t start, int64_t seq_len, const float* q, float* scores,
-                                 const int64_t* slots, float* acc) {
+                                 const int64_t* slots, float* acc, const Upcoming&) {
         attend_kv_heads_avx2<C, HD / 8>(h0, kv_per_task, num_kv_heads, group, q, k_ptr, v_ptr, slots,
                                         seq_len - start, scores, acc);
       });
@@ -712,7 +747,7 @@ void decode_attention(
       const int64_t threads = at::get_num_threads();
       const int64_t kv_per_task = n >= 4 * threads || n % threads == 0 ? num_kv_heads : 1;
       run_tasks(kv_per_task, [&](int64_t r, int64_t h0, int64_t start, int64_t seq_len, const float* q, float* scores,
-                                 const int64_t* slots, float* acc) {
+                                 const int64_t* slots, float* acc, const Upcoming& up) {
         const c10::BFloat16* qb = nullptr;  // bfloat16 queries as they are, where bf16_scores takes them
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && HD % 32 == 0) {
@@ -720,7 +755,8 @@ void decode_attention(
         }
 #endif
         attend_request_avx512<C, HD / 16>(num_kv_heads * D, kv_per_task, group, q, k_ptr + h0 * D, v_ptr + h0 * D,
-                                           slots, start, seq_len, scores, acc, qb, fscale);
+                                           slots, start, seq_len, scores, acc, qb, fscale, k_ptr + up.offset, up.slots,
+                                           up.len);
       });
       return;
     }
