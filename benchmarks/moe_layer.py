@@ -7,13 +7,17 @@ Router logits are random (every expert equally likely), so a batch of T tokens
 touches about min(E, T * K) experts and the time follows that count: each
 active expert's weights are read once. ``--route-to N`` sends every token to
 the first N experts only, to time a fixed number of active experts as E grows.
-``--grouped-mm`` also times the same layer with the per-expert loop replaced by
+Each line times the per-expert loop on the stacked weights (``torch.mm``) and on
+the experts' oneDNN-packed matrices (``FusedMoE.process_weights_after_loading``,
+what a loaded model runs on a CPU that multiplies the dtype in oneDNN);
+``--grouped-mm`` also times the stacked layer with the loop replaced by
 ``torch.nn.functional.grouped_mm``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
@@ -22,7 +26,7 @@ import torch.nn.functional as F
 from vframe.layers import moe
 
 
-def grouped_mm_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_mm_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, *_) -> torch.Tensor:
     offsets = counts.cumsum(0).to(torch.int32)  # [E] end of each expert's rows
     gate, up = F.grouped_mm(x, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [S, I] each
     return F.grouped_mm(F.silu(gate).mul_(up), w2.transpose(1, 2), offs=offsets)  # [S, H]
@@ -55,7 +59,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     loop_swiglu = moe._grouped_swiglu
-    impls = {"loop": loop_swiglu} | ({"grouped_mm": grouped_mm_swiglu} if args.grouped_mm else {})
     routing = f"routed to the first {args.route_to} experts" if args.route_to else "uniform routing"
     print(f"H={args.hidden} I={args.intermediate} top-{args.top_k} {args.dtype}, {routing}, "
           f"{args.threads} threads, best of {args.repeats}")
@@ -63,6 +66,13 @@ def main() -> None:
         layer = moe.FusedMoE(num_experts, args.hidden, args.intermediate, params_dtype=dtype)
         torch.nn.init.normal_(layer.w13_weight, std=0.02)
         torch.nn.init.normal_(layer.w2_weight, std=0.02)
+        packed = copy.deepcopy(layer)
+        packed.process_weights_after_loading()
+        runs = {"stacked": (layer, loop_swiglu)}
+        if packed.w13_packed is not None:
+            runs["packed"] = (packed, loop_swiglu)
+        if args.grouped_mm:
+            runs["grouped_mm"] = (layer, grouped_mm_swiglu)
         for num_tokens in args.tokens:
             generator = torch.Generator().manual_seed(0)
             x = torch.randn(num_tokens, args.hidden, generator=generator).to(dtype)  # [T, H]
@@ -72,10 +82,10 @@ def main() -> None:
             weights, ids = moe.softmax_topk(logits, args.top_k, renormalize=True)
             active = len(set(ids.flatten().tolist()))
             line = f"E={num_experts:3d} T={num_tokens:4d} active experts {active:3d}:"
-            for name, impl in impls.items():
+            for name, (run, impl) in runs.items():
                 moe._grouped_swiglu = impl
                 with torch.inference_mode():
-                    seconds = best_time(lambda: layer(x, weights, ids), args.repeats)
+                    seconds = best_time(lambda: run(x, weights, ids), args.repeats)
                 line += f"  {name} {seconds * 1e3:7.3f} ms = {seconds / num_tokens * 1e6:7.1f} us/token"
             moe._grouped_swiglu = loop_swiglu
             print(line)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from math import exp
 
 import pytest
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.moe import FusedMoE, expert_params_mapping, match_expert_weight, softmax_topk
+from vframe.quant import onednn_packed
 
 HIDDEN, INTER = 32, 48
 
@@ -128,3 +130,31 @@ def test_expert_params_mapping_and_matching() -> None:
     )
     assert match_expert_weight("model.layers.1.mlp.shared_experts.gate_proj.weight", deepseek) is None
     assert match_expert_weight("model.layers.1.mlp.gate.weight", deepseek) is None
+
+
+@pytest.mark.skipif(not onednn_packed.onednn_bf16_available(), reason="oneDNN has no native bfloat16 here")
+def test_packed_experts_replace_the_stacked_weights_and_give_the_same_bfloat16_output() -> None:
+    """process_weights_after_loading (what a loaded model runs) packs each expert for oneDNN:
+    the stacked parameters are gone (memory is not doubled), their plain form comes back
+    exactly, and the products are oneDNN's either way: the output is bit for bit the same."""
+    stacked = make_moe(8).to(torch.bfloat16)
+    packed = copy.deepcopy(stacked)
+    packed.process_weights_after_loading()
+    assert packed.w13_packed is not None and len(packed.w13_packed) == len(packed.w2_packed) == 8
+    assert "w13_weight" not in dict(packed.named_parameters()) and all(w.is_mkldnn for w in packed.w13_packed)
+    w13, w2 = packed.expert_weights()
+    assert torch.equal(w13, stacked.w13_weight) and torch.equal(w2, stacked.w2_weight)
+    generator = torch.Generator().manual_seed(4)
+    for num_tokens in (1, 5, 64):  # some experts get no token at 1 and 5
+        x = torch.randn(num_tokens, HIDDEN, generator=generator).bfloat16()
+        weights, ids = softmax_topk(torch.randn(num_tokens, 8, generator=generator), 2, renormalize=True)
+        assert torch.equal(packed(x, weights, ids), stacked(x, weights, ids))
+    packed.process_weights_after_loading()  # a second call changes nothing
+    assert torch.equal(packed.expert_weights()[0], w13)
+
+
+def test_packing_turned_off_keeps_the_stacked_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VFRAME_ONEDNN_PACKED_WEIGHTS", "0")
+    layer = make_moe(4).to(torch.bfloat16)
+    layer.process_weights_after_loading()
+    assert layer.w13_packed is None and layer.expert_weights()[0] is layer.w13_weight

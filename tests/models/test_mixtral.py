@@ -18,6 +18,7 @@ from vframe.models.config import ModelConfig
 from vframe.models.loader import load_model, resolve_model
 from vframe.models.mixtral import ARCHITECTURES, MixtralForCausalLM, MixtralSparseMoeBlock
 from vframe.plugins import get_registry
+from vframe.quant import onednn_packed
 from vframe.quant.onednn_packed import plain
 
 VOCAB = 128
@@ -148,9 +149,11 @@ def test_per_expert_and_stacked_layouts_load_the_same(tmp_path: Path) -> None:
     b = load_model(resolve_model(str(stacked)), MixtralForCausalLM, TorchAttentionBackend, torch.float32)
 
     experts = a.model.layers[1].mlp.experts
+    assert (experts.w13_packed is not None) == onednn_packed.onednn_fp32_available()  # packed after loading
+    w13, w2 = experts.expert_weights()
     hf_experts = hf_model.model.layers[1].mlp.experts
-    assert torch.equal(experts.w13_weight[2, :96], hf_experts.gate_up_proj[2, :96])  # expert 2's w1 (gate)
-    assert torch.equal(experts.w2_weight, hf_experts.down_proj)
+    assert torch.equal(w13[2, :96], hf_experts.gate_up_proj[2, :96])  # expert 2's w1 (gate)
+    assert torch.equal(w2, hf_experts.down_proj)
     b_params = dict(b.named_parameters())
     for name, param in a.named_parameters():  # oneDNN-packed weights compared in their plain form
         assert torch.equal(plain(param), plain(b_params[name])), name

@@ -58,9 +58,17 @@ def should_pack(layer: nn.Module) -> bool:
     return (
         isinstance(weight, torch.Tensor)
         and weight.dim() == 2
-        and weight.device.type == "cpu"
-        and not weight.is_mkldnn
         and not getattr(layer, "needs_plain_weight", False)
+        and packable(weight)
+    )
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """``weight`` is a plain float32 or bfloat16 CPU tensor that oneDNN multiplies natively
+    here, and packing is not turned off."""
+    return (
+        weight.device.type == "cpu"
+        and not weight.is_mkldnn
         and os.environ.get("VFRAME_ONEDNN_PACKED_WEIGHTS", "1") != "0"
         and (
             (weight.dtype == torch.bfloat16 and onednn_bf16_available())

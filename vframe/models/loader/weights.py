@@ -75,7 +75,8 @@ def process_weights_after_loading(model: nn.Module) -> None:
     Unquantized bfloat16 weights on the CPU are repacked for oneDNN
     (``vframe/quant/onednn_packed.py``) only in models that declare
     ``supports_packed_weights = True`` (they never read a linear layer's ``weight``
-    as a tensor, or mark such a layer ``needs_plain_weight``)."""
+    as a tensor, or mark such a layer ``needs_plain_weight``). MoE layers pack their experts
+    (``FusedMoE.process_weights_after_loading``): nothing outside them reads those."""
     plain = not getattr(model, "supports_packed_weights", False)
     for module in model.modules():
         method = getattr(module, "quant_method", None)
@@ -83,6 +84,8 @@ def process_weights_after_loading(model: nn.Module) -> None:
             if plain:
                 module.needs_plain_weight = True
             method.process_weights_after_loading(module)
+        elif callable(getattr(module, "process_weights_after_loading", None)):  # a layer that finishes its own
+            module.process_weights_after_loading()
 
 
 def _target(name: str, stacked_params: StackedParams) -> tuple[str, str | int | None]:
