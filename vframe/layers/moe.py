@@ -51,11 +51,13 @@ class FusedMoE(nn.Module):
     columns: the MLP's column/row split, expert by expert), and one all-reduce
     sums the ranks' outputs.
 
-    After loading, on a CPU that multiplies the weights' dtype in oneDNN,
+    After loading (in models that declare ``supports_packed_weights``, plugin API
+    1.14), on a CPU that multiplies the weights' dtype in oneDNN,
     ``process_weights_after_loading`` replaces the stacked parameters by each
     expert's matrices in oneDNN's packed layout (``w13_packed`` / ``w2_packed``,
-    ``vframe/quant/onednn_packed.py``): the same products bit for bit in bfloat16,
-    without ``torch.mm`` reordering the weight on every call. The tiny Mixtral of
+    ``vframe/quant/onednn_packed.py``; ``expert_weights()`` gives the plain form): the
+    same products bit for bit in bfloat16, without ``torch.mm`` reordering the weight on
+    every call. The tiny Mixtral of
     ``benchmarks/tiny_mixtral.py`` (8 experts, 512 x 1024, top 2), bfloat16, 2 threads,
     one layer's experts: 16 tokens 2.10 -> 1.12 ms, 64 tokens 3.78 -> 2.02 ms, 1,024
     18.7 -> 17.9 ms."""

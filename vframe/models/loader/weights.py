@@ -75,8 +75,8 @@ def process_weights_after_loading(model: nn.Module) -> None:
     Unquantized bfloat16 weights on the CPU are repacked for oneDNN
     (``vframe/quant/onednn_packed.py``) only in models that declare
     ``supports_packed_weights = True`` (they never read a linear layer's ``weight``
-    as a tensor, or mark such a layer ``needs_plain_weight``). MoE layers pack their experts
-    (``FusedMoE.process_weights_after_loading``): nothing outside them reads those."""
+    as a tensor, or mark such a layer ``needs_plain_weight``); in those models MoE layers
+    pack their experts too (``FusedMoE.process_weights_after_loading``, plugin API 1.14)."""
     plain = not getattr(model, "supports_packed_weights", False)
     for module in model.modules():
         method = getattr(module, "quant_method", None)
@@ -84,8 +84,8 @@ def process_weights_after_loading(model: nn.Module) -> None:
             if plain:
                 module.needs_plain_weight = True
             method.process_weights_after_loading(module)
-        elif callable(getattr(module, "process_weights_after_loading", None)):  # a layer that finishes its own
-            module.process_weights_after_loading()
+        elif not plain and callable(getattr(module, "process_weights_after_loading", None)):
+            module.process_weights_after_loading()  # a layer that packs its own weights (FusedMoE)
 
 
 def _target(name: str, stacked_params: StackedParams) -> tuple[str, str | int | None]:
