@@ -242,3 +242,28 @@ def test_argmax_equals_torch_s_argmax_ties_nan_and_inf_included() -> None:
         assert torch.equal(cpu_ops.argmax(logits), logits.argmax(-1))
     assert torch.ops.vframe_cpu_ops.argmax_rows(x)[:6].tolist() == [50, 0, 10, 99, 3, 96]
     assert torch.equal(cpu_ops.argmax(x.double()), x.double().argmax(-1))  # other dtypes: torch's own
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("pairs", "tokens", "hidden"), [(0, 3, 64), (1, 1, 8), (128, 64, 512), (37, 5, 100)])
+def test_moe_combine_sums_what_index_add_sums(dtype: torch.dtype, pairs: int, tokens: int, hidden: int) -> None:
+    """Bit for bit the expression FusedMoE used: each pair's row times its router weight in
+    float32, added to its token's row in pair order; tokens without pairs stay 0."""
+    assert cpu_ops.available()
+    generator = torch.Generator().manual_seed(pairs + hidden)
+    rows = torch.randn(pairs, hidden, generator=generator).to(dtype)
+    token_ids = torch.randint(0, tokens, (pairs,), generator=generator)  # repeats: several experts a token
+    weights = torch.rand(pairs, generator=generator)
+    want = torch.zeros(tokens, hidden).index_add_(0, token_ids, rows.float() * weights[:, None])
+    got = torch.ops.vframe_cpu_ops.moe_combine(rows, token_ids, weights, tokens)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(cpu_ops.moe_combine(rows, token_ids, weights, tokens), want)
+
+
+def test_moe_combine_refuses_a_token_id_out_of_range_by_name() -> None:
+    assert cpu_ops.available()
+    rows, weights = torch.ones(2, 4), torch.ones(2)
+    with pytest.raises(RuntimeError, match="moe_combine: token id 3 is not below 3"):
+        torch.ops.vframe_cpu_ops.moe_combine(rows, torch.tensor([0, 3]), weights, 3)
+    with pytest.raises(RuntimeError, match="moe_combine: weights must be float32"):
+        torch.ops.vframe_cpu_ops.moe_combine(rows, torch.tensor([0, 1]), weights.double(), 3)

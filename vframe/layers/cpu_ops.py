@@ -1,5 +1,5 @@
-"""Fused C++ RMSNorm, neox rotary embedding, KV-cache write, SwiGLU activation and the
-sampler's greedy argmax for CPU tensors (``csrc/cpu_ops.cpp``,
+"""Fused C++ RMSNorm, neox rotary embedding, KV-cache write, SwiGLU activation, the
+mixture-of-experts sum and the sampler's greedy argmax for CPU tensors (``csrc/cpu_ops.cpp``,
 built once per machine like ``cpu_paged``'s operators). A decode step of a small
 model is mostly these short elementwise chains between its matmuls: one operator
 each instead of eight to fourteen PyTorch calls, at every size: their loops convert
@@ -125,6 +125,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         return torch.ops.vframe_cpu_ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # in place: one [T, I] buffer less
+
+
+def moe_combine(rows: torch.Tensor, token_ids: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """A mixture-of-experts layer's output before its cast: ``acc [num_tokens, H]`` float32 with
+    ``acc.index_add_(0, token_ids, rows.float() * weights[:, None])`` (rows [S, H], the (token,
+    expert) pairs' expert outputs; token_ids [S] int64; weights [S] float32): one operator where
+    ``applies`` instead of five (the same sums, pair by pair in order), else that expression.
+    Zen 4, 2 threads, bfloat16 rows of 512: 128 pairs onto 64 tokens 43 -> 19 us, 8,192 pairs
+    onto 4,096 tokens (a prefill step's layer) 12.9 -> 0.56 ms (``index_add_`` adds row by row
+    on one thread)."""
+    if rows.dim() == 2 and rows.stride(1) == 1 and token_ids.dtype == torch.int64 and applies(rows):
+        return torch.ops.vframe_cpu_ops.moe_combine(rows, token_ids.contiguous(), weights.float().contiguous(), num_tokens)
+    acc = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
+    return acc.index_add_(0, token_ids, rows.float() * weights.float()[:, None])
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64

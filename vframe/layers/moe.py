@@ -143,9 +143,7 @@ class FusedMoE(nn.Module):
             out = _grouped_swiglu(x, self.w13_packed, self.w2_packed, counts, 2 * self.intermediate_size, _packed_mm)
         else:
             out = _grouped_swiglu(x, self.w13_weight, self.w2_weight, counts, 2 * self.intermediate_size, _mm)
-        weighted = out.float() * topk_weights.reshape(-1)[order, None]  # [T*K, H] float32
-        acc = torch.zeros(num_tokens, self.hidden_size, dtype=torch.float32, device=hidden_states.device)
-        acc.index_add_(0, token_ids, weighted)
+        acc = cpu_ops.moe_combine(out, token_ids, topk_weights.reshape(-1)[order], num_tokens)  # [T, H] float32
         return all_reduce(acc, self.tp_size).to(hidden_states.dtype)
 
     def process_weights_after_loading(self) -> None:

@@ -992,12 +992,11 @@ template <int NC>
 constexpr int kValueRows = NC <= 4 ? 6 : NC <= 6 ? 4 : NC <= 8 ? 2 : 1;  // accumulators fit the 32 registers
 
 #if defined(__AVX512BF16__)
-// The values pass for a bfloat16 cache and bfloat16 queries: probabilities rounded to
-// bfloat16 (PyTorch's bfloat16 SDPA on the CPU rounds its exponentials so before its values
-// product) and paired over
-// consecutive keys, so that vdpbf16ps adds two keys' products a lane: half tile_values'
-// instructions. Zen 4, 2 threads, the offline workload's 4,096-token prefill steps: a
-// layer's attention 10.1 -> 7.9 ms.
+// The values pass for a bfloat16 cache and bfloat16 queries: the probabilities rounded to
+// bfloat16 (PyTorch's bfloat16 SDPA on the CPU rounds its exponentials before its values
+// product too) and paired over consecutive keys, so that vdpbf16ps adds two keys' products
+// a lane: half tile_values' instructions. Zen 4, 2 threads, the offline workload's
+// 4,096-token prefill steps: a layer's attention 10.1 -> 7.9 ms.
 //
 // pp[t / 2][r] = (p[t][r], p[t + 1][r]) as bfloat16 (0 past nkeys), written over st in place:
 // row t / 2 <= t, and rows t and t + 1 are read before it is written.
