@@ -94,17 +94,12 @@ inline int64_t window_start(int64_t n, int64_t sliding_window) {
 
 // Asks for the cache lines of one slot ahead of use: blocks lie anywhere in the
 // cache, so the hardware prefetcher cannot follow a request from block to block.
-template <typename T>
+// Locality 3 (prefetcht0, the default): into L1, for data wanted next; 2 (prefetcht1): into
+// L2, for data wanted a while later.
+template <int Locality = 3, typename T>
 inline void prefetch_slot(const T* slot, int64_t slot_size) {
   const char* p = reinterpret_cast<const char*>(slot);
-  for (int64_t off = 0; off < slot_size * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
-}
-
-// As prefetch_slot, into L2 (prefetcht1): for data wanted a while later, not next.
-template <typename T>
-inline void prefetch_slot_l2(const T* slot, int64_t slot_size) {
-  const char* p = reinterpret_cast<const char*>(slot);
-  for (int64_t off = 0; off < slot_size * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+  for (int64_t off = 0; off < slot_size * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, Locality);
 }
 
 constexpr int64_t kPrefetchDistance = 4;  // slots
@@ -351,8 +346,8 @@ void attend_request_avx512(
   // and for the keys two chunks ahead. SmolLM2 bf16, 64 requests of 300 tokens, a layer
   // inside a decode step: 1.29-1.61 -> 1.00-1.06 ms (0.45 with the cache in L2).
   auto prefetch_ahead = [&](int64_t t0, int64_t nt) {
-    for (int64_t t = t0 + 32; t < std::min(t0 + 48, seq_len); ++t) prefetch_slot_l2(slot_at(k_cache, t), num_kv_heads * D);
-    for (int64_t t = t0; t < t0 + nt; ++t) prefetch_slot_l2(slot_at(v_cache, t), num_kv_heads * D);
+    for (int64_t t = t0 + 32; t < std::min(t0 + 48, seq_len); ++t) prefetch_slot<2>(slot_at(k_cache, t), num_kv_heads * D);
+    for (int64_t t = t0; t < t0 + nt; ++t) prefetch_slot<2>(slot_at(v_cache, t), num_kv_heads * D);
   };
   // pass 1: scores
   for (int64_t t0 = start; t0 < seq_len; t0 += 16) {
@@ -402,7 +397,7 @@ void attend_request_avx512(
     const int64_t nt = std::min<int64_t>(16, seq_len - t0);
     for (const int64_t end = std::min(upcoming_len, upcoming_done + upcoming_per_chunk); upcoming_done < end;
          ++upcoming_done)
-      prefetch_slot_l2(upcoming_k + upcoming_slots[upcoming_done] * slot_size, num_kv_heads * D);
+      prefetch_slot<2>(upcoming_k + upcoming_slots[upcoming_done] * slot_size, num_kv_heads * D);
     chunk_slots(v_cache, t0, nt);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += 4) {
@@ -692,9 +687,10 @@ void decode_attention(
   // The vector paths' tasks: one per (request, kv_per_task KV heads from h0), longest request
   // first; each loads its query heads (scaled for the cache's loads) and looks the request's
   // slots up in the block table once (fill_slots); attend(r, h0, start, seq_len, q, scores,
-  // slots, acc, upcoming) fills acc [heads, D], which goes to out's row r. upcoming: the
-  // task the thread runs next (its KV heads' offset and slots; none: len 0).
-  [[maybe_unused]] const auto run_tasks = [&](int64_t kv_per_task, const auto& attend) {
+  // slots, acc, upcoming) fills acc [heads, D], which goes to out's row r. upcoming: with
+  // ask_ahead, the task the thread runs next (its KV heads' offset and slots), claimed before
+  // this one starts; else none (len 0), and each thread claims a task when it is free.
+  [[maybe_unused]] const auto run_tasks = [&](int64_t kv_per_task, auto ask_ahead, const auto& attend) {
     const int64_t tasks_per_request = num_kv_heads / kv_per_task;
     auto seq_len_of = [&](int64_t task) { return static_cast<int64_t>(lens[reqs[task / tasks_per_request]]); };
     const auto task_slots = [&](int64_t task, std::vector<int64_t>& slots) {
@@ -707,8 +703,9 @@ void decode_attention(
       const int64_t heads = kv_per_task * group;  // query heads per task
       std::vector<float> q(heads * D), acc(heads * D), scores;
       std::vector<int64_t> slots, upcoming_slots;
-      return [&, heads, q = std::move(q), acc = std::move(acc), scores = std::move(scores), slots = std::move(slots),
-              upcoming_slots = std::move(upcoming_slots)](int64_t task, int64_t upcoming) mutable {
+      auto body = [&, heads, q = std::move(q), acc = std::move(acc), scores = std::move(scores),
+                   slots = std::move(slots),
+                   upcoming_slots = std::move(upcoming_slots)](int64_t task, int64_t upcoming) mutable {
         const int64_t i = task / tasks_per_request, h0 = task % tasks_per_request * kv_per_task;
         const int64_t r = rows[i];
         const Upcoming up = upcoming >= 0 ? task_slots(upcoming, upcoming_slots) : Upcoming{};
@@ -720,6 +717,11 @@ void decode_attention(
         attend(r, h0, start, seq_len, q.data(), scores.data(), now.slots, acc.data(), up);
         store_outputs(r, h0 * group, heads, acc.data());
       };
+      if constexpr (decltype(ask_ahead)::value) {
+        return body;  // run_longest_first tells it the thread's next task
+      } else {
+        return [body = std::move(body)](int64_t task) mutable { body(task, -1); };
+      }
     });
   };
 
@@ -730,8 +732,8 @@ void decode_attention(
       // spread over the threads. Many: one task per request, each slot read once.
       const bool per_request = num_heads <= kMaxHeads8 && n >= 4 * at::get_num_threads();
       const int64_t kv_per_task = per_request ? num_kv_heads : 1;
-      run_tasks(kv_per_task, [&](int64_t, int64_t h0, int64_t start, int64_t seq_len, const float* q, float* scores,
-                                 const int64_t* slots, float* acc, const Upcoming&) {
+      run_tasks(kv_per_task, std::false_type{}, [&](int64_t, int64_t h0, int64_t start, int64_t seq_len, const float* q,
+                                                    float* scores, const int64_t* slots, float* acc, const Upcoming&) {
         attend_kv_heads_avx2<C, HD / 8>(h0, kv_per_task, num_kv_heads, group, q, k_ptr, v_ptr, slots,
                                         seq_len - start, scores, acc);
       });
@@ -747,8 +749,9 @@ void decode_attention(
       // spread over the threads.
       const int64_t threads = at::get_num_threads();
       const int64_t kv_per_task = n >= 4 * threads || n % threads == 0 ? num_kv_heads : 1;
-      run_tasks(kv_per_task, [&](int64_t r, int64_t h0, int64_t start, int64_t seq_len, const float* q, float* scores,
-                                 const int64_t* slots, float* acc, const Upcoming& up) {
+      // ask ahead: the values pass asks for the next task's keys
+      run_tasks(kv_per_task, std::true_type{}, [&](int64_t r, int64_t h0, int64_t start, int64_t seq_len, const float* q,
+                                                   float* scores, const int64_t* slots, float* acc, const Upcoming& up) {
         const c10::BFloat16* qb = nullptr;  // bfloat16 queries as they are, where bf16_scores takes them
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && HD % 32 == 0) {
