@@ -140,9 +140,9 @@ class FusedMoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.num_experts)  # [E]
         x = hidden_states[token_ids]  # [T*K, H], grouped by expert
         if self.w13_packed is not None:
-            out = _grouped_swiglu(x, self.w13_packed, self.w2_packed, counts, 2 * self.intermediate_size, _packed_mm)
+            out = _grouped_swiglu(x, self.w13_packed, self.w2_packed, counts, _packed_mm)  # [T*K, H]
         else:
-            out = _grouped_swiglu(x, self.w13_weight, self.w2_weight, counts, 2 * self.intermediate_size, _mm)
+            out = _grouped_swiglu(x, self.w13_weight, self.w2_weight, counts, _mm)
         acc = cpu_ops.moe_combine(out, token_ids, topk_weights.reshape(-1)[order], num_tokens)  # [T, H] float32
         return all_reduce(acc, self.tp_size).to(hidden_states.dtype)
 
@@ -190,7 +190,6 @@ def _grouped_swiglu(
     w13: Sequence[torch.Tensor],  # E x [2I, H]: stacked, or packed one by one
     w2: Sequence[torch.Tensor],  # E x [H, I]
     counts: torch.Tensor,  # [E] rows of each expert
-    gate_up_width: int,  # 2I
     mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],  # mm(x, weight, out): out = x weight^T
 ) -> torch.Tensor:  # [S, H]
     """Each expert's SwiGLU MLP over its segment of rows: one matrix product per
@@ -199,7 +198,7 @@ def _grouped_swiglu(
     visit the experts without rows; see ``benchmarks/moe_layer.py``."""
     starts = (counts.cumsum(0) - counts).tolist()
     segments = [(e, start, start + n) for e, (start, n) in enumerate(zip(starts, counts.tolist())) if n]
-    gate_up = torch.empty(x.shape[0], gate_up_width, dtype=x.dtype, device=x.device)  # [S, 2I]
+    gate_up = torch.empty(x.shape[0], w13[0].shape[0], dtype=x.dtype, device=x.device)  # [S, 2I]
     for e, start, end in segments:
         mm(x[start:end], w13[e], gate_up[start:end])
     act = cpu_ops.silu_and_mul(gate_up)  # [S, I]

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from vframe.core.async_engine import AsyncLLMEngine
 from vframe.core.config import EngineConfig
 from vframe.core.engine import EMBEDDED_MODEL_NAME, LLMEngine
-from vframe.core.worker.model_runner import cpu_has_fast_bf16, resolve_device
+from vframe.core.worker.model_runner import default_dtype_name, resolve_device
 from vframe.entrypoints.openai.chat import create_chat_completion
 from vframe.entrypoints.openai.completions import create_completion
 from vframe.entrypoints.openai.responses import ResponsesRequest, create_response
@@ -287,8 +287,8 @@ def apply_server_defaults(config: EngineConfig) -> EngineConfig:
         and scheduler.enable_chunked_prefill
         and resolve_device(config.device.device).type == "cpu"
     ):
-        dtype = config.model.dtype
-        bf16 = dtype == "bfloat16" or (dtype == "auto" and cpu_has_fast_bf16())
+        dtype = config.model.dtype if config.model.dtype != "auto" else default_dtype_name("cpu")
+        bf16 = dtype == "bfloat16"
         scheduler.max_num_batched_tokens = SERVER_CPU_TOKEN_BUDGET_BF16 if bf16 else SERVER_CPU_TOKEN_BUDGET
     return config
 
