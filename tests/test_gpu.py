@@ -88,3 +88,37 @@ def test_smollm2_on_cuda_matches_transformers(backend: str, block_size: int, dty
         None, SMOLLM2_PROMPTS, max_tokens=32, dtype=dtype, device="cuda", attention_backend=backend,
         block_size=block_size,
     )  # fmt: skip
+
+
+def test_cuda_graphs_replay_decode_steps_as_eager_steps_run_them(tiny_llama):
+    """Decode steps replay captured graphs (padded batches of 11 requests that finish at
+    different lengths) and give the tokens of eager steps, which give transformers'."""
+    path, ref = tiny_llama
+    prompts = [[(13 * i + j) % 500 + 1 for j in range(3 + 7 * i)] for i in range(11)]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(11)]
+
+    def greedy(**kwargs):
+        llm = LLM(model=str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, attention_backend="triton",
+                  max_num_seqs=16, **kwargs)
+        outs = llm.generate(requests, params, use_tqdm=False)
+        return llm.llm_engine.model_runner, [o.outputs[0].token_ids for o in outs]
+
+    runner, graphed = greedy()
+    assert runner.decode_graphs is not None and runner.decode_graphs.sizes == [1, 2, 4, 8, 16]
+    eager_runner, eager = greedy(enforce_eager=True)
+    assert eager_runner.decode_graphs is None
+    assert graphed == eager
+    ref = ref.to(torch.float32)
+    for prompt, p, tokens in zip(prompts, params, graphed):
+        expected = ref.generate(
+            torch.tensor([prompt], device="cuda"), max_new_tokens=p.max_tokens, min_new_tokens=p.max_tokens,
+            do_sample=False,
+        )[0, len(prompt):].tolist()
+        assert tokens == expected
+
+
+def test_backends_without_graph_support_run_eagerly(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(model=str(path), device="cuda", skip_tokenizer_init=True, attention_backend="torch")
+    assert llm.llm_engine.model_runner.decode_graphs is None

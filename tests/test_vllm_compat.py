@@ -251,6 +251,10 @@ def test_flexible_argument_parser_is_where_vllm_has_it():
         ({"compilation_config": 0}, "device", "compilation_config", 0),
         ({"compilation_config": {}}, "device", "compilation_config", {}),
         ({"compilation_config": {"level": 0}}, "device", "compilation_config", {"level": 0}),
+        (
+            {"compilation_config": {"cudagraph_capture_sizes": [1, 8], "max_cudagraph_capture_size": 8}},
+            "device", "compilation_config", {"cudagraph_capture_sizes": [1, 8], "max_cudagraph_capture_size": 8},
+        ),
         ({"disable_log_stats": True}, "observability", "disable_log_stats", True),
         ({"disable_custom_all_reduce": True}, "parallel", "disable_custom_all_reduce", True),
         ({"tokenizer_mode": "slow"}, "model", "tokenizer_mode", "slow"),
@@ -315,13 +319,27 @@ def test_vllm_keywords_are_accepted(kwargs, section, field, stored):
         ),
         (
             {"compilation_config": 3},
-            "compilation_config=3 is not supported: vframe runs the model eagerly and compiles nothing; "
+            "compilation_config=3 is not supported: vframe compiles nothing with torch.compile; "
             "use None, {}, 0 or {'level': 0}",
         ),
         (
             {"compilation_config": {"level": 3}},
-            "compilation_config={'level': 3} is not supported: vframe runs the model eagerly and compiles "
-            "nothing; use None, {}, 0 or {'level': 0}",
+            "compilation_config={'level': 3} is not supported: vframe compiles nothing with torch.compile; "
+            "use level / mode 0",
+        ),
+        (
+            {"compilation_config": {"cudagraph_mode": "PIECEWISE"}},
+            "compilation_config cudagraph_mode='PIECEWISE' is not supported: vframe captures whole decode "
+            "steps (FULL_DECODE_ONLY) or nothing (NONE)",
+        ),
+        (
+            {"compilation_config": {"custom_ops": ["none"]}},
+            "compilation_config keys ['custom_ops'] are not supported; vframe knows level, mode, cudagraph_mode, "
+            "cudagraph_capture_sizes, max_cudagraph_capture_size",
+        ),
+        (
+            {"compilation_config": {"cudagraph_capture_sizes": [1, 0]}},
+            "compilation_config cudagraph_capture_sizes=[1, 0]: use a list of positive ints",
         ),
         (
             {"mm_processor_kwargs": {"num_crops": 4}},

@@ -293,22 +293,68 @@ class DeviceSection(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when visible, else cpu")
     model_runner: str = Field("default", description="model runner registry name")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
-    enforce_eager: bool = Field(False, description="accepted, no effect: vframe always runs eagerly (no CUDA graphs)")
+    enforce_eager: bool = Field(
+        False,
+        description="run every step eagerly; off: on CUDA, decode steps replay CUDA graphs captured at start-up "
+        "(models and attention backends that declare supports_cuda_graphs)",
+    )
     compilation_config: int | dict[str, Any] | None = Field(
         None,
-        description="only None, {}, 0 or {'level': 0}: vframe compiles nothing (no torch.compile, no CUDA graphs)",
+        description="vLLM's compilation settings that vframe has: level / mode 0 (vframe compiles nothing with "
+        "torch.compile), cudagraph_mode NONE or FULL_DECODE_ONLY (what vframe captures), "
+        "cudagraph_capture_sizes (decode batch sizes to capture), max_cudagraph_capture_size",
     )
 
     @field_validator("compilation_config")
     @classmethod
-    def _no_compilation(cls, v: int | dict[str, Any] | None) -> int | dict[str, Any] | None:
-        # vLLM's level / mode 0 means "no compilation": the only one vframe has.
-        if v and not (isinstance(v, dict) and set(v) <= {"level", "mode"} and not any(v.values())):
+    def _known_compilation(cls, v: int | dict[str, Any] | None) -> int | dict[str, Any] | None:
+        # vLLM's level / mode 0 means "no torch.compile": the only one vframe has.
+        if isinstance(v, int) or v is None:
+            if v:
+                raise ValueError(
+                    f"compilation_config={v!r} is not supported: vframe compiles nothing with torch.compile; "
+                    "use None, {}, 0 or {'level': 0}"
+                )
+            return v
+        unknown = set(v) - set(_COMPILATION_KEYS)
+        if unknown:
             raise ValueError(
-                f"compilation_config={v!r} is not supported: vframe runs the model eagerly and compiles "
-                "nothing; use None, {}, 0 or {'level': 0}"
+                f"compilation_config keys {sorted(unknown)} are not supported; vframe knows "
+                + ", ".join(_COMPILATION_KEYS)
             )
+        if v.get("level") or v.get("mode"):
+            raise ValueError(
+                f"compilation_config={v!r} is not supported: vframe compiles nothing with torch.compile; "
+                "use level / mode 0"
+            )
+        mode = v.get("cudagraph_mode")
+        if mode is not None and str(mode).upper() not in ("NONE", "FULL_DECODE_ONLY"):
+            raise ValueError(
+                f"compilation_config cudagraph_mode={mode!r} is not supported: vframe captures whole decode "
+                "steps (FULL_DECODE_ONLY) or nothing (NONE)"
+            )
+        sizes = v.get("cudagraph_capture_sizes")
+        if sizes is not None and (
+            not isinstance(sizes, list | tuple) or not all(isinstance(n, int) and n >= 1 for n in sizes)
+        ):
+            raise ValueError(f"compilation_config cudagraph_capture_sizes={sizes!r}: use a list of positive ints")
+        top = v.get("max_cudagraph_capture_size")
+        if top is not None and (not isinstance(top, int) or top < 0):
+            raise ValueError(f"compilation_config max_cudagraph_capture_size={top!r}: use an int >= 0")
         return v
+
+    def cuda_graph_options(self) -> dict[str, Any]:
+        """``compilation_config``'s CUDA graph settings: ``cudagraph_capture_sizes`` and
+        ``max_cudagraph_capture_size`` where given; ``cudagraph_mode`` NONE or
+        ``max_cudagraph_capture_size`` 0 as ``cudagraph_capture_sizes=[]`` (capture nothing)."""
+        v = self.compilation_config if isinstance(self.compilation_config, dict) else {}
+        options = {k: v[k] for k in ("cudagraph_capture_sizes", "max_cudagraph_capture_size") if v.get(k) is not None}
+        if str(v.get("cudagraph_mode", "")).upper() == "NONE" or options.get("max_cudagraph_capture_size") == 0:
+            options["cudagraph_capture_sizes"] = []
+        return options
+
+
+_COMPILATION_KEYS = ("level", "mode", "cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size")
 
 
 class AttentionSection(BaseModel):

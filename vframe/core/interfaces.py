@@ -226,6 +226,24 @@ class AttentionBackend(ABC):
     """A class of static answers about one attention implementation."""
 
     name: ClassVar[str]
+    supports_cuda_graphs: ClassVar[bool] = False
+    """Whether the model runner may capture this backend's decode steps in CUDA graphs
+    (plugin API 1.15; ``vframe/core/worker/cuda_graphs.py``). A backend that sets it
+    promises, for a step in which every request decodes one token:
+
+    - ``build(common)`` returns metadata that reads ``common``'s tensors in place (views,
+      no copies: the runner rewrites them before every replay); whatever else it holds
+      depends only on ``num_reqs`` (a decode step's ``query_start_loc`` is ``0..B``);
+    - ``forward`` only enqueues device work: no host synchronisation, no copy from host
+      memory, no size read from a tensor's values;
+    - what ``forward`` decides from ``max_seq_len`` (a split count) is right for every
+      step whose sequences are at most that long: the runner builds the metadata once
+      per graph with ``max_seq_len = max_model_len``;
+    - rows past the step's requests are ordinary one-token decodes (in a scratch block
+      the scheduler never hands out), so padding needs nothing of the backend.
+
+    The model class must declare ``supports_cuda_graphs`` too (its forward captures
+    as a whole)."""
 
     @staticmethod
     @abstractmethod

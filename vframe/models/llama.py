@@ -79,7 +79,7 @@ class RotaryEmbedding(nn.Module):
         """After loading (``vframe.layers.binding``): the fused operator and the table looked
         up once; ``enabled=False``: looked up on every call again."""
         self._bound = None
-        if not (enabled and cpu_ops.available()):
+        if not (enabled and self.cos_sin_cache.is_cpu and cpu_ops.available()):  # the operators are the CPU's
             return
         op, cos_sin, applies = cpu_ops.operator("rotary_neox_"), self.cos_sin_cache, cpu_ops.applies
         reference = self._reference
@@ -132,7 +132,7 @@ class RMSNorm(nn.Module):
         ``cpu_ops.applies`` asks of the weight's dtype looked up once; ``enabled=False``:
         on every call again."""
         self._bound = None
-        fused = cpu_ops.guard(self.weight.dtype) if enabled else None
+        fused = cpu_ops.guard(self.weight.dtype) if enabled and self.weight.is_cpu else None
         if fused is None:
             return
         op, weight, eps, reference = cpu_ops.operator("rms_norm"), self.weight, self.eps, self._reference
@@ -383,6 +383,7 @@ class LlamaForCausalLM(nn.Module):
     mlp_cls: type[nn.Module] = LlamaMLP  # MixtralSparseMoeBlock in vframe/models/mixtral.py
     supports_packed_weights = True  # no linear weight is read as a tensor (vframe/quant/onednn_packed.py)
     supports_tensor_parallel = True  # heads, MLP columns and vocabulary split by rank (DESIGN.md §9)
+    supports_cuda_graphs = True  # a decode step's forward has no host sync (vframe/core/worker/cuda_graphs.py)
 
     def __init__(
         self,

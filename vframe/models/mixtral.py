@@ -61,6 +61,7 @@ class MixtralSparseMoeBlock(nn.Module):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     mlp_cls = MixtralSparseMoeBlock
+    supports_cuda_graphs = False  # the experts' routing sizes its work from the routed token counts
 
     def __init__(
         self,

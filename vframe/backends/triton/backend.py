@@ -153,6 +153,9 @@ class TritonAttentionImpl(AttentionImpl):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    # A decode step's metadata: views of the step's tensors plus program_req = 0..B-1 and
+    # program_q_off = 0, which depend on B alone; splits are chosen from max_seq_len.
+    supports_cuda_graphs = True
 
     @staticmethod
     def get_kv_cache_shape(

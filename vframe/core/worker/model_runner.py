@@ -37,6 +37,7 @@ from vframe.layers.parallel import broadcast_from_first, get_tp_size
 from vframe.plugins import get_registry
 
 if TYPE_CHECKING:
+    from vframe.core.worker.cuda_graphs import DecodeGraphs
     from vframe.lora.manager import LoRAManager
     from vframe.lora.request import LoRARequest
 
@@ -143,6 +144,7 @@ class TorchModelRunner(ModelRunner):
         self._profiler: torch.profiler.profile | None = None
         # Debug mode (cache.debug_verify_kv_tokens): the token id behind every KV slot.
         self.kv_token_check: KVTokenCheck | None = None
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps, once captured
 
     def set_plugin_context(self, context: PluginContext) -> None:
         if self._sampler_cls is not None:
@@ -183,9 +185,9 @@ class TorchModelRunner(ModelRunner):
             quantization, self.hf_config, dtype=self.dtype, device=self.device, quant_kernel=quant_kernel
         )
         self.model = load_model(
-            self.resolved, model_cls, self.attn_backend, self.dtype, quant_config=self.quant_config,
+            self.resolved, model_cls, self.attn_backend, self.dtype, self.device, quant_config=self.quant_config,
             hf_overrides=hf_overrides,
-        ).to(self.device)
+        )
         self.model.eval()
         if self.config.lora.enable_lora:
             self.lora_manager = self._build_lora_manager()
@@ -351,12 +353,64 @@ class TorchModelRunner(ModelRunner):
         # 0 * NaN: the cache must start finite. On CPU, buffers this large come
         # from fresh, kernel-zeroed mmap pages, so `empty` is zero without paying
         # to write gigabytes at start-up; elsewhere zero it explicitly.
+        graph_sizes = self._decode_graph_sizes()
+        # With CUDA graphs, one block more than the scheduler knows: the padding rows'
+        # scratch block (vframe/core/worker/cuda_graphs.py).
+        cache_blocks = num_blocks + 1 if graph_sizes else num_blocks
         self.kv_caches = []
-        for spec, shape in zip(self.kv_cache_specs(), self._kv_shapes(num_blocks), strict=True):
+        for spec, shape in zip(self.kv_cache_specs(), self._kv_shapes(cache_blocks), strict=True):
             alloc = torch.empty if self.device.type == "cpu" and _is_large(shape, spec.dtype) else torch.zeros
             self.kv_caches.append(alloc(shape, dtype=spec.dtype, device=self.device))
         if self.config.cache.debug_verify_kv_tokens:
             self.kv_token_check = KVTokenCheck(num_blocks * self.block_size)
+        if graph_sizes:
+            self._capture_decode_graphs(graph_sizes, scratch_block=num_blocks)
+
+    def _decode_graph_sizes(self) -> list[int]:
+        """The batch sizes of decode steps to capture in CUDA graphs; empty where this
+        runner runs every step eagerly (the reason logged)."""
+        from vframe.core.worker.cuda_graphs import capture_sizes
+
+        reason = None
+        if self.device.type != "cuda":
+            return []
+        if self.config.device.enforce_eager:
+            reason = "enforce_eager=True"
+        elif not getattr(self.model, "supports_cuda_graphs", False):
+            reason = f"the model class {type(self.model).__qualname__} does not declare supports_cuda_graphs"
+        elif not getattr(self.attn_backend, "supports_cuda_graphs", False):
+            reason = f"the {self.attn_backend.name} attention backend does not declare supports_cuda_graphs"
+        elif self.lora_manager is not None:
+            reason = "LoRA adapters are enabled"
+        elif get_tp_size() > 1:
+            reason = "the model is split over tensor-parallel ranks"
+        if reason is not None:
+            logger.info("decode steps run without CUDA graphs: %s", reason)
+            return []
+        options = self.config.device.cuda_graph_options()
+        return capture_sizes(
+            self.config.scheduler.max_num_seqs, options.get("cudagraph_capture_sizes"),
+            options.get("max_cudagraph_capture_size"),
+        )
+
+    def _capture_decode_graphs(self, sizes: list[int], scratch_block: int) -> None:
+        from vframe.core.worker.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(
+            self.model, self.attn_metadata_builder, self.kv_caches, sizes=sizes,
+            max_model_len=self.config.model.max_model_len or self.max_position_embeddings,
+            block_size=self.block_size, scratch_block=scratch_block, device=self.device,
+        )  # fmt: skip
+        try:
+            seconds = graphs.capture()
+        except Exception as e:  # noqa: BLE001 - a model or kernel that cannot be captured runs eagerly
+            logger.warning("capturing CUDA graphs failed, decode steps run eagerly: %s: %s", type(e).__name__, e)
+            return
+        self.decode_graphs = graphs
+        logger.info(
+            "captured CUDA graphs of decode steps for %d batch sizes (1 to %d) in %.1f s",
+            len(sizes), sizes[-1], seconds,
+        )
 
     # ------------------------------------------------------------------ #
 
@@ -403,8 +457,12 @@ class TorchModelRunner(ModelRunner):
             self.kv_token_check.verify_and_record(inputs, batch)
         if self.lora_manager is not None:
             self.lora_manager.prepare_step(batch.lora_segments(inputs))
-        attn_metadata = self.attn_metadata_builder.build(inputs.common)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_metadata)  # [T, E]
+        hidden = None  # [T, E]
+        if self.decode_graphs is not None:  # a step of decodes replays a captured graph
+            hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.common)
+        if hidden is None:
+            attn_metadata = self.attn_metadata_builder.build(inputs.common)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_metadata)
         prompt_logprobs = {}
         if prompt_rows := batch.prompt_logprobs_rows(inputs):  # only requests that ask
             prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)

@@ -133,8 +133,10 @@ def load_model(
 ) -> nn.Module:
     """Build ``model_cls(hf_config, attn_backend, dtype[, quant_config=...])`` on
     ``device``, load every parameter, then let each layer's quantization method
-    finish its weights. ``quant_config=None`` runs unquantized, and a model class
-    that does not take ``quant_config`` (plugin API < 1.2) can only run so.
+    finish its weights and bind the layers, on ``device``: the model must not be moved
+    afterwards (its bound layers would keep the old tensors). ``quant_config=None``
+    runs unquantized, and a model class that does not take ``quant_config`` (plugin
+    API < 1.2) can only run so.
     ``hf_overrides`` replace fields of ``config.json`` (see ``load_hf_config``)."""
     hf_config = load_hf_config(resolved, hf_overrides)
     kwargs: dict[str, Any] = {}
@@ -152,6 +154,10 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{resolved.source}: the checkpoint has no weights for {shown}")
+    # Whatever the model made on the host (tables built with numpy, a loader's CPU copy)
+    # moves now: processing decides by the weights' device (no oneDNN packing on a GPU),
+    # and bound layers keep the tensors they were bound to.
+    model.to(device)
     process_weights_after_loading(model)
     bind_model(model)
     if quant_config is None:
