@@ -91,6 +91,14 @@ class PagedKVCacheManager(KVCacheManager):
     ) -> list[int] | None:
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+        if not new_computed_blocks and (known := self.req_to_blocks.get(request.request_id)) is not None:
+            # A decode, mostly: room left in its last block and no block filled by known
+            # tokens, so nothing to allocate and nothing pending (what the rest would find).
+            start, bs = request.num_computed_tokens, self.block_size
+            end = start + num_new_tokens
+            fills_none = not self.enable_caching or start // bs >= min(end, request.num_tokens) // bs
+            if end <= len(known) * bs and fills_none:
+                return []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
@@ -114,7 +122,8 @@ class PagedKVCacheManager(KVCacheManager):
         return new_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        self._clear_pending(request.request_id)
+        if self.req_to_pending:
+            self._clear_pending(request.request_id)
         if self.enable_caching and request.request_id in self.req_to_blocks:
             self._cache_full_blocks(request, num_computed_tokens)
 

@@ -104,11 +104,13 @@ class InputBatch:
         req_idx = np.repeat(np.arange(len(req_ids)), num_sched)
         positions = np.arange(num_tokens) - query_start_loc[req_idx] + context_lens[req_idx]
 
-        input_ids = np.empty(num_tokens, np.int64)
-        for i, s in enumerate(states):
-            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = s.token_ids[
-                context_lens[i] : seq_lens[i]
-            ]
+        if num_tokens == len(states):  # one token a request (decodes, mostly): no slices
+            tokens = (s.token_ids[c] for s, c in zip(states, context_lens.tolist()))
+            input_ids = np.fromiter(tokens, np.int64, num_tokens)
+        else:
+            input_ids = np.empty(num_tokens, np.int64)
+            for i, s in enumerate(states):
+                input_ids[query_start_loc[i] : query_start_loc[i + 1]] = s.token_ids[context_lens[i] : seq_lens[i]]
 
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((len(states), max_blocks), np.int64)  # [B, max_blocks]
