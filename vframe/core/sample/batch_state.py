@@ -67,6 +67,12 @@ class RequestSamplingState:
             or self.grammar is not None
             or self.logits_processors is not None
         )
+        # A greedy request that asks for nothing else: a batch of only these needs no
+        # per-row parameters (SamplingBatch.metadata's fast path).
+        self.plain_greedy = (
+            params.sampling_type == SamplingType.GREEDY and params.top_k <= 0 and params.top_p >= 1.0
+            and params.min_p <= 0.0 and params.logprobs is None and not self.needs_processing
+        )  # fmt: skip
 
     @property
     def num_output_tokens(self) -> int:
@@ -111,6 +117,11 @@ class SamplingBatch:
             state.penalty_row = None
 
     def metadata(self, states: list[RequestSamplingState], vocab_size: int) -> SamplingMetadata:
+        if all(s.plain_greedy for s in states):  # the common batch: no list, no host-to-device copy
+            ones = torch.ones(len(states), dtype=torch.float32, device=self.device)
+            md = SamplingMetadata(temperature=ones, greedy_mask=ones.bool(), all_greedy=True)
+            self._add_batch_processors(md, states)
+            return md
         params = [s.params for s in states]
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
         dev = self.device
@@ -134,11 +145,14 @@ class SamplingBatch:
         md.max_num_logprobs = max(asked) if asked else None
         if any(s.needs_processing for s in states):
             self._add_processing(md, states, vocab_size)
+        self._add_batch_processors(md, states)
+        return md
+
+    def _add_batch_processors(self, md: SamplingMetadata, states: list[RequestSamplingState]) -> None:
         if self.batch_processors is not None:
             self.batch_processors.update(states)
             md.batch_logits_processors = self.batch_processors.non_argmax_invariant
             md.argmax_invariant_logits_processors = self.batch_processors.argmax_invariant
-        return md
 
     def _replay_draws(self, state: RequestSamplingState, vocab_size: int) -> None:
         """Advance a re-admitted seeded request's generator past the draws it made
