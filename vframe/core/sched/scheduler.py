@@ -159,7 +159,9 @@ class DefaultScheduler(Scheduler):
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            num_new = self._num_new_tokens(request, budget)
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if num_new != 1:  # a decode (one token, within any budget left) needs no capping
+                num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 idx += 1
                 continue

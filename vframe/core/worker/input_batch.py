@@ -98,6 +98,7 @@ class InputBatch:
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
+        self.num_prompt_logprobs = 0  # requests known here that ask for prompt logprobs
         self.block_table = BlockTable()
         self.sampling = SamplingBatch(device, batch_processors)
 
@@ -107,17 +108,22 @@ class InputBatch:
         the step and returned with the reason; the others run."""
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             state = self.requests.pop(req_id, None)
+            self.block_table.remove(req_id)
             if state is not None:
                 self.sampling.remove(state.sampling)
-                self.block_table.remove(req_id)
+                self.num_prompt_logprobs -= state.sampling_params.prompt_logprobs is not None
         failed: dict[str, RequestError] = {}
         for new in so.scheduled_new_reqs:
+            if (known := self.requests.pop(new.req_id, None)) is not None:  # sent anew without leaving first
+                self.sampling.remove(known.sampling)
+                self.num_prompt_logprobs -= known.sampling_params.prompt_logprobs is not None
             try:
                 self.requests[new.req_id] = self._new_state(new)
             except Exception as e:  # noqa: BLE001 - user and plugin code runs in there
                 failed[new.req_id] = RequestError(f"setting up sampling failed: {type(e).__name__}: {e}")
                 continue
             self.block_table.add(new.req_id, self.requests[new.req_id].block_ids)
+            self.num_prompt_logprobs += new.sampling_params.prompt_logprobs is not None
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -222,7 +228,9 @@ class InputBatch:
         The hidden state at position ``p`` predicts prompt token ``p + 1``; the last
         prompt position predicts the first output token and is not a prompt logprob.
         A chunked prefill yields its positions chunk by chunk."""
-        found = []
+        found: list[tuple[str, int, list[int], list[int], int]] = []
+        if not self.num_prompt_logprobs:  # no request asks: no loop over the step's requests
+            return found
         for i, req_id in enumerate(inputs.req_ids):
             state = self.requests[req_id]
             if state.sampling_params.prompt_logprobs is None or state.num_output_tokens:
