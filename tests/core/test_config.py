@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from vframe.core.config import EngineConfig
 from vframe.errors import ConfigError
@@ -57,3 +58,54 @@ def test_auto_means_the_default_for_quantization_and_attention_backend():
     config = EngineConfig.from_sources(env={}, quantization="auto", attention_backend="auto")
     assert config.quantization.quantization is None
     assert config.attention.attention_backend is None
+
+
+def test_gpu_batch_defaults_are_vllms() -> None:
+    from vframe.core.config import gpu_batch_defaults
+
+    gib = 1 << 30
+    # (max_num_batched_tokens, max_num_seqs), offline then server
+    assert gpu_batch_defaults("NVIDIA H100 80GB HBM3", 80 * gib, server=False) == (16384, 1024)
+    assert gpu_batch_defaults("NVIDIA H100 80GB HBM3", 80 * gib, server=True) == (8192, 1024)
+    assert gpu_batch_defaults("NVIDIA H200", 141 * gib, server=False) == (16384, 1024)
+    assert gpu_batch_defaults("NVIDIA A100-SXM4-80GB", 80 * gib, server=False) == (8192, 256)
+    assert gpu_batch_defaults("NVIDIA A100-SXM4-80GB", 80 * gib, server=True) == (2048, 256)
+    assert gpu_batch_defaults("NVIDIA B200", 180 * gib, server=True) == (16384, 1024)
+    assert gpu_batch_defaults("NVIDIA L4", 24 * gib, server=False) == (8192, 256)
+
+
+def _engine_on(config, name: str, memory: int):
+    """What LLMEngine._apply_gpu_batch_defaults reads, for a runner on a GPU of this size."""
+    from types import SimpleNamespace
+
+    info = SimpleNamespace(device=torch.device("cuda", 0), device_name=name, device_memory=memory)
+    return SimpleNamespace(config=config, runner_info=info)
+
+
+def test_gpu_batch_defaults_fill_only_what_the_user_left_unset() -> None:
+    from vframe.core.engine import LLMEngine
+
+    h100 = ("NVIDIA H100 80GB HBM3", 80 << 30)
+    config = EngineConfig.from_sources()
+    LLMEngine._apply_gpu_batch_defaults(_engine_on(config, *h100))
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (1024, 16384)
+
+    config = EngineConfig.from_sources(max_num_seqs=64)
+    LLMEngine._apply_gpu_batch_defaults(_engine_on(config, *h100))
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (64, 16384)
+
+    config = EngineConfig.from_sources(max_num_batched_tokens=2048, enable_chunked_prefill=True)
+    config._usage = "server"
+    LLMEngine._apply_gpu_batch_defaults(_engine_on(config, *h100))
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (1024, 2048)
+
+    # without chunked prefill the engine's own rule (at least max_model_len) sets the budget later
+    config = EngineConfig.from_sources(enable_chunked_prefill=False)
+    LLMEngine._apply_gpu_batch_defaults(_engine_on(config, *h100))
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (1024, None)
+
+    config = EngineConfig.from_sources()  # the CPU: nothing changes
+    cpu = _engine_on(config, "", 0)
+    cpu.runner_info.device = torch.device("cpu")
+    LLMEngine._apply_gpu_batch_defaults(cpu)
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (256, None)

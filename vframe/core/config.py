@@ -26,6 +26,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -244,10 +245,14 @@ class SchedulerSection(BaseModel):
 
     scheduler: str = Field("default", description="scheduler registry name")
     kv_cache_manager: str = Field("default", description="KV cache manager registry name")
-    max_num_seqs: int = Field(256, ge=1, description="most requests running in one step")
+    max_num_seqs: int = Field(
+        256, ge=1, description="most requests running in one step (on a GPU left unset: vLLM's, 1024 on "
+        "70 GiB and more except A100s, else 256)"
+    )
     max_num_batched_tokens: int | None = Field(
         None, ge=1, description="token budget of one step (default 4096; for `vframe serve` on the CPU 2048 in "
-        "float32, 1024 in bfloat16 on a CPU with native bfloat16; at least max_model_len without chunking)"
+        "float32, 1024 in bfloat16 on a CPU with native bfloat16; on a GPU vLLM's: 16384 offline and 8192 for "
+        "the server on 70 GiB and more except A100s, else 8192 and 2048; at least max_model_len without chunking)"
     )
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
     long_prefill_token_threshold: int = Field(
@@ -352,6 +357,19 @@ class DeviceSection(BaseModel):
         if str(v.get("cudagraph_mode", "")).upper() == "NONE" or options.get("max_cudagraph_capture_size") == 0:
             options["cudagraph_capture_sizes"] = []
         return options
+
+
+def gpu_batch_defaults(device_name: str, device_memory: int, server: bool) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` on a GPU where the user set neither, as
+    vLLM chooses them: 160 GiB and more (B200): 16384 and 1024; 70 GiB and more, A100s
+    excepted (H100, H200): 16384 offline, 8192 for the server, and 1024; smaller GPUs:
+    8192 offline, 2048 for the server, and 256 (an A100 is slower with the larger budget)."""
+    gib = 1 << 30
+    if device_memory >= 160 * gib:
+        return 16384, 1024
+    if device_memory >= 70 * gib and "a100" not in device_name.lower():
+        return (8192 if server else 16384), 1024
+    return (2048 if server else 8192), 256
 
 
 _COMPILATION_KEYS = ("level", "mode", "cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size")
@@ -480,6 +498,9 @@ class EngineConfig(BaseModel):
     lora: LoRASection = LoRASection()
     observability: ObservabilitySection = ObservabilitySection()
     plugins: PluginSection = PluginSection()
+    # Who runs the engine, for the defaults that differ (gpu_batch_defaults): "offline"
+    # (LLM, the engine classes) or "server", which `vframe serve` sets.
+    _usage: Literal["offline", "server"] = PrivateAttr("offline")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> EngineConfig:

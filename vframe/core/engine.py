@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from vframe.core.config import EngineConfig
+from vframe.core.config import EngineConfig, gpu_batch_defaults
 from vframe.core.generation_defaults import load_generation_defaults
 from vframe.core.inputs import PROMPT_KEYS, PromptType
 from vframe.core.interfaces import Executor, KVCacheManager, ModelRunner, RunnerInfo, Scheduler
@@ -81,6 +81,7 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
+        self._apply_gpu_batch_defaults()
         # The rank-0 runner when it lives in this process; None when the ranks are workers.
         self.model_runner: ModelRunner | None = self.executor.driver_runner
         self.runner_type = _resolve_runner(config, self.runner_info)
@@ -187,6 +188,23 @@ class LLMEngine:
             return SamplingParams(**self.generation_defaults)
         except InvalidRequestError as e:
             raise ConfigError(f"generation_config={self.config.model.generation_config!r}: {e}") from None
+
+    def _apply_gpu_batch_defaults(self) -> None:
+        """On a GPU, vLLM's ``max_num_seqs`` and ``max_num_batched_tokens`` for its size
+        where the user set neither (``gpu_batch_defaults``); before the KV cache and the
+        CUDA graphs, which are sized by them. Chunked prefill off keeps its own budget rule."""
+        info, scheduler = self.runner_info, self.config.scheduler
+        if info.device.type != "cuda" or not info.device_memory:
+            return
+        tokens, seqs = gpu_batch_defaults(info.device_name, info.device_memory, self.config._usage == "server")
+        if "max_num_seqs" not in scheduler.model_fields_set:
+            scheduler.max_num_seqs = seqs
+        if scheduler.max_num_batched_tokens is None and scheduler.enable_chunked_prefill:
+            scheduler.max_num_batched_tokens = tokens
+        logger.info(
+            "GPU batch limits: max_num_seqs=%d, max_num_batched_tokens=%s (%s, %.0f GiB)",
+            scheduler.max_num_seqs, scheduler.max_num_batched_tokens, info.device_name, info.device_memory / 2**30,
+        )
 
     def _resolve_max_model_len(self) -> int:
         model_max = self.runner_info.max_position_embeddings

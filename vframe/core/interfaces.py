@@ -689,12 +689,21 @@ class RunnerInfo:
     device: torch.device
     dtype: torch.dtype
     uses_kv_cache: bool
+    # The GPU's name and memory in bytes (plugin API 1.15; "" and 0 off CUDA): what the
+    # engine's default batch limits on a GPU depend on (vframe.core.config.gpu_batch_defaults).
+    device_name: str = ""
+    device_memory: int = 0
 
     @classmethod
     def of(cls, runner: ModelRunner) -> RunnerInfo:
+        name, memory = "", 0
+        if runner.device.type == "cuda":
+            props = torch.cuda.get_device_properties(runner.device)
+            name, memory = props.name, props.total_memory
         return cls(
             runner.resolved, runner.hf_config, runner.vocab_size, runner.max_position_embeddings,
             runner.device, runner.dtype, getattr(getattr(runner, "model", None), "uses_kv_cache", True),
+            name, memory,
         )
 
 

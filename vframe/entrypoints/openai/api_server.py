@@ -280,7 +280,9 @@ def apply_server_defaults(config: EngineConfig) -> EngineConfig:
     (``dtype`` bfloat16, or auto there), where a step costs a third as much:
     ``SERVER_CPU_TOKEN_BUDGET_BF16`` (Zen 4, three runs against 2048: TTFT p50 1.2-1.5 s
     against 1.7-2.4, TPOT p50 51-60 against 45-50 ms, output within the runs' noise,
-    215-248 against 227-252 tok/s)."""
+    215-248 against 227-252 tok/s). On a GPU the engine takes vLLM's server defaults
+    (``vframe.core.config.gpu_batch_defaults``) once it knows the GPU."""
+    config._usage = "server"
     scheduler = config.scheduler
     if (
         scheduler.max_num_batched_tokens is None
