@@ -91,7 +91,8 @@ class PagedKVCacheManager(KVCacheManager):
     ) -> list[int] | None:
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
-        if not new_computed_blocks and (known := self.req_to_blocks.get(request.request_id)) is not None:
+        known = None if new_computed_blocks or num_new_computed_tokens else self.req_to_blocks.get(request.request_id)
+        if known is not None:
             # A decode, mostly: room left in its last block and no block filled by known
             # tokens, so nothing to allocate and nothing pending (what the rest would find).
             start, bs = request.num_computed_tokens, self.block_size

@@ -353,6 +353,7 @@ class TorchModelRunner(ModelRunner):
         # 0 * NaN: the cache must start finite. On CPU, buffers this large come
         # from fresh, kernel-zeroed mmap pages, so `empty` is zero without paying
         # to write gigabytes at start-up; elsewhere zero it explicitly.
+        self.decode_graphs = None  # graphs of an earlier cache would write into it
         graph_sizes = self._decode_graph_sizes()
         # With CUDA graphs, one block more than the scheduler knows: the padding rows'
         # scratch block (vframe/core/worker/cuda_graphs.py).
@@ -408,8 +409,8 @@ class TorchModelRunner(ModelRunner):
             return
         self.decode_graphs = graphs
         logger.info(
-            "captured CUDA graphs of decode steps for %d batch sizes (1 to %d) in %.1f s",
-            len(sizes), sizes[-1], seconds,
+            "captured CUDA graphs of decode steps for %d batch sizes (%d to %d) in %.1f s",
+            len(sizes), sizes[0], sizes[-1], seconds,
         )
 
     # ------------------------------------------------------------------ #
