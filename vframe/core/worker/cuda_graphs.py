@@ -176,7 +176,10 @@ class DecodeGraphs:
         """Replay the graph that holds the step, or None when none does (run it eagerly)."""
         num_reqs = common.num_reqs
         size = self.size_for(num_reqs)
-        if size is None or common.max_query_len != 1 or common.num_actual_tokens != num_reqs:
+        if (
+            size is None or common.max_query_len != 1 or common.num_actual_tokens != num_reqs
+            or common.block_table.shape[1] > self.block_table.shape[1]
+        ):  # fmt: skip
             return None
         self.input_ids[:num_reqs].copy_(input_ids)
         self.positions[:num_reqs].copy_(positions)
