@@ -113,10 +113,6 @@ class DecodeGraphs:
         self.capture_seconds: dict[int, float] = {}  # size -> its warm-up and capture
         self.pool: Any = None
 
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1]
-
     def _common(self, size: int) -> CommonAttentionMetadata:
         """The metadata of a decode step of ``size`` rows over the static buffers (views)."""
         return CommonAttentionMetadata(
