@@ -90,17 +90,22 @@ def test_smollm2_on_cuda_matches_transformers(backend: str, block_size: int, dty
     )  # fmt: skip
 
 
-def test_cuda_graphs_replay_decode_steps_as_eager_steps_run_them(tiny_llama):
+@pytest.mark.parametrize("backend, block_size, dtype", [("triton", 16, "float32"), ("flash_attn", 256, "bfloat16")])
+def test_cuda_graphs_replay_decode_steps_as_eager_steps_run_them(tiny_llama, backend, block_size, dtype):
     """Decode steps replay captured graphs (padded batches of 11 requests that finish at
-    different lengths) and give the tokens of eager steps, which give transformers'."""
+    different lengths) and give the tokens of eager steps, which (in float32) give transformers'."""
+    from vframe.plugins import get_registry
+
+    if reasons := get_registry("attention_backend").load(backend).check_available():
+        pytest.skip(f"attention backend {backend!r}: " + "; ".join(reasons))
     path, ref = tiny_llama
     prompts = [[(13 * i + j) % 500 + 1 for j in range(3 + 7 * i)] for i in range(11)]
     requests = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(11)]
 
     def greedy(**kwargs):
-        llm = LLM(model=str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, attention_backend="triton",
-                  max_num_seqs=16, **kwargs)
+        llm = LLM(model=str(path), device="cuda", dtype=dtype, skip_tokenizer_init=True, attention_backend=backend,
+                  block_size=block_size, max_num_seqs=16, **kwargs)
         outs = llm.generate(requests, params, use_tqdm=False)
         return llm.llm_engine.model_runner, [o.outputs[0].token_ids for o in outs]
 
@@ -109,6 +114,8 @@ def test_cuda_graphs_replay_decode_steps_as_eager_steps_run_them(tiny_llama):
     eager_runner, eager = greedy(enforce_eager=True)
     assert eager_runner.decode_graphs is None
     assert graphed == eager
+    if dtype != "float32":
+        return
     ref = ref.to(torch.float32)
     for prompt, p, tokens in zip(prompts, params, graphed):
         expected = ref.generate(

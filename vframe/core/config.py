@@ -301,12 +301,13 @@ class DeviceSection(BaseModel):
     enforce_eager: bool = Field(
         False,
         description="run every step eagerly; off: on CUDA, decode steps replay CUDA graphs captured at start-up "
-        "(models and attention backends that declare supports_cuda_graphs)",
+        "(models and attention backends that declare supports_cuda_graphs), and the flex attention backend "
+        "runs flex_attention compiled by torch.compile",
     )
     compilation_config: int | dict[str, Any] | None = Field(
         None,
-        description="vLLM's compilation settings that vframe has: level / mode 0 (vframe compiles nothing with "
-        "torch.compile), cudagraph_mode NONE or FULL_DECODE_ONLY (what vframe captures), "
+        description="vLLM's compilation settings that vframe has: level / mode 0 (vframe compiles no model "
+        "with torch.compile), cudagraph_mode NONE or FULL_DECODE_ONLY (what vframe captures), "
         "cudagraph_capture_sizes (decode batch sizes to capture), max_cudagraph_capture_size",
     )
 

@@ -152,7 +152,12 @@ class AttentionImpl(ABC):
         ``get_kv_cache_shape(num_blocks, block_size, KVH, D)``, in the model's
         dtype, zero-filled at start-up. ``attn_metadata``: what this backend's
         ``AttentionMetadataBuilder.build`` returned for the step, the same
-        object for every layer. Returns ``[T, H, D]``."""
+        object for every layer. Returns ``[T, H, D]``.
+
+        Nothing else in the cache is written, except that (plugin API 1.16) a
+        backend may set to zero the unwritten tail of a request's last block:
+        the slots past ``seq_lens[b]`` in the block holding its last token,
+        which no other request holds and only its later tokens fill."""
 
 
 class MLAAttentionImpl(ABC):
@@ -698,6 +703,8 @@ class RunnerInfo:
     def of(cls, runner: ModelRunner) -> RunnerInfo:
         name, memory = "", 0
         if runner.device.type == "cuda":
+            import torch  # interfaces imports torch for annotations only
+
             props = torch.cuda.get_device_properties(runner.device)
             name, memory = props.name, props.total_memory
         return cls(

@@ -135,6 +135,11 @@ class FlashAttentionImpl(AttentionImpl):
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash_attn"
+    # A decode step reads seq_lens and block_table (views of the step's tensors: already int32
+    # and contiguous) through flash_attn_with_kvcache, whose split count follows the block
+    # table's width (max_model_len / block_size in a graph). seq_start_loc, computed in build,
+    # serves prefills only, which never replay.
+    supports_cuda_graphs = True
 
     @staticmethod
     def get_kv_cache_shape(
