@@ -109,3 +109,26 @@ def test_gpu_batch_defaults_fill_only_what_the_user_left_unset() -> None:
     cpu.runner_info.device = torch.device("cpu")
     LLMEngine._apply_gpu_batch_defaults(cpu)
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (256, None)
+
+
+def test_runner_info_of_a_cuda_runner_reads_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # RunnerInfo.of runs at every engine start on CUDA; it once raised NameError there (no GPU in CI),
+    # so the one GPU query is stood in for here and the rest is the real code path.
+    from types import SimpleNamespace
+
+    from vframe.core.interfaces import RunnerInfo
+
+    asked = []
+
+    def properties(device):  # type: ignore[no-untyped-def]
+        asked.append(device)
+        return SimpleNamespace(name="NVIDIA H200", total_memory=141 << 30)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    runner = SimpleNamespace(
+        resolved=None, hf_config=None, vocab_size=512, max_position_embeddings=2048,
+        device=torch.device("cuda", 0), dtype=torch.bfloat16,
+    )  # fmt: skip
+    info = RunnerInfo.of(runner)
+    assert asked == [torch.device("cuda", 0)]
+    assert (info.device_name, info.device_memory, info.uses_kv_cache) == ("NVIDIA H200", 141 << 30, True)
