@@ -38,7 +38,7 @@ test-slow: $(STAMP)
 	$(VENV)/bin/pytest -q -m slow
 
 test-gpu: $(STAMP)
-	$(VENV)/bin/pytest -q -m gpu
+	$(VENV)/bin/pytest -q -m gpu -rfEs --durations=10
 
 # The whole reliability suite (tests/reliability/README.md): its quick part also runs
 # in `make test`; about 10 minutes on 2 cores, loopback only.

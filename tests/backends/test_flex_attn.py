@@ -17,7 +17,9 @@ from vframe.testing.attention import check_attention_backend
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)]  # bfloat16: ~25-60 s of compiles
+)
 def test_conforms_quick_compiled(dtype: torch.dtype) -> None:
     # NaN-filled unused slots, random block tables, GQA 4 and 3, MQA, cached prefixes, mixed steps;
     # compiled by inductor (each case's cache size is a new static key length: ~10 s of compiling each)

@@ -382,7 +382,7 @@ class FlexAttentionImpl(AttentionImpl):
         key: torch.Tensor,  # [T, KVH, D]
         value: torch.Tensor,  # [T, KVH, D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, KVH, D]
-        attn_metadata: Any,  # FlexAttentionMetadata (or CommonAttentionMetadata, planned here)
+        attn_metadata: Any,  # FlexPagedPlan (compiled), FlexAttentionMetadata (eager) or CommonAttentionMetadata
     ) -> torch.Tensor:  # [T, H, D]
         meta = attn_metadata
         if isinstance(meta, CommonAttentionMetadata):
