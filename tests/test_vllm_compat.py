@@ -319,12 +319,12 @@ def test_vllm_keywords_are_accepted(kwargs, section, field, stored):
         ),
         (
             {"compilation_config": 3},
-            "compilation_config=3 is not supported: vframe compiles nothing with torch.compile; "
+            "compilation_config=3 is not supported: vframe compiles no model with torch.compile; "
             "use None, {}, 0 or {'level': 0}",
         ),
         (
             {"compilation_config": {"level": 3}},
-            "compilation_config={'level': 3} is not supported: vframe compiles nothing with torch.compile; "
+            "compilation_config={'level': 3} is not supported: vframe compiles no model with torch.compile; "
             "use level / mode 0",
         ),
         (

@@ -318,7 +318,7 @@ class DeviceSection(BaseModel):
         if isinstance(v, int) or v is None:
             if v:
                 raise ValueError(
-                    f"compilation_config={v!r} is not supported: vframe compiles nothing with torch.compile; "
+                    f"compilation_config={v!r} is not supported: vframe compiles no model with torch.compile; "
                     "use None, {}, 0 or {'level': 0}"
                 )
             return v
@@ -330,7 +330,7 @@ class DeviceSection(BaseModel):
             )
         if v.get("level") or v.get("mode"):
             raise ValueError(
-                f"compilation_config={v!r} is not supported: vframe compiles nothing with torch.compile; "
+                f"compilation_config={v!r} is not supported: vframe compiles no model with torch.compile; "
                 "use level / mode 0"
             )
         mode = v.get("cudagraph_mode")
