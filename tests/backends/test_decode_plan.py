@@ -86,7 +86,8 @@ def test_the_plan_takes_the_decode_steps_and_computes_what_the_layers_do(
     ("kind", "settings", "max_tokens"),
     [
         ("dense", {}, sys.maxsize),
-        ("GGUF int4_cpu", {"quantization": "gguf"}, sys.maxsize),  # bfloat16's 4-bit default: torch's operator
+        # bfloat16's 4-bit default: torch's operator below int4_cpu.PREFILL_ROWS (128) rows
+        ("GGUF int4_cpu", {"quantization": "gguf"}, 127),
         ("GGUF woq_cpu", {"quantization": "gguf", "quant_kernel": "woq_cpu"}, 16),  # in place up to 16 rows
     ],
 )

@@ -69,8 +69,9 @@ def test_builtin_kernels_bind_to_their_buffers(kernel: str, weight_type: str, dt
     assert product is not None
     assert torch.equal(product(x), instance.apply(layer, x, bias))
     call = native_call(product)
-    # where apply's path changes (int4_cpu and int8_dynamic: one operator for every row count)
-    max_rows = None if kernel in ("int4_cpu", "int8_dynamic") else 32 if dtype == torch.float32 else 16
+    # where apply's path changes (int8_dynamic: one operator for every row count; int4_cpu: from
+    # PREFILL_ROWS rows it dequantizes for a bfloat16 GEMM)
+    max_rows = {"int8_dynamic": None, "int4_cpu": 127}.get(kernel, 32 if dtype == torch.float32 else 16)
     assert call is not None and call.max_rows == max_rows
     assert torch.equal(call(x), instance.apply(layer, x, bias))
 
@@ -367,3 +368,30 @@ def test_w8a8_in_one_call_equals_its_pytorch_spelling_bit_for_bit(tokens: int) -
     assert int(acc.abs().max()) > 1000  # sums large enough that a dropped or doubled product shows
     assert torch.equal(_woq_ops().int8_dynamic_mm(x, weight, w_scale), _scaled(acc.float(), x_scale, w_scale,
                                                                                torch.float32, None))
+
+
+@pytest.mark.parametrize("group", [32, 64, 256])
+def test_int4_cpu_prefills_multiply_the_dequantized_weight_and_decodes_call_torchs_kernel(group: int) -> None:
+    from vframe.quant import int4_cpu
+
+    g = torch.Generator().manual_seed(group)
+    out_features, in_features = 192, 512  # three blocks of 64 outputs in torch's packing
+    q = torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.int32)
+    weight = IntWeight(4, q, torch.rand(out_features, in_features // group, generator=g) / 8,
+                       torch.randn(out_features, in_features // group, generator=g) / 64, group)  # fmt: skip
+    packed, scales_and_zeros = int4_cpu.pack(weight, group)
+    exact = int4_cpu.unpack(packed, scales_and_zeros, group)  # float32, the kernel's own values
+    dequantized = int4_cpu._dequantizer()(packed, scales_and_zeros, group)
+    assert torch.equal(dequantized, exact.to(torch.bfloat16))
+    bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
+    for rows in (1, int4_cpu.PREFILL_ROWS - 1, int4_cpu.PREFILL_ROWS, 300):
+        x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+        got = int4_cpu.matmul(x, packed, scales_and_zeros, group, bias)
+        if rows < int4_cpu.PREFILL_ROWS:
+            want = torch._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros) + bias
+        else:
+            want = torch.nn.functional.linear(x, dequantized) + bias
+        assert torch.equal(got, want), rows
+        reference = x.float() @ exact.T + bias.float()  # both paths within bfloat16 rounding of it
+        tolerance = 2**-7 * reference.abs().max().item()  # outputs of up to ~30: a bfloat16 step is 0.125
+        torch.testing.assert_close(got.float(), reference, atol=tolerance, rtol=0)

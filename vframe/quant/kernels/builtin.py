@@ -497,9 +497,11 @@ class TorchInt4CpuKernel(_Permuted):
         weight, scales_and_zeros = self.get(layer, "weight"), self.get(layer, "scales_and_zeros")
         product = functools.partial(int4_cpu.matmul, weight=weight, scales_and_zeros=scales_and_zeros,
                                     kernel_group_size=self.kernel_group, bias=bias)
-        # On 2-D activations (a decode plan's) matmul is this one operator call, plus the bias.
+        # On 2-D activations of fewer than PREFILL_ROWS rows (a decode plan's) matmul is this one
+        # operator call, plus the bias; from there it dequantizes and runs a bfloat16 GEMM.
         return with_native(product, NativeCall(torch.ops.aten._weight_int4pack_mm_for_cpu.default,
-                                               (weight, self.kernel_group, scales_and_zeros), bias))
+                                               (weight, self.kernel_group, scales_and_zeros), bias,
+                                               int4_cpu.PREFILL_ROWS - 1))
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         w = int4_cpu.unpack(self.get(layer, "weight"), self.get(layer, "scales_and_zeros"), self.kernel_group)

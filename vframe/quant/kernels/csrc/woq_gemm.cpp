@@ -1198,6 +1198,42 @@ at::Tensor fp4_dequantize(const at::Tensor& q, const at::Tensor& scales, const a
 
 }  // namespace
 
+// torch's CPU int4 packing (torch._convert_weight_to_int4pack_for_cpu), dequantized for
+// prefills, where one bfloat16 GEMM over the dequantized weight beats torch's int4 kernel
+// (vframe/quant/int4_cpu.py). The [N, K / 2] bytes are [N / 64, K, 32]: byte (b, k, i)
+// holds input k of output 64 b + i in its low nibble and of output 64 b + 32 + i in its
+// high one. Scales and zeros are bfloat16 [K / group, N, 2]; in float32, as the kernel:
+//
+//   w[o, k] = (q[o, k] - 8) * scale[k / group, o] + zero[k / group, o]
+at::Tensor int4pack_dequantize(const at::Tensor& packed, const at::Tensor& scales_and_zeros, int64_t group) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(0) % 64 == 0,
+              "int4pack_dequantize: packed must be contiguous uint8 [N, K / 2] with N a multiple of 64");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  TORCH_CHECK(group > 0 && k % group == 0 && scales_and_zeros.scalar_type() == at::kBFloat16 &&
+                  scales_and_zeros.is_contiguous() && scales_and_zeros.dim() == 3 &&
+                  scales_and_zeros.size(0) == k / group && scales_and_zeros.size(1) == n && scales_and_zeros.size(2) == 2,
+              "int4pack_dequantize: scales_and_zeros must be bfloat16 [K / group, N, 2]");
+  const uint8_t* qp = packed.data_ptr<uint8_t>();
+  const at::BFloat16* sz = scales_and_zeros.data_ptr<at::BFloat16>();
+  at::Tensor w = at::empty({n, k}, packed.options().dtype(at::kBFloat16));
+  at::BFloat16* out = w.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const int64_t block = o / 64, lane = o % 32;
+      const int shift = (o % 64) < 32 ? 0 : 4;
+      const uint8_t* bytes = qp + block * k * 32 + lane;  // input i's byte: bytes[i * 32]
+      at::BFloat16* row = out + o * k;
+      for (int64_t g = 0; g < k / group; ++g) {
+        const float scale = static_cast<float>(sz[(g * n + o) * 2]), zero = static_cast<float>(sz[(g * n + o) * 2 + 1]);
+        for (int64_t i = g * group; i < (g + 1) * group; ++i)
+          row[i] = static_cast<at::BFloat16>(static_cast<float>(((bytes[i * 32] >> shift) & 15) - 8) * scale + zero);
+      }
+    }
+  });
+  return w;
+}
+
 TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("woq_gemm(Tensor x, Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("int8_dynamic_mm(Tensor x, Tensor weight, Tensor w_scale) -> Tensor");
@@ -1208,6 +1244,7 @@ TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("fp4_gemm(Tensor x, Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format, ScalarType out_dtype) -> Tensor");
   m.def("fp4_dequantize(Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format, ScalarType out_dtype) -> Tensor");
   m.def("woq_dequantize(Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
+  m.def("int4pack_dequantize(Tensor packed, Tensor scales_and_zeros, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
@@ -1220,4 +1257,5 @@ TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
   m.impl("fp4_gemm", &fp4_gemm);
   m.impl("fp4_dequantize", &fp4_dequantize);
   m.impl("woq_dequantize", &woq_dequantize);
+  m.impl("int4pack_dequantize", &int4pack_dequantize);
 }
