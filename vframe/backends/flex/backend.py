@@ -297,6 +297,7 @@ class FlexPagedPlan:
             index = torch.arange(self.table.shape[1], device=self.table.device).expand_as(self.table)
             logical = torch.zeros(num_blocks, dtype=torch.long, device=self.table.device)
             logical[self.table[self.held]] = index[self.held]
+            torch._dynamo.mark_static(logical)  # a mask_mod capture: static size
             self.logicals[num_blocks] = logical
         return self.logicals[num_blocks]
 
@@ -342,14 +343,17 @@ class FlexPagedPlan:
             q_len = torch.zeros(capacity, dtype=torch.long)
             q_start[: len(reqs)] = torch.tensor([seq_lens[r] - q_lens[r] for r in reqs])
             q_len[: len(reqs)] = torch.tensor([q_lens[r] for r in reqs])
+            q_start, q_len = q_start.to(device), q_len.to(device)
+            for t in (q_start, q_len):  # mask_mod captures: static sizes
+                torch._dynamo.mark_static(t)
             pick = torch.tensor(reqs, dtype=torch.long, device=device)
             calls.append(
                 _FlexCall(
                     rows=rows.to(device),
                     out_rows=out_rows.to(device),
                     out_index=out_index.to(device),
-                    q_start=q_start.to(device),
-                    q_len=q_len.to(device),
+                    q_start=q_start,
+                    q_len=q_len,
                     table=table.index_select(0, pick),
                     q_block=q_block,
                 )
@@ -422,11 +426,9 @@ class FlexAttentionImpl(AttentionImpl):
             v = kv_cache[1].view(1, num_blocks * bs, kvh, d).transpose(1, 2).expand(b, -1, -1, -1)
             qq = query.index_select(0, call.rows.flatten()).view(b, q, h, d).transpose(1, 2)
             block_mask = call.block_mask(self.sliding_window, num_blocks, bs, logical)
-            for t in (k, v):
+            for t in (k, v):  # new views each call; the captured tensors are marked where they are made
                 for dim in (1, 2, 3):
                     torch._dynamo.mark_static(t, dim)
-            for t in (call.q_start, call.q_len, logical):
-                torch._dynamo.mark_static(t)
             options = None
             if query.device.type == "cuda":
                 options = {"BLOCK_M": min(call.q_block, 64), "BLOCK_N": min(bs, 64), "FORCE_USE_FLEX_ATTENTION": True}

@@ -126,12 +126,8 @@ class PagedKVCacheManager(KVCacheManager):
         req_id = request.request_id
         if self.req_to_pending:
             self._clear_pending(req_id)
-        # Called for every scheduled request after every step: most fill no new block.
-        if not self.enable_caching or req_id not in self.req_to_blocks:
-            return
-        num_full = min(num_computed_tokens, len(request.all_token_ids)) // self.block_size
-        if num_full > self.num_cached_block.get(req_id, 0):
-            self._cache_full_blocks(request, num_computed_tokens)
+        if self.enable_caching and req_id in self.req_to_blocks:
+            self._cache_full_blocks(request, num_computed_tokens)  # returns at once when no block filled
 
     def is_being_computed(self, request: Request) -> bool:
         """Whether the request's first block that is not a hit is being computed,
