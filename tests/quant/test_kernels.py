@@ -183,12 +183,13 @@ def test_a_kernel_that_computes_wrong_fails_the_check() -> None:
         (spec(8, 32, activations=INT8_PER_BLOCK, dtype=torch.float32), "woq_cpu_a8"),
         (spec(4, 48, activations=INT8_PER_BLOCK), "reference"),  # a block of 32 would straddle two groups
         (spec(8, 128, weight_type=FP8_E4M3), "fp8_cpu"),  # FP8 weights: only kernels that name the form
-        (spec(8, 192, weight_type=FP8_E4M3, device=torch.device("cuda")), "reference"),
+        (spec(8, 192, weight_type=FP8_E4M3, device=torch.device("cuda")), "triton"),
         (spec(4, 16, weight_type=NVFP4, dtype=torch.float32), "fp4_cpu"),  # NVFP4: not woq_cpu's integers
         (spec(4, 32, weight_type=MXFP4), "fp4_cpu"),  # nor int4_cpu's
-        (spec(4, 16, weight_type=NVFP4, device=torch.device("cuda")), "reference"),
+        (spec(4, 16, weight_type=NVFP4, device=torch.device("cuda")), "triton"),
         (spec(4, 64, act_order=True, equal_groups=False), "reference"),  # q, k, v each in its own order
-        (spec(4, 64, device=torch.device("cuda")), "reference"),  # no GPU kernel is built in
+        (spec(4, 64, device=torch.device("cuda")), "triton"),  # the GPU's weight-only kernel
+        (spec(4, 32, activations=INT8_PER_BLOCK, device=torch.device("cuda")), "reference"),  # GGUF's int8 blocks
     ],
 )
 def test_the_highest_priority_kernel_that_can_run_a_layer_runs_it(kernel_spec: QuantLinearSpec, expected: str) -> None:
@@ -287,7 +288,7 @@ def test_a_registered_kernel_of_higher_priority_runs_every_layer_and_quant_kerne
 
 
 def test_an_unknown_quant_kernel_is_refused_naming_the_known_ones(gptq_llama: Path) -> None:
-    with pytest.raises(Exception, match=r"fp4_cpu, fp8_cpu, int4_cpu, int8_dynamic, reference, woq_cpu, woq_cpu_a8"):
+    with pytest.raises(Exception, match=r"fp4_cpu, fp8_cpu, int4_cpu, int8_dynamic, reference, triton, woq_cpu, woq_cpu_a8"):
         LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", quant_kernel="marlin")
 
 

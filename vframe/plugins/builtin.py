@@ -80,6 +80,7 @@ def vframe_register_quant_kernels(register: RegisterFn) -> None:
     register("fp8_cpu", "vframe.quant.kernels.builtin:Fp8CpuKernel")
     register("fp4_cpu", "vframe.quant.kernels.builtin:Fp4CpuKernel")
     register("int8_dynamic", "vframe.quant.kernels.builtin:Int8DynamicKernel")
+    register("triton", "vframe.quant.kernels.gpu:TritonKernel")
     register("reference", "vframe.quant.kernels.builtin:ReferenceKernel")
 
 

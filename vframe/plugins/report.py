@@ -50,7 +50,7 @@ def _unavailable_reasons(kind: str, name: str) -> list[str]:
     except PluginError as e:
         cause = e.__cause__
         return [f"{type(cause).__name__}: {cause}" if cause else str(e)]
-    if kind not in ("attention_backend", "structured_output"):
+    if kind not in ("attention_backend", "structured_output", "quant_kernel"):
         return []
     try:
         return list(cls.check_available())

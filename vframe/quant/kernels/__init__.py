@@ -43,9 +43,11 @@ runs the layer. The built-in ``reference`` kernel runs every spec and is the
 last resort. A kernel keeps what it needs as buffers on the layer (names
 starting with its registry name), so the format can drop its checkpoint tensors.
 
-Built-in kernels (``vframe.quant.kernels.builtin``), by priority:
+Built-in kernels (``vframe.quant.kernels.builtin``; ``triton`` in ``vframe.quant.kernels.gpu``), by priority:
 
 * ``int4_cpu`` (30): torch's ``_weight_int4pack_mm_for_cpu``, 4-bit, bfloat16 on the CPU.
+* ``triton`` (25): weight-only integer (4 / 8 bit), FP8 and FP4 layers on NVIDIA GPUs, one
+  Triton GEMM that dequantizes the packed weight tile by tile.
 * ``woq_cpu`` (20): vframe's C++ weight-only kernel (``csrc/woq_gemm.cpp``), 4 and
   8 bit, any even group that divides the inputs, act order by permuting the inputs;
   activations of up to 16 tokens (32 in float32) are multiplied in place, larger batches
@@ -230,6 +232,13 @@ class QuantLinearKernel(ABC):
     @abstractmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
         """``None`` when this kernel runs ``spec``; else why not (one short clause)."""
+
+    @classmethod
+    def check_available(cls) -> list[str]:
+        """Why this kernel cannot run any layer on this machine (a missing device, package or
+        build), or ``[]``: what ``vframe plugins`` shows (plugin API 1.17). Default ``[]``;
+        ``can_implement`` still decides per layer."""
+        return []
 
     def __init__(self, spec: QuantLinearSpec, name: str) -> None:
         self.spec = spec

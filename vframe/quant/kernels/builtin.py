@@ -223,6 +223,11 @@ class _DequantizedGemm:
     CHUNK_BYTES = 4 << 20  # most bytes of dequantized weight one GEMM reads
     MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
 
+    @classmethod
+    def check_available(cls) -> list[str]:
+        reason = woq_cpu_available()
+        return [reason] if reason else []
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] > self.MAX_ROWS[x.dtype]:
             out = self._dequantized_product(layer, self._gemm_inputs(x))
@@ -465,6 +470,10 @@ class TorchInt4CpuKernel(_Permuted):
     its scales and offsets are rounded to bfloat16). Groups of 32 to 256 inputs."""
 
     priority = 30
+
+    @classmethod
+    def check_available(cls) -> list[str]:
+        return [] if hasattr(torch, "_weight_int4pack_mm_for_cpu") else ["this torch has no _weight_int4pack_mm_for_cpu"]
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
