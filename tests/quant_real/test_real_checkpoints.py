@@ -73,6 +73,11 @@ SCHEMES = {
 # for it, were it run: each linear input rounded to int8 per token (INT8_ACTIVATIONS).
 INT8_ACTIVATIONS = {"ct-w8a8"}
 PERPLEXITY_RTOL = 0.02
+# ... and the same chaos moves its perplexity: transformers' own float32 reference gives 12.397
+# with its sdpa attention and 11.978 with eager (3.4%), in bfloat16 12.144 / 12.042; vframe in
+# float32 12.300 (cpu_paged) / 12.507 (torch backend), in bfloat16 12.055 / 12.010 (2026-11-28).
+# Its perplexity bound is that spread, not 2%.
+PERPLEXITY_RTOL_INT8_ACTIVATIONS = 0.05
 MAX_TOKENS = 24
 MIN_IDENTICAL = 10
 
@@ -270,7 +275,8 @@ PACKED_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weig
 def test_bfloat16_kernels_keep_the_perplexity_and_the_checkpoint_s_size(scheme: str, checkpoints: Path) -> None:
     """The fast CPU kernels (bfloat16 activations, scales rounded to bfloat16 by
     int4_cpu) on the tool's checkpoint: perplexity of the text within 2% of the
-    float32 reference's (W8A8's reference rounds each linear input to int8 as well),
+    float32 reference's (W8A8's reference rounds each linear input to int8 as well; its
+    bound is 5%, the spread of its perplexity between float implementations),
     and the quantized layers hold about the checkpoint's packed bytes: the integers
     once (two per byte at 4 bit), scales in float32 or bfloat16."""
     from safetensors import safe_open
@@ -287,7 +293,8 @@ def test_bfloat16_kernels_keep_the_perplexity_and_the_checkpoint_s_size(scheme: 
     prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
     reference = reference_results(checkpoints / f"{scheme}-reference", ids, prompt_ids, scheme in INT8_ACTIVATIONS)
     ppl, ref_ppl = perplexity(text_logprobs(llm, ids)), perplexity(torch.tensor(reference["logprobs"]))
-    assert abs(ppl - ref_ppl) <= PERPLEXITY_RTOL * ref_ppl, f"{scheme}: perplexity {ppl:.3f}, reference {ref_ppl:.3f}"
+    rtol = PERPLEXITY_RTOL_INT8_ACTIVATIONS if scheme in INT8_ACTIVATIONS else PERPLEXITY_RTOL
+    assert abs(ppl - ref_ppl) <= rtol * ref_ppl, f"{scheme}: perplexity {ppl:.3f}, reference {ref_ppl:.3f}"
 
     with safe_open(str(checkpoints / scheme / "model.safetensors"), framework="pt") as f:
         packed = sum(
