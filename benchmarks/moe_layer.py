@@ -7,10 +7,11 @@ Router logits are random (every expert equally likely), so a batch of T tokens
 touches about min(E, T * K) experts and the time follows that count: each
 active expert's weights are read once. ``--route-to N`` sends every token to
 the first N experts only, to time a fixed number of active experts as E grows.
-Each line times the per-expert loop on the stacked weights (``torch.mm``) and on
-the experts' oneDNN-packed matrices (``FusedMoE.process_weights_after_loading``,
-what a loaded model runs on a CPU that multiplies the dtype in oneDNN);
-``--grouped-mm`` also times the stacked layer with the loop replaced by
+Each line times the per-expert loop in Python on the stacked weights (``torch.mm``), on
+the experts' oneDNN-packed matrices and, where ``cpu_ops.bf16_gemm`` runs (bfloat16 on a
+CPU with AVX512-BF16), on bfloat16 pairs (``FusedMoE.process_weights_after_loading``), and
+the packed layers bound (``+op``: ``bind_forward``, the whole layer one C++ operator, what a
+loaded model runs); ``--grouped-mm`` also times the stacked layer with the loop replaced by
 ``torch.nn.functional.grouped_mm``.
 """
 
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 
 import torch
 import torch.nn.functional as F
 
-from vframe.layers import moe
+from vframe.layers import cpu_ops, moe
 
 
 def grouped_mm_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, *_) -> torch.Tensor:
@@ -66,11 +68,25 @@ def main() -> None:
         layer = moe.FusedMoE(num_experts, args.hidden, args.intermediate, params_dtype=dtype)
         torch.nn.init.normal_(layer.w13_weight, std=0.02)
         torch.nn.init.normal_(layer.w2_weight, std=0.02)
-        packed = copy.deepcopy(layer)
-        packed.process_weights_after_loading()
         runs = {"stacked": (layer, loop_swiglu)}
-        if packed.w13_packed is not None:
-            runs["packed"] = (packed, loop_swiglu)
+        for name, bf16_gemm in (("onednn", "0"), ("pairs", "1")):
+            os.environ["VFRAME_BF16_GEMM"] = bf16_gemm
+            cpu_ops.bf16_gemm_available.cache_clear()
+            packed = copy.deepcopy(layer)
+            packed.process_weights_after_loading()
+            if packed.w13_packed is None or (name == "pairs") != (packed.layout == moe.LAYOUT_BF16_PAIRS):
+                continue
+            bound = copy.deepcopy(packed) if name == "pairs" else packed  # oneDNN-packed tensors cannot be copied
+            runs[name] = (packed, loop_swiglu)
+            if name == "onednn":
+                bound = moe.FusedMoE(num_experts, args.hidden, args.intermediate, params_dtype=dtype)
+                bound.load_state_dict(layer.state_dict())
+                bound.process_weights_after_loading()
+            bound.bind_forward()
+            if bound._bound is not None:
+                runs[f"{name}+op"] = (bound, loop_swiglu)
+        os.environ.pop("VFRAME_BF16_GEMM", None)
+        cpu_ops.bf16_gemm_available.cache_clear()
         if args.grouped_mm:
             runs["grouped_mm"] = (layer, grouped_mm_swiglu)
         for num_tokens in args.tokens:

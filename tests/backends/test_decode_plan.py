@@ -172,3 +172,33 @@ def test_a_forward_hook_on_a_layer_sends_decode_steps_to_the_layers(llm_fp32, mo
     taken.clear()
     llm_fp32.generate(["The capital of France is"], params, use_tqdm=False)
     assert taken == [False, True, True, True]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mixtral_experts_run_in_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """A mixture-of-experts MLP (Mixtral's block: router, softmax top-2, the experts through
+    cpu_ops.cpp's moe_experts) runs in the plan: the same
+    tokens and logprobs as the layers, bit for bit."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2, max_position_embeddings=256)
+    hf_model = MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in hf_model.model.layers:  # decisive routing, experts that weigh in the residual
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+            layer.mlp.experts.gate_up_proj.normal_(0.0, 0.15)
+            layer.mlp.experts.down_proj.normal_(0.0, 0.15)
+    hf_model.save_pretrained(str(tmp_path))
+    llm = LLM(str(tmp_path), dtype=dtype, max_model_len=128, num_threads=1, enable_prefix_caching=False,
+              attention_backend="cpu_paged", max_num_batched_tokens=16, skip_tokenizer_init=True)
+    model = llm.llm_engine.model_runner.model.model
+    assert model.decode_plan is not None
+    assert model.layers[0].mlp.experts._bound is not None
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 128 for j in range(n)]} for i, n in enumerate([5, 23, 37])]
+    with_plan, with_layers, taken = _plan_against_layers(llm, monkeypatch, prompts, max_tokens=12)
+    assert with_plan == with_layers
+    assert sum(taken) >= 8, taken

@@ -267,3 +267,38 @@ def test_moe_combine_refuses_a_token_id_out_of_range_by_name() -> None:
         torch.ops.vframe_cpu_ops.moe_combine(rows, torch.tensor([0, 3]), weights, 3)
     with pytest.raises(RuntimeError, match="moe_combine: weights must be float32"):
         torch.ops.vframe_cpu_ops.moe_combine(rows, torch.tensor([0, 1]), weights.double(), 3)
+
+
+needs_bf16_gemm = pytest.mark.skipif(not cpu_ops.bf16_gemm_available(), reason="bf16_gemm needs a CPU with AVX512-BF16")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize(("rows", "outputs", "inputs"), [(1, 16, 2), (7, 48, 64), (8, 2048, 512), (13, 80, 96),
+                                                         (16, 512, 1024), (300, 64, 576), (0, 32, 4)])
+def test_bf16_gemm_is_the_product_rounded_once_to_bfloat16(rows: int, outputs: int, inputs: int) -> None:
+    """Tiles of 8 rows x 32 outputs and every remainder (1-7 rows, an odd block of 16 outputs):
+    float32 sums of the exact bfloat16 products, rounded to bfloat16 once, so within half a
+    bfloat16 step (2**-9 relative) of the float64 product, plus the float32 sums' own error."""
+    generator = torch.Generator().manual_seed(rows * 7 + outputs)
+    weight = (torch.randn(outputs, inputs, generator=generator) * 0.1).bfloat16()
+    x = torch.randn(rows, inputs, generator=generator).bfloat16()
+    pairs = cpu_ops.bf16_pairs(weight)
+    assert pairs.shape == (outputs // 16, inputs // 2, 16, 2)
+    assert torch.equal(cpu_ops.bf16_unpairs(pairs), weight)
+    out = cpu_ops.bf16_gemm(x, pairs)
+    assert out.shape == (rows, outputs) and out.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    sums = x.double().abs() @ weight.double().abs().T  # bounds the float32 accumulation's error
+    assert bool(((out.double() - exact).abs() <= exact.abs() * 2**-8 + sums * inputs * 2**-24).all())
+
+
+@needs_bf16_gemm
+def test_bf16_gemm_takes_rows_of_a_larger_tensor_and_names_what_is_wrong() -> None:
+    weight = torch.randn(32, 64).bfloat16()
+    x = torch.randn(10, 128).bfloat16()
+    pairs = cpu_ops.bf16_pairs(weight)
+    assert torch.equal(cpu_ops.bf16_gemm(x[:, :64], pairs), cpu_ops.bf16_gemm(x[:, :64].contiguous(), pairs))
+    with pytest.raises(RuntimeError, match=r"bf16_gemm: w must be contiguous bfloat16 \[N / 16, K / 2, 16, 2\]"):
+        cpu_ops.bf16_gemm(x, pairs)  # 128 inputs against a weight of 64
+    with pytest.raises(RuntimeError, match="bf16_gemm: x must be bfloat16"):
+        cpu_ops.bf16_gemm(x[:, :64].float(), pairs)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections.abc import Iterator
 from math import exp
 
 import pytest
@@ -132,29 +134,98 @@ def test_expert_params_mapping_and_matching() -> None:
     assert match_expert_weight("model.layers.1.mlp.gate.weight", deepseek) is None
 
 
+@pytest.fixture
+def bf16_gemm(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
+    """Whether FusedMoE may hold bfloat16 experts as cpu_ops.bf16_pairs (VFRAME_BF16_GEMM)."""
+    from vframe.layers import cpu_ops
+
+    monkeypatch.setenv("VFRAME_BF16_GEMM", "1" if request.param else "0")
+    cpu_ops.bf16_gemm_available.cache_clear()
+    if request.param and not cpu_ops.bf16_gemm_available():
+        pytest.skip("bf16_gemm needs a CPU with AVX512-BF16")
+    yield request.param
+    cpu_ops.bf16_gemm_available.cache_clear()
+
+
 @pytest.mark.skipif(not onednn_packed.onednn_bf16_available(), reason="oneDNN has no native bfloat16 here")
-def test_packed_experts_replace_the_stacked_weights_and_give_the_same_bfloat16_output() -> None:
-    """process_weights_after_loading (what a loaded model runs) packs each expert for oneDNN:
-    the stacked parameters are gone (memory is not doubled), their plain form comes back
-    exactly, and the products are oneDNN's either way: the output is bit for bit the same."""
+@pytest.mark.parametrize("bf16_gemm", [False, True], indirect=True, ids=["onednn", "bf16-pairs"])
+def test_packed_experts_replace_the_stacked_weights(bf16_gemm: bool) -> None:
+    """process_weights_after_loading (what a loaded model runs) packs each expert: as bfloat16
+    pairs for cpu_ops.bf16_gemm where it runs, else for oneDNN. The stacked parameters are gone
+    (memory is not doubled), their plain form comes back exactly; oneDNN's products are the
+    stacked ones' bit for bit, bf16_gemm's within bfloat16 rounding of them."""
+    from vframe.layers.moe import LAYOUT_BF16_PAIRS, LAYOUT_ONEDNN
+
     stacked = make_moe(8).to(torch.bfloat16)
     packed = copy.deepcopy(stacked)
     packed.process_weights_after_loading()
     assert packed.w13_packed is not None and len(packed.w13_packed) == len(packed.w2_packed) == 8
-    assert "w13_weight" not in dict(packed.named_parameters()) and all(w.is_mkldnn for w in packed.w13_packed)
+    assert "w13_weight" not in dict(packed.named_parameters())
+    if bf16_gemm:
+        assert packed.layout == LAYOUT_BF16_PAIRS and packed.w13_packed[0].shape == (2 * INTER // 16, HIDDEN // 2, 16, 2)
+    else:
+        assert packed.layout == LAYOUT_ONEDNN and all(w.is_mkldnn for w in packed.w13_packed)
     w13, w2 = packed.expert_weights()
     assert torch.equal(w13, stacked.w13_weight) and torch.equal(w2, stacked.w2_weight)
     generator = torch.Generator().manual_seed(4)
     for num_tokens in (1, 5, 64):  # some experts get no token at 1 and 5
         x = torch.randn(num_tokens, HIDDEN, generator=generator).bfloat16()
         weights, ids = softmax_topk(torch.randn(num_tokens, 8, generator=generator), 2, renormalize=True)
-        assert torch.equal(packed(x, weights, ids), stacked(x, weights, ids))
+        got, expected = packed(x, weights, ids), stacked(x, weights, ids)
+        if bf16_gemm:
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2**-6, atol=2**-6)
+        else:
+            assert torch.equal(got, expected)
     packed.process_weights_after_loading()  # a second call changes nothing
     assert torch.equal(packed.expert_weights()[0], w13)
 
 
-def test_packing_turned_off_keeps_the_stacked_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("bf16_gemm", [False], indirect=True)
+def test_packing_turned_off_keeps_the_stacked_weights(bf16_gemm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VFRAME_ONEDNN_PACKED_WEIGHTS", "0")
     layer = make_moe(4).to(torch.bfloat16)
     layer.process_weights_after_loading()
     assert layer.w13_packed is None and layer.expert_weights()[0] is layer.w13_weight
+
+
+@pytest.mark.parametrize(("dtype", "packed"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_bound_experts_run_one_operator_bit_for_bit_as_the_python_path(dtype: torch.dtype, packed: bool) -> None:
+    """bind_forward hands the sort, the products, the activation and the sum to cpu_ops.cpp's
+    moe_experts: the same operators on the same rows in the same order, so the same bits, with
+    experts that get no token, top-1 and top-2, one token to a prefill's worth."""
+    from vframe.layers import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("the fused CPU operators are not built here")
+    unbound = make_moe(8, seed=5).to(dtype)
+    bound = copy.deepcopy(unbound)
+    if packed:  # each expert's matrices in oneDNN's layout (packed tensors cannot be deep-copied)
+        unbound.process_weights_after_loading()
+        bound.process_weights_after_loading()
+        assert unbound.w13_packed is not None
+    bound.bind_forward()
+    assert bound._bound is not None and (bound._bound.args[2] != 0) is packed and unbound._bound is None
+    calls = []
+    op = bound._bound.op
+    bound._bound = dataclasses.replace(bound._bound, op=lambda *a: calls.append(1) or op(*a))
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():  # as the engine runs (the fused operators stay out of autograd)
+        for num_tokens, top_k in ((1, 2), (5, 1), (5, 2), (64, 2), (300, 2)):
+            x = torch.randn(num_tokens, HIDDEN, generator=generator).to(dtype)
+            weights, ids = softmax_topk(torch.randn(num_tokens, 8, generator=generator), top_k, renormalize=True)
+            assert torch.equal(bound(x, weights, ids), unbound(x, weights, ids)), (num_tokens, top_k)
+    assert len(calls) == 5
+    bound.bind_forward(enabled=False)
+    assert bound._bound is None
+
+
+def test_moe_experts_names_an_expert_id_out_of_range() -> None:
+    from vframe.layers import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("the fused CPU operators are not built here")
+    layer = make_moe(4)
+    layer.bind_forward()
+    x = torch.randn(2, HIDDEN)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="moe_experts: expert id 4 is not below 4"):
+        layer(x, torch.tensor([[0.5, 0.5], [1.0, 0.0]]), torch.tensor([[0, 1], [4, 2]]))

@@ -141,6 +141,43 @@ def moe_combine(rows: torch.Tensor, token_ids: torch.Tensor, weights: torch.Tens
     return acc.index_add_(0, token_ids, rows.float() * weights.float()[:, None])
 
 
+@cache
+def bf16_gemm_available() -> bool:
+    """Whether ``bf16_gemm`` runs here: the library built for a CPU with AVX512-BF16, and not
+    turned off (``VFRAME_BF16_GEMM=0``, for comparisons)."""
+    if os.environ.get("VFRAME_BF16_GEMM", "1") == "0" or not available():
+        return False
+    return bool(torch.ops.vframe_cpu_ops.bf16_gemm_available())
+
+
+def bf16_pairs(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [N / 16, K / 2, 16, 2]
+    """A bfloat16 ``[out, in]`` weight as ``bf16_gemm`` reads it: each block of 16 outputs,
+    its inputs in pairs (the operand layout of AVX512-BF16's ``vdpbf16ps``). N a multiple of
+    16, K even."""
+    out_features, in_features = weight.shape
+    return weight.reshape(out_features // 16, 16, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def bf16_unpairs(pairs: torch.Tensor) -> torch.Tensor:  # [N / 16, K / 2, 16, 2] -> [N, K]
+    """``bf16_pairs``' inverse: the plain weight, exactly."""
+    blocks, half, _, _ = pairs.shape
+    return pairs.permute(0, 2, 1, 3).reshape(blocks * 16, half * 2)
+
+
+def bf16_pairable(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` ([out, in]) can be held as ``bf16_pairs`` and multiplied by ``bf16_gemm`` here."""
+    return (
+        weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+        and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 and bf16_gemm_available()
+    )
+
+
+def bf16_gemm(x: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:  # [M, K] x pairs of [N, K] -> [M, N]
+    """``x @ W.T`` for bfloat16 ``x`` and ``pairs = bf16_pairs(W)``: float32 sums over the
+    inputs in order, rounded to bfloat16 once (``csrc/cpu_ops.cpp``)."""
+    return torch.ops.vframe_cpu_ops.bf16_gemm(x, pairs)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
     """``logits.argmax(-1)`` (the first index of a row's maximum; NaN counts as the
     maximum): the C++ operator for float32 rows on the CPU, else torch's. torch's CPU

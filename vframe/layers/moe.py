@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +34,11 @@ from vframe.layers import cpu_ops
 from vframe.layers.parallel import all_reduce, divide, get_tp_rank, get_tp_size
 from vframe.quant import onednn_packed
 from vframe.quant.base import QuantizationConfig
+
+# FusedMoE.layout: how the experts' matrices are held (moe_experts' layout argument)
+LAYOUT_STACKED = 0  # the stacked [E, out, in] parameters
+LAYOUT_ONEDNN = 1  # each expert's matrices in oneDNN's packed layout
+LAYOUT_BF16_PAIRS = 2  # each expert's matrices as cpu_ops.bf16_pairs
 
 # (parameter name prefix, checkpoint name fragment, expert id, shard id)
 ExpertParamsMapping = list[tuple[str, str, int, str]]
@@ -52,15 +59,19 @@ class FusedMoE(nn.Module):
     sums the ranks' outputs.
 
     After loading (in models that declare ``supports_packed_weights``, plugin API
-    1.14), on a CPU that multiplies the weights' dtype in oneDNN,
-    ``process_weights_after_loading`` replaces the stacked parameters by each
-    expert's matrices in oneDNN's packed layout (``w13_packed`` / ``w2_packed``,
-    ``vframe/quant/onednn_packed.py``; ``expert_weights()`` gives the plain form): the
-    same products bit for bit in bfloat16, without ``torch.mm`` reordering the weight on
-    every call. The tiny Mixtral of
-    ``benchmarks/tiny_mixtral.py`` (8 experts, 512 x 1024, top 2), bfloat16, 2 threads,
-    one layer's experts: 16 tokens 2.10 -> 1.12 ms, 64 tokens 3.78 -> 2.02 ms, 1,024
-    18.7 -> 17.9 ms."""
+    1.14) ``process_weights_after_loading`` replaces the stacked parameters by each
+    expert's matrices packed (``w13_packed`` / ``w2_packed``, ``layout``;
+    ``expert_weights()`` gives the plain form): in bfloat16 on a CPU with AVX512-BF16 as
+    ``cpu_ops.bf16_pairs`` for vframe's ``bf16_gemm`` (``LAYOUT_BF16_PAIRS``), else where
+    oneDNN multiplies the dtype natively in its packed layout (``LAYOUT_ONEDNN``,
+    ``vframe/quant/onednn_packed.py``: the same products as ``torch.mm``, bit for bit,
+    without reordering the weight on every call). Once bound (``bind_forward``) the layer
+    is one C++ operator (``moe_experts``): sort, products, activation and sum. The tiny
+    Mixtral of ``benchmarks/tiny_mixtral.py`` (8 experts, 512 x 1024, top 2), bfloat16,
+    2 threads, one layer (``benchmarks/moe_layer.py``): stacked in Python -> bfloat16
+    pairs bound, 1 token 0.38 -> 0.074 ms, 16 tokens 2.86 -> 0.89, 64 tokens 3.70 -> 2.05,
+    1,024 tokens 20.5 -> 19.0 (oneDNN-packed in Python, the layer before: 0.28, 1.79,
+    2.67, 20.0)."""
 
     def __init__(
         self,
@@ -95,9 +106,13 @@ class FusedMoE(nn.Module):
         )  # [E, H, I]
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
-        # Each expert's matrices packed for oneDNN, once process_weights_after_loading has run.
+        # Each expert's matrices in a packed layout (LAYOUT_ONEDNN or LAYOUT_BF16_PAIRS), once
+        # process_weights_after_loading has run; LAYOUT_STACKED: the stacked parameters.
         self.w13_packed: nn.ParameterList | None = None
         self.w2_packed: nn.ParameterList | None = None
+        self.layout = LAYOUT_STACKED
+        # Once bound (vframe/layers/binding.py): the experts as the C++ operator takes them.
+        self._bound: BoundExperts | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, *, expert_id: int, shard_id: str
@@ -132,6 +147,11 @@ class FusedMoE(nn.Module):
         topk_ids: torch.Tensor,  # [T, K] int64
     ) -> torch.Tensor:  # [T, H], in hidden_states' dtype
         """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x_t)`` for every token ``t``."""
+        bound = self._bound
+        if bound is not None and bound.applies(hidden_states):
+            # the steps below in one C++ call: the same operators on the same rows, bit for bit
+            acc = bound.op(hidden_states, topk_weights.float().contiguous(), topk_ids.contiguous(), *bound.args)
+            return all_reduce(acc, self.tp_size).to(hidden_states.dtype)
         num_tokens, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)  # [T*K]
         # Stable: within an expert, pairs stay in token order.
@@ -140,41 +160,83 @@ class FusedMoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.num_experts)  # [E]
         x = hidden_states[token_ids]  # [T*K, H], grouped by expert
         if self.w13_packed is not None:
-            out = _grouped_swiglu(x, self.w13_packed, self.w2_packed, counts, _packed_mm)  # [T*K, H]
+            mm = _packed_mm if self.layout == LAYOUT_ONEDNN else _pairs_mm
+            out = _grouped_swiglu(x, self.w13_packed, self.w2_packed, counts, mm, self.intermediate_size)  # [T*K, H]
         else:
-            out = _grouped_swiglu(x, self.w13_weight, self.w2_weight, counts, _mm)
+            out = _grouped_swiglu(x, self.w13_weight, self.w2_weight, counts, _mm, self.intermediate_size)
         acc = cpu_ops.moe_combine(out, token_ids, topk_weights.reshape(-1)[order], num_tokens)  # [T, H] float32
         return all_reduce(acc, self.tp_size).to(hidden_states.dtype)
 
     def process_weights_after_loading(self) -> None:
-        """Each expert's gate/up and down matrices packed for oneDNN, in place of the stacked
-        parameters (the memory is not doubled), where ``onednn_packed.packable``."""
-        if self.w13_packed is not None or not onednn_packed.packable(self.w13_weight):
+        """Each expert's gate/up and down matrices in a packed layout, in place of the stacked
+        parameters (the memory is not doubled): bfloat16 pairs for ``cpu_ops.bf16_gemm`` where
+        it runs (AVX512-BF16: 1.4x oneDNN's products at a decode step's 16 rows an expert,
+        equal from 256), else oneDNN's layout where ``onednn_packed.packable``."""
+        if self.w13_packed is not None:
             return
         w13, w2 = self.w13_weight.detach(), self.w2_weight.detach()
+        if cpu_ops.bf16_pairable(w13[0]) and cpu_ops.bf16_pairable(w2[0]):
+            layout, pack = LAYOUT_BF16_PAIRS, cpu_ops.bf16_pairs
+        elif onednn_packed.packable(self.w13_weight):
+            layout, pack = LAYOUT_ONEDNN, _onednn_pack
+        else:
+            return
         del self.w13_weight, self.w2_weight
-        self.w13_packed = _packed_experts(w13)
-        self.w2_packed = _packed_experts(w2)
+        self.w13_packed = nn.ParameterList(nn.Parameter(pack(w.contiguous()), requires_grad=False) for w in w13)
+        self.w2_packed = nn.ParameterList(nn.Parameter(pack(w.contiguous()), requires_grad=False) for w in w2)
+        self.layout = layout
+
+    def bind_forward(self, enabled: bool = True) -> None:
+        """After loading: where the fused CPU operators run the weights' dtype, ``forward``
+        hands the sort, the experts' products, their activation and the weighted sum to one
+        C++ operator (``cpu_ops.cpp``'s ``moe_experts``), the experts' matrices listed once."""
+        self._bound = None
+        weight = self.w13_packed[0] if self.w13_packed is not None else self.w13_weight
+        applies = cpu_ops.guard(weight.dtype) if enabled else None
+        if applies is None or weight.device.type != "cpu":
+            return
+        packed = self.w13_packed is not None
+        w13 = list(self.w13_packed) if packed else list(self.w13_weight.unbind(0))
+        w2 = list(self.w2_packed) if packed else list(self.w2_weight.unbind(0))
+        self._bound = BoundExperts(cpu_ops.operator("moe_experts"), (w13, w2, self.layout), applies)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts' weights in their stacked plain form, ``([E, 2I, H], [E, H, I])``,
         packed or not (a packed matrix's plain form is exact)."""
         if self.w13_packed is None:
             return self.w13_weight, self.w2_weight
-        return (
-            torch.stack([onednn_packed.plain(w) for w in self.w13_packed]),
-            torch.stack([onednn_packed.plain(w) for w in self.w2_packed]),
-        )
+        plain = onednn_packed.plain if self.layout == LAYOUT_ONEDNN else cpu_ops.bf16_unpairs
+        return torch.stack([plain(w) for w in self.w13_packed]), torch.stack([plain(w) for w in self.w2_packed])
 
     def extra_repr(self) -> str:
-        packed = ", oneDNN-packed" if self.w13_packed is not None else ""
+        packed = {LAYOUT_ONEDNN: ", oneDNN-packed", LAYOUT_BF16_PAIRS: ", bfloat16 pairs"}.get(self.layout, "")
         return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}{packed}"
 
 
-def _packed_experts(stacked: torch.Tensor) -> nn.ParameterList:  # [E, out, in] -> E packed [out, in]
-    return nn.ParameterList(
-        nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.contiguous()), requires_grad=False) for w in stacked
-    )
+@dataclass(frozen=True)
+class BoundExperts:
+    """A bound ``FusedMoE``'s operator and what follows ``(x, topk_weights, topk_ids)`` in
+    its call: ``(w13 list, w2 list, layout)``; ``applies(x)``: whether ``x`` may take it.
+    A decode plan calls the same operator from C++ (``vframe/backends/cpu_paged/plan.py``)."""
+
+    op: torch._ops.OpOverload
+    args: tuple[list[torch.Tensor], list[torch.Tensor], int]
+    applies: Callable[[torch.Tensor], bool]
+
+
+@dataclass(frozen=True)
+class PlanMoe:
+    """What a mixture-of-experts MLP hands a decode plan: its router linear (a bound layer),
+    ``softmax_topk``'s ``top_k`` and ``renormalize``, and its bound experts."""
+
+    router: Any
+    top_k: int
+    renormalize: bool
+    experts: BoundExperts
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> oneDNN's packed [out, in]
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
 def _mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:  # out = x weight^T
@@ -185,12 +247,17 @@ def _packed_mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None
     out.copy_(onednn_packed.packed_linear(x, weight, None))
 
 
+def _pairs_mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:  # the same, weight as bf16 pairs
+    out.copy_(cpu_ops.bf16_gemm(x, weight))
+
+
 def _grouped_swiglu(
     x: torch.Tensor,  # [S, H], rows grouped by expert
     w13: Sequence[torch.Tensor],  # E x [2I, H]: stacked, or packed one by one
     w2: Sequence[torch.Tensor],  # E x [H, I]
     counts: torch.Tensor,  # [E] rows of each expert
     mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],  # mm(x, weight, out): out = x weight^T
+    intermediate_size: int,  # I
 ) -> torch.Tensor:  # [S, H]
     """Each expert's SwiGLU MLP over its segment of rows: one matrix product per
     expert that has rows, the activation once over all rows. On CPU (torch 2.13)
@@ -198,7 +265,7 @@ def _grouped_swiglu(
     visit the experts without rows; see ``benchmarks/moe_layer.py``."""
     starts = (counts.cumsum(0) - counts).tolist()
     segments = [(e, start, start + n) for e, (start, n) in enumerate(zip(starts, counts.tolist())) if n]
-    gate_up = torch.empty(x.shape[0], w13[0].shape[0], dtype=x.dtype, device=x.device)  # [S, 2I]
+    gate_up = torch.empty(x.shape[0], 2 * intermediate_size, dtype=x.dtype, device=x.device)  # [S, 2I]
     for e, start, end in segments:
         mm(x[start:end], w13[e], gate_up[start:end])
     act = cpu_ops.silu_and_mul(gate_up)  # [S, I]

@@ -350,7 +350,8 @@ class LlamaModel(nn.Module):
     def plan_layers(self, rotary_emb: RotaryEmbedding) -> list[Any] | None:
         """The layers as a decode plan takes them, once bound; None where a layer is not
         exactly this file's (bound) decoder layer: a subclass that normalizes q / k, a
-        mixture-of-experts MLP, a rotary of its own, an unbound part."""
+        rotary of its own, an unbound part. A mixture-of-experts MLP takes part where it
+        says how (its ``plan_moe()``: Mixtral's block)."""
         from vframe.backends.cpu_paged.plan import PlanLayer
 
         if type(rotary_emb).forward is not RotaryEmbedding.forward or rotary_emb._bound is None:
@@ -359,17 +360,21 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            moe = mlp.plan_moe() if type(mlp).forward is not LlamaMLP.forward and hasattr(mlp, "plan_moe") else None
             if (
                 type(layer).forward is not LlamaDecoderLayer.forward
                 or type(attn).forward is not LlamaAttention.forward
                 or type(attn).norm_qk is not LlamaAttention.norm_qk
-                or type(mlp).forward is not LlamaMLP.forward
+                or (type(mlp).forward is not LlamaMLP.forward and moe is None)
                 or any(type(n).forward is not RMSNorm.forward or n._bound is None for n in norms)
                 or any(n.eps != self.layers[0].input_layernorm.eps for n in norms)  # the plan has one eps
             ):
                 return None
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            layers.append(PlanLayer(norms[0].weight.detach(), norms[1].weight.detach(), linears, attn.attn))
+            mlp_linears = () if moe is not None else (mlp.gate_up_proj, mlp.down_proj)
+            layers.append(
+                PlanLayer(norms[0].weight.detach(), norms[1].weight.detach(), (attn.qkv_proj, attn.o_proj, *mlp_linears),
+                          attn.attn, moe)
+            )
         return layers
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from vframe.core.interfaces import AttentionBackend
 from vframe.errors import ModelLoadError
 from vframe.layers.linear import ReplicatedLinear
-from vframe.layers.moe import ExpertWeightLoader, FusedMoE, softmax_topk
+from vframe.layers.moe import ExpertWeightLoader, FusedMoE, PlanMoe, softmax_topk
 from vframe.models.llama import LlamaForCausalLM
 from vframe.quant.base import QuantizationConfig
 
@@ -57,6 +57,14 @@ class MixtralSparseMoeBlock(nn.Module):
         router_logits = self.gate(x)  # [T, E]
         topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, renormalize=True)  # [T, K] each
         return self.experts(x, topk_weights, topk_ids)
+
+    def plan_moe(self) -> PlanMoe | None:
+        """This block as a decode plan runs it (``LlamaModel.plan_layers``), once bound; None
+        where the plan cannot: a subclass's forward, tensor parallelism, experts not bound."""
+        bound = self.experts._bound
+        if type(self).forward is not MixtralSparseMoeBlock.forward or bound is None or self.experts.tp_size != 1:
+            return None
+        return PlanMoe(self.gate, self.top_k, True, bound)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

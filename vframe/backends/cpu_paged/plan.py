@@ -9,7 +9,9 @@ a plan once, after binding (``LlamaForCausalLM.bind_forward``): the ``DecodePlan
 their bound functions describe them (``vframe.quant.native_call``: an operator and its
 arguments) and runs a whole step's layers with no Python in between: the same operators in
 the same order with the same arguments as the bound layers, so the same result bit for bit
-(tests/backends/test_decode_plan.py).
+(tests/backends/test_decode_plan.py). A mixture-of-experts MLP (Mixtral's block, its
+``plan_moe()``) takes part as its router linear, ``softmax_topk`` and its bound experts'
+``moe_experts`` operator, in place of gate_up and down.
 
 The plan takes a step when it is all decodes on this backend (one query token per request,
 no padding rows), of at most ``max_tokens`` tokens (the smallest row limit of the
@@ -34,6 +36,7 @@ from torch import nn
 
 from vframe.backends.cpu_paged.backend import CpuPagedAttentionImpl, CpuPagedMetadata
 from vframe.layers import cpu_ops
+from vframe.layers.moe import PlanMoe
 from vframe.quant.native_call import NativeCall, native_call
 
 logger = logging.getLogger(__name__)
@@ -45,8 +48,9 @@ class PlanLayer:
 
     input_norm: torch.Tensor  # [E], the RMSNorm weights
     post_norm: torch.Tensor  # [E]
-    linears: tuple[Any, Any, Any, Any]  # qkv, o, gate_up, down: the layers (LinearBase)
+    linears: tuple[Any, ...]  # qkv, o, gate_up, down: the layers (LinearBase); qkv, o where moe is set
     attention: Any  # the layer's attention impl
+    moe: PlanMoe | None = None  # a mixture-of-experts MLP in place of gate_up and down
 
 
 def enabled() -> bool:
@@ -58,6 +62,13 @@ def _native(linear: Any) -> NativeCall | None:
     if getattr(linear, "tp_size", 1) != 1:
         return None
     return native_call(getattr(linear, "_bound", None))
+
+
+def _call_args(call: NativeCall) -> tuple[str, str, list[Any], torch.Tensor | None]:
+    """``call`` as the C++ plan takes a bound linear: operator name, overload, arguments, bias."""
+    # an empty list cannot cross as Any: None stands for it (the plan makes the schema's empty list)
+    args = [None if isinstance(a, list | tuple) and not a else a for a in call.args]
+    return call.op._schema.name, call.op._overloadname, args, call.bias
 
 
 class DecodePlan:
@@ -99,9 +110,11 @@ class DecodePlan:
             handle.add_layer(layer.input_norm, layer.post_norm, layer.attention.sliding_window or 0)
             for linear in layer.linears:
                 call = _native(linear)
-                # an empty list cannot cross as Any: None stands for it (the plan makes the schema's empty list)
-                args = [None if isinstance(a, list | tuple) and not a else a for a in call.args]
-                handle.add_linear(call.op._schema.name, call.op._overloadname, args, call.bias)
+                handle.add_linear(*_call_args(call))
+                limits.append(call.max_rows or sys.maxsize)
+            if (moe := layer.moe) is not None:
+                call = _native(moe.router)
+                handle.add_moe(*_call_args(call), moe.top_k, moe.renormalize, *moe.experts.args)
                 limits.append(call.max_rows or sys.maxsize)
         return cls(handle, min(limits), dtype, modules)
 
@@ -120,9 +133,11 @@ class DecodePlan:
                 return f"layer {i}'s attention is {type(attention).__name__}, not cpu_paged's"
             if attention.scale != scale:
                 return f"layer {i}'s attention scale differs from layer 0's"
-            for linear in layer.linears:
+            for linear in (*layer.linears, *((layer.moe.router,) if layer.moe is not None else ())):
                 if _native(linear) is None:
                     return f"{getattr(linear, 'prefix', linear)} has no native bound call"
+            if layer.moe is not None and layer.moe.experts.op is not cpu_ops.operator("moe_experts"):
+                return f"layer {i}'s experts are not bound to moe_experts"
             if any(t.dtype != dtype or not t.is_contiguous() for t in (layer.input_norm, layer.post_norm)):
                 return f"layer {i}'s norm weights are not contiguous {dtype}"
         return None
