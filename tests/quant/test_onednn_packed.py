@@ -6,6 +6,8 @@ with ``VFRAME_ONEDNN_PACKED_WEIGHTS=0``, and SmolLM2's outputs unchanged."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,17 @@ from vframe.models.loader.load import weight_bytes
 from vframe.quant.onednn_packed import onednn_bf16_available, onednn_fp32_available, plain
 
 needs_onednn_bf16 = pytest.mark.skipif(not onednn_bf16_available(), reason="oneDNN has no native bfloat16 here")
+
+
+@pytest.fixture(autouse=True)
+def onednn_for_bfloat16(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """bfloat16 weights in oneDNN's layout, not as bfloat16 pairs (tests/quant/test_bf16_pairs.py)."""
+    from vframe.layers import cpu_ops
+
+    monkeypatch.setenv("VFRAME_BF16_GEMM", "0")
+    cpu_ops.bf16_gemm_available.cache_clear()
+    yield
+    cpu_ops.bf16_gemm_available.cache_clear()
 needs_onednn_fp32 = pytest.mark.skipif(not onednn_fp32_available(), reason="float32 is packed on x86-64 only")
 
 

@@ -225,23 +225,55 @@ class UnquantizedLinearMethod(LinearMethodBase):
         register_weight(layer, "weight", weight, {"output_dim": 0, "input_dim": 1})  # [out, in]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if onednn_packed.should_pack(layer):  # float32 / bfloat16 on the CPU: oneDNN's layout, once
+        # float32 / bfloat16 on the CPU, packed once: bfloat16 as pairs for vframe's own GEMM
+        # where it runs (AVX512-BF16), else oneDNN's layout
+        from vframe.layers import cpu_ops  # (vframe.layers imports this module)
+
+        if not onednn_packed.should_pack(layer):
+            return
+        if cpu_ops.bf16_pairable(layer.weight):
+            layer.weight = nn.Parameter(cpu_ops.bf16_pairs(layer.weight.detach()), requires_grad=False)
+        else:
             onednn_packed.pack(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.weight.is_mkldnn:
-            return onednn_packed.packed_linear(x, layer.weight, bias)
-        return F.linear(x, layer.weight, bias)
+        weight = layer.weight
+        if weight.is_mkldnn:
+            return onednn_packed.packed_linear(x, weight, bias)
+        if weight.dim() == 4:  # bf16_pairs
+            return _pairs_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply:
         weight = layer.weight
         if weight.is_mkldnn:
             return onednn_packed.bound_linear(weight, bias)
+        if weight.dim() == 4:
+            from vframe.layers import cpu_ops
+
+            return with_native(functools.partial(_pairs_linear, weight=weight, bias=bias),
+                               NativeCall(cpu_ops.operator("bf16_gemm"), (weight,), bias))
         return with_native(functools.partial(F.linear, weight=weight, bias=bias),
                            NativeCall(torch.ops.aten.linear.default, (weight, bias)))
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        if layer.weight.dim() == 4:
+            from vframe.layers import cpu_ops
+
+            return cpu_ops.bf16_unpairs(layer.weight)
         return onednn_packed.plain(layer.weight)
+
+
+def _pairs_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` on a weight held as ``cpu_ops.bf16_pairs``: ``bf16_gemm`` for bfloat16
+    rows it takes, else the plain weight."""
+    from vframe.layers import cpu_ops
+
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype == torch.bfloat16 and rows.stride(-1) == 1 and rows.stride(0) % 2 == 0 and cpu_ops.applies(rows):
+        out = cpu_ops.bf16_gemm(rows, weight).reshape(*x.shape[:-1], weight.shape[0] * 16)
+        return out if bias is None else out + bias
+    return F.linear(x, cpu_ops.bf16_unpairs(weight), bias)
 
 
 class QuantizationConfig(ABC):
