@@ -101,6 +101,12 @@ def test_a_kernel_whose_native_call_differs_from_its_bound_function_fails_the_ch
         check_quant_kernel(NativeWrong, quick=True)
 
 
+def _int4_pairs_runs() -> bool:
+    from vframe.quant.kernels.builtin import int4_pairs_available
+
+    return int4_pairs_available() is None
+
+
 @pytest.mark.parametrize(
     ("kernel", "dtype", "cases"),
     [
@@ -113,6 +119,9 @@ def test_a_kernel_whose_native_call_differs_from_its_bound_function_fails_the_ch
         # FP4 weights, NVFP4 and MXFP4: every code, their scales from the subnormals up
         ("fp4_cpu", torch.float32, 2), ("fp4_cpu", torch.bfloat16, 2), ("fp4_cpu", torch.float16, 2),
         ("int4_cpu", torch.bfloat16, 10),
+        # 4 bit in bfloat16: groups of 32, 64, 48 and per channel, sym and asym, act order with equal groups
+        pytest.param("int4_pairs", torch.bfloat16, 14, marks=pytest.mark.skipif(
+            not _int4_pairs_runs(), reason="int4_pairs needs a CPU with AVX512-BF16")),
         ("int8_dynamic", torch.float32, 1), ("int8_dynamic", torch.bfloat16, 1),
     ],
 )
@@ -288,7 +297,7 @@ def test_a_registered_kernel_of_higher_priority_runs_every_layer_and_quant_kerne
 
 
 def test_an_unknown_quant_kernel_is_refused_naming_the_known_ones(gptq_llama: Path) -> None:
-    with pytest.raises(Exception, match=r"fp4_cpu, fp8_cpu, int4_cpu, int8_dynamic, reference, triton, woq_cpu, woq_cpu_a8"):
+    with pytest.raises(Exception, match=r"fp4_cpu, fp8_cpu, int4_cpu, int4_pairs, int8_dynamic, reference, triton, woq_cpu, woq_cpu_a8"):
         LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", quant_kernel="marlin")
 
 

@@ -1,4 +1,6 @@
-"""Unquantized float32 and bfloat16 linear weights on the CPU, prepacked once for oneDNN.
+"""Unquantized float32 and bfloat16 linear weights on the CPU, prepacked once for oneDNN
+(bfloat16 on a CPU with AVX512-BF16 is held as pairs for vframe's own ``bf16_gemm``
+instead: ``vframe/layers/cpu_ops.py``, ``UnquantizedLinearMethod``).
 
 ``F.linear`` on a bfloat16 CPU tensor calls oneDNN, which reorders the weight
 into its blocked layout on every call. Reordering once after loading

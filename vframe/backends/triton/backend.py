@@ -20,8 +20,6 @@ is built, so the backend can be listed and refused without them.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -37,6 +35,7 @@ from vframe.core.interfaces import (
     MLAAttentionImpl,
 )
 from vframe.core.kv_cache_spec import refuse_fp8_kv_cache
+from vframe.utils import triton_mode
 
 PREFILL_BLOCK_Q = 16  # query tokens per program when some request has more than one
 BLOCK_SIZES = (4, 8, 16, 32, 64, 128, 256)
@@ -224,35 +223,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def check_available(cls) -> list[str]:
-        if importlib.util.find_spec("triton") is None:
-            return ["the triton package is not installed; pip install 'vframe[triton]'"]
-        if not torch.cuda.is_available() and not _interpreted():
-            return [
-                "needs an NVIDIA GPU (CUDA); TRITON_INTERPRET=1 runs its kernels on the CPU "
-                "through Triton's interpreter, for tests only"
-            ]
-        return []
+        return triton_mode.unavailable("its kernels")
 
 
-def _interpreted() -> bool:
-    """Whether ``TRITON_INTERPRET`` asks for Triton's interpreter (CPU tensors)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
+_interpreted = triton_mode.interpreted
 
 
 def _load_kernels() -> ModuleType:
-    """The kernels module. Triton reads ``TRITON_INTERPRET`` once, when it is
-    imported (its own library functions are decorated then): the mode cannot
-    change within a process."""
-    from vframe.backends.triton import kernels
-
-    if kernels.INTERPRETED != _interpreted():
-        raise RuntimeError(
-            f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')!r}, but Triton was imported "
-            f"{'with' if kernels.INTERPRETED else 'without'} its interpreter; set the variable "
-            "before the process imports Triton"
-        )
-    return kernels
+    """The kernels module (refuses a ``TRITON_INTERPRET`` that changed since Triton was imported)."""
+    return triton_mode.load_kernels("vframe.backends.triton.kernels")

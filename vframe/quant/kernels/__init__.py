@@ -63,6 +63,9 @@ Built-in kernels (``vframe.quant.kernels.builtin``; ``triton`` in ``vframe.quant
 * ``fp8_cpu`` (20): vframe's C++ FP8 kernel: e4m3 bytes read in place (as float16 bits,
   converted eight at a time with F16C) for up to 16 tokens (32 in float32), dequantized
   for one GEMM above.
+* ``int4_pairs`` (15): 4-bit weight-only in bfloat16 on CPUs with AVX512-BF16, vframe's C++
+  operator on a ``vdpbf16ps`` operand layout; named (``quant_kernel="int4_pairs"``), not yet
+  the default.
 * ``reference`` (0): dequantize in float32, cast, ``F.linear``; every spec, every device.
 
 ``vframe.testing.check_quant_kernel`` checks a kernel against ``IntWeight.dequantize``.

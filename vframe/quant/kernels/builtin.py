@@ -345,6 +345,101 @@ class WoqCpuKernel(_DequantizedGemm, _Permuted):
         return self._columns_back(layer, self._dequantized(layer, torch.float32, rows))
 
 
+def int4_pairs_available() -> str | None:
+    """``None`` when ``int4_pairs`` runs here: woq_cpu's library built for a CPU with AVX512-BF16,
+    and ``cpu_ops.bf16_gemm`` (its prefill GEMM) on."""
+    from vframe.layers import cpu_ops
+
+    if (reason := woq_cpu_available()) is not None:
+        return reason
+    if not _woq_ops().int4_pairs_available():
+        return "it needs a CPU with AVX512-BF16"
+    if not cpu_ops.bf16_gemm_available():
+        return "it needs cpu_ops.bf16_gemm (off: VFRAME_BF16_GEMM=0, or the fused CPU operators unavailable)"
+    return None
+
+
+class Int4PairsKernel(_DequantizedGemm, _Permuted):
+    """4-bit weight-only layers in bfloat16 on a CPU with AVX512-BF16 (``csrc/woq_gemm.cpp``'s
+    int4 pairs): the integers two a byte, laid out so that a widening, a mask and a shift give
+    ``vdpbf16ps`` operands (per block of 16 outputs, per 4 inputs: byte ``2n + j`` holds input
+    ``4p + j`` of output ``n`` low and ``4p + 2 + j`` high), scales and offsets per group and
+    output, float32. Up to
+    ``MAX_ROWS`` tokens: tiles of 4 rows x 32 outputs, each group's ``x * (q - 8)`` summed in
+    float32 and scaled, every weight byte read once a tile (SmolLM2's shapes, one row, Zen 4,
+    2 threads: the weight streamed at about memory speed, where torch's int4 kernel reads
+    9-17 GB/s); more tokens dequantize into bfloat16 pairs (each value ``IntWeight.dequantize``'s,
+    rounded once) for ``cpu_ops.bf16_gemm``.
+
+    Named, not yet chosen by default (``quant_kernel="int4_pairs"``; priority 15, below
+    ``int4_cpu`` and ``woq_cpu``): the tests that pin those kernels for 4-bit bfloat16 layers
+    (GGUF's Q4 segments and tied embedding among them) move over with the default."""
+
+    priority = 15
+
+    @classmethod
+    def check_available(cls) -> list[str]:
+        reason = int4_pairs_available()
+        return [reason] if reason else []
+
+    @classmethod
+    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        if spec.device.type != "cpu" or spec.dtype != torch.bfloat16:
+            return "it runs bfloat16 activations on the CPU only"
+        if spec.activations != WEIGHT_ONLY or spec.bits != 4:
+            return "it runs 4-bit weight-only formats only"
+        if spec.out_features % 16:
+            return "it needs a multiple of 16 outputs"
+        if spec.in_features % spec.group_size or spec.group_size % 4:
+            return f"it needs groups of a multiple of 4 inputs that divide the {spec.in_features} inputs"
+        return cls.permutable(spec) or int4_pairs_available()
+
+    def prepare(self, layer: nn.Module, weight: IntWeight) -> None:
+        weight = self._in_group_order(layer, weight)
+        self.group_size = weight.group_size
+        out_features, in_features = weight.q.shape
+        blocks, groups = out_features // 16, in_features // weight.group_size
+        q = weight.q.to(torch.uint8).reshape(blocks, 16, in_features // 4, 2, 2)  # (b, n, p, high, j): k = 4p + 2 high + j
+        packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [N / 16, K / 4, 16, 2]: byte 2n + j
+        self.buffer(layer, "q", packed.reshape(blocks, in_features // 4, 32).contiguous())
+
+        def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N / 16, G, 16]
+            return t.float().reshape(blocks, 16, groups).permute(0, 2, 1).contiguous()
+
+        self.buffer(layer, "scales", per_block(weight.scales))
+        self.buffer(layer, "offsets", torch.empty(0) if weight.offsets is None else per_block(weight.offsets))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return super().apply(layer, self._inputs(layer, x), bias)  # the inputs in group order
+
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
+        return None if self.permuted else super().bind(layer, bias)  # act order: apply sorts the inputs
+
+    def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
+        return _woq_ops().int4_pairs_gemm.default, self._pairs_args(layer)
+
+    def _pairs_args(self, layer: nn.Module) -> tuple:
+        return self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "offsets"), self.group_size
+
+    def _dequantized_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        from vframe.layers import cpu_ops
+
+        return cpu_ops.bf16_gemm(x.contiguous(), _woq_ops().int4_pairs_dequantize(*self._pairs_args(layer)))
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        q, scales, offsets = self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "offsets")
+        blocks, quads, _ = q.shape
+        q = q.reshape(blocks, quads, 16, 2)  # (b, p, n, j)
+        codes = torch.stack([q & 0x0F, q >> 4], dim=3)  # (b, p, n, high, j): input 4p + 2 high + j
+        codes = codes.permute(0, 2, 1, 3, 4).reshape(blocks * 16, quads * 4)
+
+        def plain(t: torch.Tensor) -> torch.Tensor:  # [N / 16, G, 16] -> [N, G]
+            return t.permute(0, 2, 1).reshape(blocks * 16, -1)
+
+        weight = IntWeight(4, codes, plain(scales), plain(offsets) if offsets.numel() else None, self.group_size)
+        return self._columns_back(layer, weight.dequantize())
+
+
 class WoqCpuA8Kernel(WoqCpuKernel):
     """``woq_cpu``'s weights (the same buffers) for ``INT8_PER_BLOCK`` specs: the C++
     operator ``woq_gemm_a8`` quantizes each block of 32 inputs to int8 and sums its

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from types import ModuleType
 
 import torch
@@ -34,28 +33,16 @@ from vframe.quant.kernels import (
     FP8_E4M3, INT_WEIGHT, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, Fp8Weight, IntWeight, QuantLinearKernel,
     QuantLinearSpec,
 )
+from vframe.utils import triton_mode
 
 
-def _interpreted() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
+_interpreted = triton_mode.interpreted
 
 
 @functools.cache
 def _gemm() -> ModuleType:
-    """The kernel module (imports Triton). Triton reads ``TRITON_INTERPRET`` once, at import."""
-    from vframe.quant.kernels import triton_gemm
-
-    if triton_gemm.INTERPRETED != _interpreted():
-        raise RuntimeError(
-            f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')!r}, but Triton was imported "
-            f"{'with' if triton_gemm.INTERPRETED else 'without'} its interpreter; set the variable "
-            "before the process imports Triton"
-        )
-    return triton_gemm
+    """The kernel module (imports Triton; refuses a ``TRITON_INTERPRET`` that changed since)."""
+    return triton_mode.load_kernels("vframe.quant.kernels.triton_gemm")
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:  # [N, K] uint8 in [0, 16) -> [N, ceil(K / 2)]
@@ -74,14 +61,7 @@ class TritonKernel(QuantLinearKernel):
 
     @classmethod
     def check_available(cls) -> list[str]:
-        if importlib.util.find_spec("triton") is None:
-            return ["the triton package is not installed; pip install 'vframe[triton]'"]
-        if not torch.cuda.is_available() and not _interpreted():
-            return [
-                "needs an NVIDIA GPU (CUDA); TRITON_INTERPRET=1 runs it on the CPU through Triton's "
-                "interpreter, for tests only"
-            ]
-        return []
+        return triton_mode.unavailable("it")
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -1234,6 +1235,195 @@ at::Tensor int4pack_dequantize(const at::Tensor& packed, const at::Tensor& scale
   return w;
 }
 
+
+// int4 pairs (vframe/quant/kernels/builtin.py, Int4PairsKernel): 4-bit weights laid out so that one
+// zero-extension, a mask and a shift give AVX512-BF16's vdpbf16ps operands, for bfloat16 activations.
+// Per block of 16 outputs, per 4 inputs 4p .. 4p + 3, 32 bytes: byte 2n + j holds input 4p + j of output
+// n in its low nibble and input 4p + 2 + j in its high one (j = 0, 1):
+//
+//   q [N / 16, K / 4, 32] uint8, scales / offsets [N / 16, K / group, 16] float32
+//   w[o, k] = scales[o, g] * (q[o, k] - 8) + offsets[o, g]          (g = k / group; offsets optional)
+//
+// The 32 bytes widened to 16-bit lanes: the low nibbles are the (4p, 4p + 1) pairs of the 16 outputs,
+// the high ones the (4p + 2, 4p + 3) pairs; q - 8 as bfloat16 (exact) looked up from a table of 16
+// with vpermw. The product sums x * (q - 8) over a group in float32, then scales it, and adds offsets
+// times the group's sum of x: tiles of up to 4 rows x 32 outputs (2 rows x 64 for one or two rows),
+// every weight byte read once a tile. int4_pairs_dequantize gives the weight as
+// bfloat16 pairs ([N / 16, K / 2, 16, 2], what cpu_ops' bf16_gemm reads) for prefills, each value
+// rounded once from the float32 expression above (IntWeight.dequantize's, then the cast).
+bool int4_pairs_available() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+void check_int4_pairs(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets, int64_t group) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 32 && q.is_contiguous(),
+              "int4_pairs: q must be contiguous uint8 [N / 16, K / 4, 32]");
+  const int64_t inputs = q.size(1) * 4;
+  TORCH_CHECK(group > 0 && group % 4 == 0 && inputs % group == 0, "int4_pairs: the group (", group,
+              ") must be a multiple of 4 that divides the ", inputs, " inputs");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == q.size(0) && scales.size(1) == inputs / group && scales.size(2) == 16,
+              "int4_pairs: scales must be contiguous float32 [N / 16, K / group, 16]");
+  TORCH_CHECK(offsets.numel() == 0 || offsets.sizes() == scales.sizes(), "int4_pairs: offsets must be empty or shaped as scales");
+  TORCH_CHECK(offsets.numel() == 0 || (offsets.scalar_type() == at::kFloat && offsets.is_contiguous()),
+              "int4_pairs: offsets must be contiguous float32");
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 bits of i - 8 for i in 0..15 (entries 16..31 unused): what vpermw looks a code up in.
+inline __m512i int4_table() {
+  alignas(64) uint16_t table[32] = {};
+  for (int i = 0; i < 16; ++i) {
+    const float v = static_cast<float>(i - 8);
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    table[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+  }
+  return _mm512_load_si512(table);
+}
+
+template <int ROWS, int COLS>
+inline void int4_pairs_tile(const uint32_t* x, int64_t x_stride, const float* xsum, int64_t groups, const uint8_t* q,
+                            int64_t q_block, const float* scales, const float* offsets, int64_t s_block,
+                            int64_t group_quads, __m512i table, at::BFloat16* out, int64_t out_stride) {
+  const __m512i low = _mm512_set1_epi16(0xF);
+  __m512 acc[ROWS][COLS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[ROWS][COLS];
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < COLS; ++c) part[r][c] = _mm512_setzero_ps();
+    for (int64_t p = g * group_quads; p < (g + 1) * group_quads; ++p) {
+      __m512bh w0[COLS], w1[COLS];
+      for (int c = 0; c < COLS; ++c) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * q_block + p * 32)));
+        w0[c] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(bytes, low), table);  // inputs 4p, 4p + 1
+        w1[c] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);   // inputs 4p + 2, 4p + 3
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + 2 * p]));
+        const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + 2 * p + 1]));
+        for (int c = 0; c < COLS; ++c) part[r][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(part[r][c], x0, w0[c]), x1, w1[c]);
+      }
+    }
+    for (int c = 0; c < COLS; ++c) {
+      const __m512 scale = _mm512_loadu_ps(scales + c * s_block + g * 16);
+      for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm512_fmadd_ps(part[r][c], scale, acc[r][c]);
+      if (offsets != nullptr) {
+        const __m512 offset = _mm512_loadu_ps(offsets + c * s_block + g * 16);
+        for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), offset, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+}
+
+template <int COLS, int ROWS = 4>
+void int4_pairs_rows(const uint32_t* x, int64_t x_stride, const float* xsum, int64_t groups, int64_t rows,
+                     const uint8_t* q, int64_t q_block, const float* scales, const float* offsets, int64_t s_block,
+                     int64_t group_quads, __m512i table, at::BFloat16* out, int64_t out_stride) {
+  if constexpr (ROWS > 0) {
+    for (; rows >= ROWS; rows -= ROWS, x += ROWS * x_stride, xsum += ROWS * groups, out += ROWS * out_stride)
+      int4_pairs_tile<ROWS, COLS>(x, x_stride, xsum, groups, q, q_block, scales, offsets, s_block, group_quads, table,
+                                  out, out_stride);
+    if (rows)
+      int4_pairs_rows<COLS, ROWS - 1>(x, x_stride, xsum, groups, rows, q, q_block, scales, offsets, s_block,
+                                      group_quads, table, out, out_stride);
+  }
+}
+#endif
+
+}  // namespace
+
+at::Tensor int4_pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets,
+                           int64_t group, at::ScalarType out_dtype) {
+  check_int4_pairs(q, scales, offsets, group);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16 && x.size(1) == q.size(1) * 4,
+              "int4_pairs_gemm: x must be bfloat16 [M, K] with K = 4 * q.size(1), the output bfloat16");
+  const at::Tensor xc = x.stride(1) == 1 && x.stride(0) % 2 == 0 ? x : x.contiguous();
+  const int64_t rows = xc.size(0), blocks = q.size(0), pairs = q.size(1) * 2, groups = scales.size(1);
+  at::Tensor out = at::empty({rows, blocks * 16}, x.options());
+#if defined(__AVX512BF16__)
+  if (rows == 0) return out;
+  // each row's sum of inputs per group, for the offsets
+  std::vector<float> xsum(offsets.numel() ? rows * groups : 0, 0.0f);
+  const at::BFloat16* xb = xc.const_data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < (offsets.numel() ? rows : 0); ++r)
+    for (int64_t i = 0; i < pairs * 2; ++i) xsum[r * groups + i / group] += static_cast<float>(xb[r * xc.stride(0) + i]);
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb);
+  const int64_t x_stride = xc.stride(0) / 2, q_block = q.size(1) * 32, s_block = groups * 16, outputs = blocks * 16;
+  const uint8_t* qp = q.const_data_ptr<uint8_t>();
+  const float* sp = scales.const_data_ptr<float>();
+  const float* op = offsets.numel() ? offsets.const_data_ptr<float>() : nullptr;
+  at::BFloat16* outp = out.mutable_data_ptr<at::BFloat16>();
+  const __m512i table = int4_table();
+  // Up to 2 rows, 4 blocks (64 outputs) a tile: enough independent sums to hide vdpbf16ps' latency;
+  // more rows, 4 rows x 2 blocks.
+  const int64_t width = rows <= 2 ? 4 : 2;
+  at::parallel_for(0, (blocks + width - 1) / width, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      for (int64_t b = task * width; b < std::min(blocks, (task + 1) * width);) {
+        const float* offs = op ? op + b * s_block : nullptr;
+        const uint8_t* qb = qp + b * q_block;
+        const float* sb = sp + b * s_block;
+        at::BFloat16* ob = outp + b * 16;
+        if (width == 4 && b + 4 <= blocks) {
+          int4_pairs_rows<4, 2>(xp, x_stride, xsum.data(), groups, rows, qb, q_block, sb, offs, s_block, group / 4,
+                                table, ob, outputs);
+          b += 4;
+        } else if (width == 2 && b + 2 <= blocks) {
+          int4_pairs_rows<2>(xp, x_stride, xsum.data(), groups, rows, qb, q_block, sb, offs, s_block, group / 4, table,
+                             ob, outputs);
+          b += 2;
+        } else {
+          int4_pairs_rows<1>(xp, x_stride, xsum.data(), groups, rows, qb, q_block, sb, offs, s_block, group / 4, table,
+                             ob, outputs);
+          b += 1;
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "int4_pairs_gemm: this build has no AVX512-BF16 (int4_pairs_available() is false)");
+#endif
+  return out;
+}
+
+at::Tensor int4_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets, int64_t group) {
+  check_int4_pairs(q, scales, offsets, group);
+  const int64_t blocks = q.size(0), quads = q.size(1), pairs = quads * 2, groups = scales.size(1);
+  at::Tensor w = at::empty({blocks, pairs, 16, 2}, q.options().dtype(at::kBFloat16));
+  const uint8_t* qp = q.const_data_ptr<uint8_t>();
+  const float* sp = scales.const_data_ptr<float>();
+  const float* op = offsets.numel() ? offsets.const_data_ptr<float>() : nullptr;
+  at::BFloat16* wp = w.mutable_data_ptr<at::BFloat16>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t p = 0; p < quads; ++p) {
+        const int64_t g = p * 4 / group;
+        for (int n = 0; n < 16; ++n) {
+          const float s = sp[(b * groups + g) * 16 + n], o = op ? op[(b * groups + g) * 16 + n] : 0.0f;
+          for (int j = 0; j < 2; ++j) {
+            const uint8_t byte = qp[(b * quads + p) * 32 + 2 * n + j];
+            const float lo = s * static_cast<float>((byte & 15) - 8), hi = s * static_cast<float>((byte >> 4) - 8);
+            wp[((b * pairs + 2 * p) * 16 + n) * 2 + j] = static_cast<at::BFloat16>(op ? lo + o : lo);      // input 4p + j
+            wp[((b * pairs + 2 * p + 1) * 16 + n) * 2 + j] = static_cast<at::BFloat16>(op ? hi + o : hi);  // 4p + 2 + j
+          }
+        }
+      }
+  });
+  return w;
+}
+
 TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("woq_gemm(Tensor x, Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("int8_dynamic_mm(Tensor x, Tensor weight, Tensor w_scale) -> Tensor");
@@ -1245,6 +1435,9 @@ TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("fp4_dequantize(Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format, ScalarType out_dtype) -> Tensor");
   m.def("woq_dequantize(Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("int4pack_dequantize(Tensor packed, Tensor scales_and_zeros, int group) -> Tensor");
+  m.def("int4_pairs_gemm(Tensor x, Tensor q, Tensor scales, Tensor offsets, int group, ScalarType out_dtype) -> Tensor");
+  m.def("int4_pairs_dequantize(Tensor q, Tensor scales, Tensor offsets, int group) -> Tensor");
+  m.def("int4_pairs_available() -> bool", &int4_pairs_available);
 }
 
 TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
@@ -1258,4 +1451,6 @@ TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
   m.impl("fp4_dequantize", &fp4_dequantize);
   m.impl("woq_dequantize", &woq_dequantize);
   m.impl("int4pack_dequantize", &int4pack_dequantize);
+  m.impl("int4_pairs_gemm", &int4_pairs_gemm);
+  m.impl("int4_pairs_dequantize", &int4_pairs_dequantize);
 }
