@@ -278,7 +278,18 @@ class _DequantizedGemm:
         return out
 
 
-class WoqCpuKernel(_DequantizedGemm, _Permuted):
+class _PermutedGemm(_DequantizedGemm, _Permuted):
+    """A ``_DequantizedGemm`` whose act-order weights hold their inputs in group order: ``apply``
+    sorts the activations to match; ``bind`` leaves such layers to ``apply``."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return super().apply(layer, self._inputs(layer, x), bias)  # the inputs in group order
+
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
+        return None if self.permuted else super().bind(layer, bias)  # act order: apply sorts the inputs
+
+
+class WoqCpuKernel(_PermutedGemm):
     """vframe's C++ kernel (``csrc/woq_gemm.cpp``): up to ``MAX_ROWS`` activation
     rows are multiplied by the integers in place (8 bit: a byte each; 4 bit: two
     per byte), more rows dequantize the weight into the activations' dtype for one
@@ -313,12 +324,6 @@ class WoqCpuKernel(_DequantizedGemm, _Permuted):
         neg_offsets = torch.empty(0) if weight.offsets is None else -weight.offsets.float().contiguous()
         self.buffer(layer, "neg_offsets", neg_offsets)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return super().apply(layer, self._inputs(layer, x), bias)  # the inputs in group order
-
-    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
-        return None if self.permuted else super().bind(layer, bias)  # act order: apply sorts the inputs
-
     def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
         # woq_gemm reads bfloat16 x as it is (4 bit, AVX512-BF16), else as float32
         return _woq_ops().woq_gemm.default, self._woq_args(layer)
@@ -345,6 +350,18 @@ class WoqCpuKernel(_DequantizedGemm, _Permuted):
         return self._columns_back(layer, self._dequantized(layer, torch.float32, rows))
 
 
+def _bf16_int4_refusal(spec: QuantLinearSpec) -> str | None:
+    """Why a 4-bit bfloat16 CPU kernel (``int4_cpu``, ``int4_pairs``) cannot run ``spec``, as far
+    as their common rules go, or None."""
+    if spec.device.type != "cpu" or spec.dtype != torch.bfloat16:
+        return "it runs bfloat16 activations on the CPU only"
+    if spec.activations != WEIGHT_ONLY or spec.bits != 4:
+        return "it runs 4-bit weight-only formats only"
+    if spec.out_features % 16:
+        return "it needs a multiple of 16 outputs"
+    return None
+
+
 def int4_pairs_available() -> str | None:
     """``None`` when ``int4_pairs`` runs here: woq_cpu's library built for a CPU with AVX512-BF16,
     and ``cpu_ops.bf16_gemm`` (its prefill GEMM) on."""
@@ -359,7 +376,7 @@ def int4_pairs_available() -> str | None:
     return None
 
 
-class Int4PairsKernel(_DequantizedGemm, _Permuted):
+class Int4PairsKernel(_PermutedGemm):
     """4-bit weight-only layers in bfloat16 on a CPU with AVX512-BF16 (``csrc/woq_gemm.cpp``'s
     int4 pairs): the integers two a byte, laid out so that a widening, a mask and a shift give
     ``vdpbf16ps`` operands (per block of 16 outputs, per 4 inputs: byte ``2n + j`` holds input
@@ -384,12 +401,8 @@ class Int4PairsKernel(_DequantizedGemm, _Permuted):
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
-        if spec.device.type != "cpu" or spec.dtype != torch.bfloat16:
-            return "it runs bfloat16 activations on the CPU only"
-        if spec.activations != WEIGHT_ONLY or spec.bits != 4:
-            return "it runs 4-bit weight-only formats only"
-        if spec.out_features % 16:
-            return "it needs a multiple of 16 outputs"
+        if (reason := _bf16_int4_refusal(spec)) is not None:
+            return reason
         if spec.in_features % spec.group_size or spec.group_size % 4:
             return f"it needs groups of a multiple of 4 inputs that divide the {spec.in_features} inputs"
         return cls.permutable(spec) or int4_pairs_available()
@@ -408,12 +421,6 @@ class Int4PairsKernel(_DequantizedGemm, _Permuted):
 
         self.buffer(layer, "scales", per_block(weight.scales))
         self.buffer(layer, "offsets", torch.empty(0) if weight.offsets is None else per_block(weight.offsets))
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return super().apply(layer, self._inputs(layer, x), bias)  # the inputs in group order
-
-    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
-        return None if self.permuted else super().bind(layer, bias)  # act order: apply sorts the inputs
 
     def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
         return _woq_ops().int4_pairs_gemm.default, self._pairs_args(layer)
@@ -572,14 +579,10 @@ class TorchInt4CpuKernel(_Permuted):
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
-        if spec.device.type != "cpu" or spec.dtype != torch.bfloat16:
-            return "it runs bfloat16 activations on the CPU only"
-        if spec.activations != WEIGHT_ONLY or spec.bits != 4:
-            return "it runs 4-bit weight-only formats only"
+        if (reason := _bf16_int4_refusal(spec)) is not None:
+            return reason
         if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
             return "this torch has no _weight_int4pack_mm_for_cpu"
-        if spec.out_features % 16:
-            return "it needs a multiple of 16 outputs"
         if int4_cpu.group_for(spec.in_features, spec.group_size) is None:
             return f"its groups (32 to 256 inputs) do not fit groups of {spec.group_size} over {spec.in_features} inputs"
         return cls.permutable(spec)
