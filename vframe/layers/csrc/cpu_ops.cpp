@@ -447,9 +447,21 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-// The columns are split over the threads, so that every token's sum runs over its pairs in
-// order on one thread: each product w * r rounded to float32, then added, as index_add_ adds
-// the multiplied rows.
+// acc[tok[p]] += w[p] * rows[p - first] over columns [begin, end) for the pairs p in [first, last),
+// in order: each product w * r rounded to float32, then added, as index_add_ adds the multiplied
+// rows. moe_combine and moe_experts split the columns over the threads, so that every token's
+// sum runs over its pairs in order on one thread.
+template <typename T>
+inline void add_weighted_rows(float* acc, int64_t hidden, const int64_t* tok, const float* w, int64_t first,
+                              int64_t last, const T* rows, int64_t stride, int64_t begin, int64_t end) {
+  for (int64_t p = first; p < last; ++p) {
+    const float wp = w[p];
+    const T* rp = rows + (p - first) * stride;
+    float* ap = acc + tok[p] * hidden;
+    for (int64_t d = begin; d < end; ++d) ap[d] += wp * static_cast<float>(rp[d]);
+  }
+}
+
 at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& token_ids, const at::Tensor& weights,
                        int64_t num_tokens) {
   TORCH_CHECK(rows.dim() == 2 && rows.stride(1) == 1, "moe_combine: rows must be [S, H] with contiguous rows");
@@ -471,12 +483,7 @@ at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& token_ids, cons
     const scalar_t* r = rows.const_data_ptr<scalar_t>();
     const int64_t stride = rows.stride(0);
     at::parallel_for(0, hidden, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t p = 0; p < pairs; ++p) {
-        const float wp = w[p];
-        const scalar_t* rp = r + p * stride;
-        float* ap = acc + tok[p] * hidden;
-        for (int64_t d = begin; d < end; ++d) ap[d] += wp * static_cast<float>(rp[d]);
-      }
+      add_weighted_rows(acc, hidden, tok, w, 0, pairs, r, stride, begin, end);
     });
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
@@ -622,17 +629,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
   float* ap = acc.mutable_data_ptr<float>();
   AT_DISPATCH_V2(x.scalar_type(), "moe_experts", AT_WRAP([&] {
     at::parallel_for(0, hidden, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t e = 0; e < num_experts; ++e) {
-        if (!outs[e].defined()) continue;
-        const scalar_t* out = outs[e].const_data_ptr<scalar_t>();
-        const int64_t stride = outs[e].stride(0);
-        for (int64_t p = starts[e]; p < starts[e + 1]; ++p) {
-          const float wp = pw[p];
-          const scalar_t* rp = out + (p - starts[e]) * stride;
-          float* dst = ap + tok[p] * hidden;
-          for (int64_t d = begin; d < end; ++d) dst[d] += wp * static_cast<float>(rp[d]);
-        }
-      }
+      for (int64_t e = 0; e < num_experts; ++e)
+        if (outs[e].defined())
+          add_weighted_rows(ap, hidden, tok, pw, starts[e], starts[e + 1], outs[e].const_data_ptr<scalar_t>(),
+                            outs[e].stride(0), begin, end);
     });
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return acc;
