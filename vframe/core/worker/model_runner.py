@@ -35,6 +35,7 @@ from vframe.core.worker.kv_token_check import KVTokenCheck
 from vframe.errors import ConfigError, PluginError
 from vframe.layers.parallel import broadcast_from_first, get_tp_size
 from vframe.plugins import get_registry
+from vframe.utils.cpu_memory import tune_allocator
 
 if TYPE_CHECKING:
     from vframe.core.worker.cuda_graphs import DecodeGraphs
@@ -354,6 +355,8 @@ class TorchModelRunner(ModelRunner):
         # from fresh, kernel-zeroed mmap pages, so `empty` is zero without paying
         # to write gigabytes at start-up; elsewhere zero it explicitly.
         self.decode_graphs = None  # graphs of an earlier cache would write into it
+        if self.device.type == "cpu":
+            tune_allocator()  # from here on, a forward's blocks reuse pages (vframe/utils/cpu_memory.py)
         graph_sizes = self._decode_graph_sizes()
         # With CUDA graphs, one block more than the scheduler knows: the padding rows'
         # scratch block (vframe/core/worker/cuda_graphs.py).
