@@ -91,3 +91,64 @@ def test_smollm2_in_pairs_is_as_close_to_float32_as_on_onednn(monkeypatch: pytes
         del llm
     cpu_ops.bf16_gemm_available.cache_clear()
     assert errors["1"] <= 1.25 * errors["0"], errors
+
+
+@pytest.mark.parametrize(("rows", "inputs", "inter"), [(1, 96, 16), (7, 64, 48), (40, 576, 1536), (300, 128, 32)])
+def test_gate_up_and_silu_in_one_operator_equal_the_two(rows: int, inputs: int, inter: int) -> None:
+    """``bf16_gemm_silu``: silu_and_mul(bf16_gemm(x, W)) bit for bit, rows past a tile of 8 and
+    past a block of 256, shards of one, three and 96 blocks; large values (silu's tail) too."""
+    layer, plain = _loaded(MergedColumnParallelLinear(inputs, [inter, inter], bias=False, params_dtype=torch.bfloat16))
+    pairs = layer.silu_pairs()
+    assert pairs is layer.weight and pairs.shape == (2 * inter // 16, inputs // 2, 16, 2)
+    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(rows)).bfloat16() * 3
+    two = cpu_ops.silu_and_mul(cpu_ops.bf16_gemm(x, pairs))
+    one = cpu_ops.bf16_gemm_silu(x, pairs)
+    assert one.shape == (rows, inter) and one.dtype == torch.bfloat16
+    assert torch.equal(one, two)
+    # torch's SwiGLU on the bfloat16 product (within a bfloat16 rounding of the exact one)
+    product = cpu_ops.bf16_gemm(x, pairs)
+    exact = x.double() @ plain.double().T
+    assert bool(((product.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-2).all())
+    gate, up = product.chunk(2, dim=-1)
+    assert torch.equal(one, F.silu(gate).mul_(up))
+
+
+def test_only_an_unquantized_bias_free_pair_of_equal_shards_fuses() -> None:
+    for sizes, bias, dtype in [([32, 32], True, torch.bfloat16), ([32, 48], False, torch.bfloat16),
+                               ([32, 32], False, torch.float32)]:
+        layer, _ = _loaded(MergedColumnParallelLinear(64, sizes, bias=bias, params_dtype=dtype))
+        assert layer.silu_pairs() is None, (sizes, bias, dtype)
+    fused, _ = _loaded(MergedColumnParallelLinear(64, [32, 32], bias=False, params_dtype=torch.bfloat16))
+    assert fused.silu_pairs() is fused.weight
+    with pytest.raises(RuntimeError, match=r"a \[gate; up\] weight as bf16_pairs"):
+        cpu_ops.bf16_gemm_silu(torch.randn(2, 64).bfloat16(), cpu_ops.bf16_pairs(torch.randn(48, 64).bfloat16()))
+
+
+def test_bound_llama_mlp_takes_the_fused_operator_and_gives_the_same_bits() -> None:
+    """A bound LlamaMLP runs gate/up and SwiGLU as one operator for bfloat16 rows; unbound, or
+    its gate/up layer swapped for another module (a LoRA wrapper), it makes the two calls."""
+    from types import SimpleNamespace
+
+    from vframe.models.llama import LlamaMLP
+
+    config = SimpleNamespace(hidden_size=64, intermediate_size=96)
+    mlp = LlamaMLP(config, torch.bfloat16, None, "mlp")
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        _loaded(linear)
+    x = torch.randn(33, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.no_grad():
+        unbound = mlp(x)
+        mlp.bind_forward(True)
+        assert mlp._fused is not None and mlp._fused[1] is mlp.gate_up_proj.weight
+        calls = []
+        real = cpu_ops.bf16_gemm_silu
+        try:
+            cpu_ops.bf16_gemm_silu = lambda *a: calls.append(1) or real(*a)
+            assert torch.equal(mlp(x), unbound) and calls == [1]
+            wrapped = torch.nn.Sequential(mlp.gate_up_proj)  # another module in its place
+            mlp.gate_up_proj = wrapped
+            assert torch.equal(mlp(x), unbound) and calls == [1]
+        finally:
+            cpu_ops.bf16_gemm_silu = real
+        mlp.bind_forward(False)
+        assert mlp._fused is None

@@ -178,6 +178,18 @@ def bf16_gemm(x: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:  # [M, K] x
     return torch.ops.vframe_cpu_ops.bf16_gemm(x, pairs)
 
 
+def bf16_gemm_takes(rows: torch.Tensor) -> bool:
+    """Whether ``bf16_gemm`` takes these ``[M, K]`` rows: bfloat16 on this CPU, each row
+    contiguous, the row stride even."""
+    return rows.dtype == torch.bfloat16 and rows.stride(-1) == 1 and rows.stride(0) % 2 == 0 and applies(rows)
+
+
+def bf16_gemm_silu(x: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:  # [M, K] x pairs of [2 I, K] -> [M, I]
+    """``silu_and_mul(bf16_gemm(x, pairs))`` for the pairs of a ``[gate; up]`` weight (``I`` a
+    multiple of 16), bit for bit, in one pass: the ``[M, 2 I]`` product is never written."""
+    return torch.ops.vframe_cpu_ops.bf16_gemm_silu(x, pairs)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
     """``logits.argmax(-1)`` (the first index of a row's maximum; NaN counts as the
     maximum): the C++ operator for float32 rows on the CPU, else torch's. torch's CPU

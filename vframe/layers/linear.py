@@ -251,6 +251,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         sizes = self.output_partition_sizes
         return sum(sizes[:i]), sizes[i], self.tp_rank, self.tp_size
 
+    def silu_pairs(self) -> torch.Tensor | None:
+        """The weight, held as ``cpu_ops.bf16_pairs``, when this layer is an unquantized
+        ``[gate; up]`` pair of equal shards without bias that ``cpu_ops.bf16_gemm_silu``
+        takes whole (each shard a multiple of 16 features); else None."""
+        weight, sizes = getattr(self, "weight", None), self.output_partition_sizes
+        if (
+            type(self.quant_method) is UnquantizedLinearMethod and self.bias is None
+            and isinstance(weight, torch.Tensor) and weight.dim() == 4
+            and len(sizes) == 2 and sizes[0] == sizes[1] and sizes[0] % 16 == 0
+        ):  # fmt: skip
+            return weight
+        return None
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """The fused ``[q | k | v]`` projection of attention, split over ranks by heads.

@@ -258,7 +258,20 @@ class LlamaMLP(nn.Module):
             inter, hidden, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj", params_dtype=dtype
         )
 
+    _fused: tuple[nn.Module, torch.Tensor] | None = None  # (gate_up_proj, its pairs) once bound
+
+    def bind_forward(self, enabled: bool = True) -> None:
+        """Bound (vframe/layers/binding.py), bfloat16 rows take the gate/up product and SwiGLU
+        as one operator (``cpu_ops.bf16_gemm_silu``, bit for bit the two) where the gate/up
+        weight is held as pairs; anything else, a LoRA-wrapped layer included, the two calls."""
+        gate_up = self.gate_up_proj
+        pairs = gate_up.silu_pairs() if enabled and isinstance(gate_up, MergedColumnParallelLinear) else None
+        self._fused = None if pairs is None else (gate_up, pairs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
+        fused = self._fused
+        if fused is not None and fused[0] is self.gate_up_proj and x.dim() == 2 and cpu_ops.bf16_gemm_takes(x):
+            return self.down_proj(cpu_ops.bf16_gemm_silu(x, fused[1]))  # [T, I] -> [T, E]
         return self.down_proj(cpu_ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, E]
 
 

@@ -270,7 +270,7 @@ def _pairs_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     from vframe.layers import cpu_ops
 
     rows = x.reshape(-1, x.shape[-1])
-    if rows.dtype == torch.bfloat16 and rows.stride(-1) == 1 and rows.stride(0) % 2 == 0 and cpu_ops.applies(rows):
+    if cpu_ops.bf16_gemm_takes(rows):
         out = cpu_ops.bf16_gemm(rows, weight).reshape(*x.shape[:-1], weight.shape[0] * 16)
         return out if bias is None else out + bias
     return F.linear(x, cpu_ops.bf16_unpairs(weight), bias)

@@ -24,6 +24,8 @@
 //                              AVX512-BF16 vdpbf16ps tiles of 8 rows x 32 outputs, float32 sums over the
 //                              inputs in order, rounded to bfloat16 once; bf16_gemm_available() says
 //                              whether this build has it (a CPU with AVX512-BF16)
+//   bf16_gemm_silu(x, w)       silu_and_mul(bf16_gemm(x, w)) for the pairs of a [gate; up] weight, bit for
+//                              bit, in one pass (LlamaMLP's prefills: no [M, 2 I] product in memory)
 //   argmax_rows(x)             x.argmax(-1) for float32 [B, V]: the first index of a row's maximum, a NaN
 //                              counting as the maximum (torch's CPU argmax does not vectorise its
 //                              index-tracking reduction: 3.9 ms for [64, 49152], amax 0.18 ms)
@@ -494,16 +496,24 @@ at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& token_ids, cons
 // is read once per tile. Zen 4, 2 threads, [16, 512] x [512 -> 2048]: 374 GFLOP/s against
 // oneDNN's packed linear's 275; [1, 512] x [512 -> 2048] 107 against 36; at 256 rows both ~410.
 #if defined(__AVX512BF16__)
-template <int ROWS, int COLS>
+// One tile's sums as bfloat16 (what bf16_gemm stores), read back as float32.
+inline __m512 bf16_rounded(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// SILU: COLS is 2, the blocks a gate block and its up block, and the tile stores
+// silu_and_mul of its two bfloat16 results (the AVX-512 path of silu_and_mul_rows, bit for bit).
+template <int ROWS, int COLS, bool SILU>
 inline void bf16_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t w_stride, int64_t pairs,
-                      at::BFloat16* out, int64_t out_stride, const char* pf, int64_t pf_lines) {
+                      at::BFloat16* out, int64_t out_stride, const char* pf, int64_t pf_stride, int64_t pf_n) {
   __m512 acc[ROWS][COLS];
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t k = 0; k < pairs; ++k) {
-    // the panel this thread takes next, into L2 (T0 into L1 measured slower), two lines a pair at most
-    if (2 * k < pf_lines) _mm_prefetch(pf + 128 * k, _MM_HINT_T1);
-    if (2 * k + 1 < pf_lines) _mm_prefetch(pf + 128 * k + 64, _MM_HINT_T1);
+    if (k < pf_n) {  // the panel this thread takes next, into L2 (T0, into L1, measured slower)
+      _mm_prefetch(pf + 64 * k, _MM_HINT_T1);
+      _mm_prefetch(pf + pf_stride + 64 * k, _MM_HINT_T1);
+    }
     __m512bh wv[COLS];
     for (int c = 0; c < COLS; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * w_stride + k * 16);
     for (int r = 0; r < ROWS; ++r) {
@@ -511,27 +521,41 @@ inline void bf16_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, in
       for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
     }
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+  if constexpr (SILU) {
+    static_assert(COLS == 2, "a gate block and its up block");
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 g = bf16_rounded(acc[r][0]), u = bf16_rounded(acc[r][1]);
+      const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
+      const __m512 sv = _mm512_div_ps(g, _mm512_add_ps(one, Sleef_expf16_u10avx512f(neg)));
+      store16(out + r * out_stride, _mm512_mul_ps(round16<c10::BFloat16>(sv), u));
+    }
+  } else {
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < COLS; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + c * 16),
+                            (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+  }
 }
 
-// All rows of x against one panel of COLS blocks, in tiles of ROWS rows (then fewer). While
-// they run, the tiles ask for the pf_lines cache lines at pf (the panel the thread takes next)
-// in equal shares: a panel read from memory arrives before its first tile needs it.
-template <int COLS, int ROWS = 8>
+// All rows of x against one panel of COLS blocks (w_stride apart), in tiles of ROWS rows
+// (then fewer). While they run, the tiles ask in equal shares for the pf_n lines at pf and
+// at pf + pf_stride (the two blocks of the panel the thread takes next): a panel read from
+// memory arrives before its first tile needs it.
+template <int COLS, bool SILU, int ROWS = 8>
 void bf16_rows(const uint32_t* x, int64_t x_stride, int64_t rows, const uint32_t* w, int64_t w_stride, int64_t pairs,
-               at::BFloat16* out, int64_t out_stride, const char* pf, int64_t pf_lines) {
+               at::BFloat16* out, int64_t out_stride, const char* pf, int64_t pf_stride, int64_t pf_n) {
   if constexpr (ROWS > 0) {
     const int64_t tiles = rows / ROWS + (rows % ROWS != 0);
-    const int64_t share = tiles ? (pf_lines + tiles - 1) / tiles : 0;
+    const int64_t share = tiles ? (pf_n + tiles - 1) / tiles : 0;
     for (; rows >= ROWS; rows -= ROWS, x += ROWS * x_stride, out += ROWS * out_stride) {
-      const int64_t n = std::min(share, pf_lines);
-      bf16_tile<ROWS, COLS>(x, x_stride, w, w_stride, pairs, out, out_stride, pf, n);
+      const int64_t n = std::min(share, pf_n);
+      bf16_tile<ROWS, COLS, SILU>(x, x_stride, w, w_stride, pairs, out, out_stride, pf, pf_stride, n);
       pf += 64 * n;
-      pf_lines -= n;
+      pf_n -= n;
     }
-    if (rows) bf16_rows<COLS, ROWS - 1>(x, x_stride, rows, w, w_stride, pairs, out, out_stride, pf, pf_lines);
+    if (rows)
+      bf16_rows<COLS, SILU, ROWS - 1>(x, x_stride, rows, w, w_stride, pairs, out, out_stride, pf, pf_stride, pf_n);
   }
 }
 #endif
@@ -560,6 +584,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
   at::BFloat16* op = out.mutable_data_ptr<at::BFloat16>();
   const int64_t x_stride = x.stride(0) / 2, block = pairs * 16;
   constexpr int64_t kRowBlock = 256;  // the rows one pass over the weight takes (x's block stays in cache)
+  const int64_t block_bytes = block * 4;
   for (int64_t m = 0; m < rows; m += kRowBlock) {
     const int64_t m_rows = std::min(kRowBlock, rows - m);
     at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
@@ -567,18 +592,54 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
         const int64_t b = task * 2;
         const uint32_t* xs = xp + m * x_stride;
         at::BFloat16* os = op + m * outputs + b * 16;
-        // the thread's next panel (blocks b + 2 and b + 3, one line per pair each), if any
-        const int64_t next_lines = std::max<int64_t>(0, std::min<int64_t>(2, blocks - b - 2)) * pairs;
+        // the thread's next panel: blocks b + 2 and b + 3 (or b + 2 twice), if any
         const char* next = reinterpret_cast<const char*>(wp + std::min(b + 2, blocks) * block);
+        const int64_t next_n = b + 2 < blocks ? pairs : 0, next_stride = b + 3 < blocks ? block_bytes : 0;
         if (b + 1 < blocks)
-          bf16_rows<2>(xs, x_stride, m_rows, wp + b * block, block, pairs, os, outputs, next, next_lines);
+          bf16_rows<2, false>(xs, x_stride, m_rows, wp + b * block, block, pairs, os, outputs, next, next_stride, next_n);
         else
-          bf16_rows<1>(xs, x_stride, m_rows, wp + b * block, block, pairs, os, outputs, next, next_lines);
+          bf16_rows<1, false>(xs, x_stride, m_rows, wp + b * block, block, pairs, os, outputs, next, next_stride, next_n);
       }
     });
   }
 #else
   TORCH_CHECK(false, "bf16_gemm: this build has no AVX512-BF16 (bf16_gemm_available() is false)");
+#endif
+  return out;
+}
+
+// silu_and_mul(bf16_gemm(x, w)) for w the pairs of a [gate; up] weight ([2 I, K], I a multiple
+// of 16), in one pass: each tile takes gate block j and up block j and stores the I-wide
+// activation, bit for bit what the two operators give, without the [M, 2 I] product in memory.
+at::Tensor bf16_gemm_silu(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 2 == 0 &&
+                  x.size(1) % 2 == 0,
+              "bf16_gemm_silu: x must be bfloat16 [M, K] with contiguous rows, K and the row stride even");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(1) * 2 == x.size(1) &&
+                  w.size(2) == 16 && w.size(3) == 2 && w.size(0) % 2 == 0,
+              "bf16_gemm_silu: w must be contiguous bfloat16 [2 I / 16, K / 2, 16, 2] (a [gate; up] weight as "
+              "bf16_pairs, I a multiple of 16) with K = x.size(1)");
+  const int64_t rows = x.size(0), pairs = w.size(1), half = w.size(0) / 2, inter = half * 16;
+  at::Tensor out = at::empty({rows, inter}, x.options());
+#if defined(__AVX512BF16__)
+  if (rows == 0) return out;
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.const_data_ptr<at::BFloat16>());
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w.const_data_ptr<at::BFloat16>());
+  at::BFloat16* op = out.mutable_data_ptr<at::BFloat16>();
+  const int64_t x_stride = x.stride(0) / 2, block = pairs * 16, up = half * block;  // gate block j, up block j + half
+  constexpr int64_t kRowBlock = 256;
+  for (int64_t m = 0; m < rows; m += kRowBlock) {
+    const int64_t m_rows = std::min(kRowBlock, rows - m);
+    at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        const char* next = reinterpret_cast<const char*>(wp + std::min(j + 1, half) * block);
+        bf16_rows<2, true>(xp + m * x_stride, x_stride, m_rows, wp + j * block, up, pairs, op + m * inter + j * 16,
+                           inter, next, up * 4, j + 1 < half ? pairs : 0);
+      }
+    });
+  }
+#else
+  TORCH_CHECK(false, "bf16_gemm_silu: this build has no AVX512-BF16 (bf16_gemm_available() is false)");
 #endif
   return out;
 }
@@ -809,6 +870,7 @@ TORCH_LIBRARY(vframe_cpu_ops, m) {
   m.def("moe_experts(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor[] w13, Tensor[] w2, int layout) -> Tensor");
   m.def("bf16_gemm(Tensor x, Tensor w) -> Tensor");
   m.def("bf16_gemm_available() -> bool", &bf16_gemm_available);
+  m.def("bf16_gemm_silu(Tensor x, Tensor w) -> Tensor");
   m.class_<DecodePlan>("DecodePlan")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor>())
       .def("add_layer", &DecodePlan::add_layer)
@@ -827,6 +889,7 @@ TORCH_LIBRARY_IMPL(vframe_cpu_ops, CPU, m) {
   m.impl("moe_combine", &moe_combine);
   m.impl("moe_experts", &moe_experts);
   m.impl("bf16_gemm", &bf16_gemm);
+  m.impl("bf16_gemm_silu", &bf16_gemm_silu);
 }
 
 // Experts packed for oneDNN are MkldnnCPU tensors: a call holding them dispatches there.
