@@ -568,29 +568,42 @@ bool bf16_gemm_available() {
 #endif
 }
 
-at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
+namespace {
+
+// bf16_gemm, or with silu bf16_gemm_silu: one body, the tasks two blocks of the product's
+// outputs, or a gate block and its up block.
+at::Tensor bf16_product(const at::Tensor& x, const at::Tensor& w, bool silu) {
+  const char* name = silu ? "bf16_gemm_silu" : "bf16_gemm";
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 2 == 0 &&
                   x.size(1) % 2 == 0,
-              "bf16_gemm: x must be bfloat16 [M, K] with contiguous rows, K and the row stride even");
+              name, ": x must be bfloat16 [M, K] with contiguous rows, K and the row stride even");
   TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(1) * 2 == x.size(1) &&
-                  w.size(2) == 16 && w.size(3) == 2,
-              "bf16_gemm: w must be contiguous bfloat16 [N / 16, K / 2, 16, 2] with K = x.size(1)");
-  const int64_t rows = x.size(0), pairs = w.size(1), blocks = w.size(0), outputs = blocks * 16;
+                  w.size(2) == 16 && w.size(3) == 2 && (!silu || w.size(0) % 2 == 0),
+              name, ": w must be contiguous bfloat16 [N / 16, K / 2, 16, 2] with K = x.size(1)",
+              silu ? " (a [gate; up] weight as bf16_pairs, N / 2 a multiple of 16)" : "");
+  const int64_t rows = x.size(0), pairs = w.size(1), blocks = w.size(0), half = blocks / 2;
+  const int64_t outputs = silu ? half * 16 : blocks * 16;
   at::Tensor out = at::empty({rows, outputs}, x.options());
 #if defined(__AVX512BF16__)
   if (rows == 0) return out;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.const_data_ptr<at::BFloat16>());
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(w.const_data_ptr<at::BFloat16>());
   at::BFloat16* op = out.mutable_data_ptr<at::BFloat16>();
-  const int64_t x_stride = x.stride(0) / 2, block = pairs * 16;
+  const int64_t x_stride = x.stride(0) / 2, block = pairs * 16, block_bytes = block * 4;
   constexpr int64_t kRowBlock = 256;  // the rows one pass over the weight takes (x's block stays in cache)
-  const int64_t block_bytes = block * 4;
   for (int64_t m = 0; m < rows; m += kRowBlock) {
     const int64_t m_rows = std::min(kRowBlock, rows - m);
-    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    const uint32_t* xs = xp + m * x_stride;
+    at::parallel_for(0, silu ? half : (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
+        if (silu) {  // gate block j and up block j + half; next, the pair j + 1
+          const int64_t j = task, up = half * block;
+          const char* next = reinterpret_cast<const char*>(wp + std::min(j + 1, half) * block);
+          bf16_rows<2, true>(xs, x_stride, m_rows, wp + j * block, up, pairs, op + m * outputs + j * 16, outputs, next,
+                             up * 4, j + 1 < half ? pairs : 0);
+          continue;
+        }
         const int64_t b = task * 2;
-        const uint32_t* xs = xp + m * x_stride;
         at::BFloat16* os = op + m * outputs + b * 16;
         // the thread's next panel: blocks b + 2 and b + 3 (or b + 2 twice), if any
         const char* next = reinterpret_cast<const char*>(wp + std::min(b + 2, blocks) * block);
@@ -603,46 +616,19 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
     });
   }
 #else
-  TORCH_CHECK(false, "bf16_gemm: this build has no AVX512-BF16 (bf16_gemm_available() is false)");
+  TORCH_CHECK(false, name, ": this build has no AVX512-BF16 (bf16_gemm_available() is false)");
 #endif
   return out;
 }
 
+}  // namespace
+
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) { return bf16_product(x, w, false); }
+
 // silu_and_mul(bf16_gemm(x, w)) for w the pairs of a [gate; up] weight ([2 I, K], I a multiple
 // of 16), in one pass: each tile takes gate block j and up block j and stores the I-wide
 // activation, bit for bit what the two operators give, without the [M, 2 I] product in memory.
-at::Tensor bf16_gemm_silu(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) % 2 == 0 &&
-                  x.size(1) % 2 == 0,
-              "bf16_gemm_silu: x must be bfloat16 [M, K] with contiguous rows, K and the row stride even");
-  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(1) * 2 == x.size(1) &&
-                  w.size(2) == 16 && w.size(3) == 2 && w.size(0) % 2 == 0,
-              "bf16_gemm_silu: w must be contiguous bfloat16 [2 I / 16, K / 2, 16, 2] (a [gate; up] weight as "
-              "bf16_pairs, I a multiple of 16) with K = x.size(1)");
-  const int64_t rows = x.size(0), pairs = w.size(1), half = w.size(0) / 2, inter = half * 16;
-  at::Tensor out = at::empty({rows, inter}, x.options());
-#if defined(__AVX512BF16__)
-  if (rows == 0) return out;
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.const_data_ptr<at::BFloat16>());
-  const uint32_t* wp = reinterpret_cast<const uint32_t*>(w.const_data_ptr<at::BFloat16>());
-  at::BFloat16* op = out.mutable_data_ptr<at::BFloat16>();
-  const int64_t x_stride = x.stride(0) / 2, block = pairs * 16, up = half * block;  // gate block j, up block j + half
-  constexpr int64_t kRowBlock = 256;
-  for (int64_t m = 0; m < rows; m += kRowBlock) {
-    const int64_t m_rows = std::min(kRowBlock, rows - m);
-    at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) {
-        const char* next = reinterpret_cast<const char*>(wp + std::min(j + 1, half) * block);
-        bf16_rows<2, true>(xp + m * x_stride, x_stride, m_rows, wp + j * block, up, pairs, op + m * inter + j * 16,
-                           inter, next, up * 4, j + 1 < half ? pairs : 0);
-      }
-    });
-  }
-#else
-  TORCH_CHECK(false, "bf16_gemm_silu: this build has no AVX512-BF16 (bf16_gemm_available() is false)");
-#endif
-  return out;
-}
+at::Tensor bf16_gemm_silu(const at::Tensor& x, const at::Tensor& w) { return bf16_product(x, w, true); }
 
 // One expert's product x weight^T (vframe/layers/moe.py's _mm / _packed_mm / _pairs_mm): torch.mm on
 // the stacked [out, in] weight, oneDNN's linear on a weight packed for it, or bf16_gemm on pairs.
