@@ -121,3 +121,21 @@ def test_peer_env_gives_vllm_the_benchmark_threads(monkeypatch: pytest.MonkeyPat
 def test_peer_ld_preload_of_a_missing_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PeerError, match=r"--peer-ld-preload .*: no such file '.*libiomp5.so'"):
         peer_env(2, ld_preload=f"{sys.executable}:{tmp_path}/libiomp5.so")
+
+
+def test_bench_throughput_reports_the_best_of_its_runs(tmp_path: Path) -> None:
+    proc, results = _bench(["throughput", "--num-prompts", "3", "--min-input-len", "8", "--max-input-len", "20",
+                            "--output-len", "4", "--num-iters", "2"], tmp_path)
+    [r] = results
+    assert (r["backend"], r["num_requests"], r["output_tokens"]) == ("vframe", 3, 12)
+    assert len(r["walls_s"]) == 2 and r["wall_s"] == min(r["walls_s"]) > 0
+    assert r["output_tps"] == pytest.approx(12 / r["wall_s"])
+    assert "(best of 2; each run's s: " in proc.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_bench_throughput_refuses_fewer_than_one_run(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "throughput", "--num-iters", value])
+    assert exc.value.code == 2
+    assert f"--num-iters: {value} must be at least 1" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,9 +29,10 @@ class Result:
     num_requests: int
     prompt_tokens: int
     output_tokens: int
-    wall_s: float
+    wall_s: float  # the best (shortest) timed run
     startup_s: float
     num_preemptions: int = 0
+    walls_s: list[float] = field(default_factory=list)  # every timed run, in order
 
     @property
     def output_tps(self) -> float:
@@ -54,6 +55,13 @@ def offline_prompts(
     return [allowed[rng.integers(0, len(allowed), size=n)].tolist() for n in lengths]
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def add_offline_workload_args(parser: argparse.ArgumentParser) -> None:
     """The model, the offline workload's size, threads and ``--output-json``."""
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded)")
@@ -62,6 +70,8 @@ def add_offline_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-input-len", type=int, default=32)
     parser.add_argument("--max-input-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (BENCHMARK.md: 2)")
+    parser.add_argument("--num-iters", type=_at_least_one, default=1,
+                        help="timed runs of the workload per engine after its warm-up; the best is reported")
     parser.add_argument("--output-json", default=None, help="also write the results to this file")
 
 
@@ -115,19 +125,22 @@ def time_offline(
     warm_loras = list(dict.fromkeys(loras)) if loras else [None]
     llm.generate([{"prompt_token_ids": prompts[0][:64]}] * len(warm_loras), params, use_tqdm=False,
                  lora_request=warm_loras)  # warm-up
-    llm.reset_prefix_cache()  # timing must not reuse the warm-up's blocks
-    t0 = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
-    wall = time.perf_counter() - t0
+    walls = []
+    for _ in range(args.num_iters):
+        llm.reset_prefix_cache()  # timing must not reuse the warm-up's (or an earlier run's) blocks
+        t0 = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+        walls.append(time.perf_counter() - t0)
     return Result(
         backend=backend,
         dtype=str(engine.runner_info.dtype).removeprefix("torch."),
         num_requests=len(prompts),
         prompt_tokens=sum(len(p) for p in prompts),
         output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
-        wall_s=wall,
+        wall_s=min(walls),
         startup_s=startup_s,
         num_preemptions=int(llm.get_stats()["num_preemptions"]),
+        walls_s=walls,
     )
 
 
@@ -171,12 +184,15 @@ def run_hf(args: argparse.Namespace, dtype_name: str, device: str = "cpu") -> Re
         return (out.shape[1] - width) * len(batch)
 
     generate([prompts[0][:64]])  # warm-up
-    t0 = time.perf_counter()
-    output_tokens = sum(
-        generate(prompts[i : i + args.hf_batch_size]) for i in range(0, len(prompts), args.hf_batch_size)
-    )
-    wall = time.perf_counter() - t0
-    return Result("hf", dtype_name, len(prompts), sum(len(p) for p in prompts), output_tokens, wall, startup)
+    walls = []
+    for _ in range(args.num_iters):
+        t0 = time.perf_counter()
+        output_tokens = sum(
+            generate(prompts[i : i + args.hf_batch_size]) for i in range(0, len(prompts), args.hf_batch_size)
+        )
+        walls.append(time.perf_counter() - t0)
+    return Result("hf", dtype_name, len(prompts), sum(len(p) for p in prompts), output_tokens, min(walls), startup,
+                  walls_s=walls)
 
 
 def print_result(result: Result) -> None:
@@ -186,6 +202,8 @@ def print_result(result: Result) -> None:
         f"output {result.output_tps:.1f} tok/s | total {result.total_tps:.1f} tok/s | "
         f"start-up {result.startup_s:.1f} s"
         + (f" | {result.num_preemptions} preemptions" if result.num_preemptions else "")
+        + (f" (best of {len(result.walls_s)}; each run's s: {', '.join(f'{w:.1f}' for w in result.walls_s)})"
+           if len(result.walls_s) > 1 else "")
     )
 
 
@@ -194,10 +212,11 @@ def run_vllm(args: argparse.Namespace, peer_python: str, dtype_name: str) -> Res
     prompts = model_workload_prompts(args)
     r = run_vllm_peer(
         peer_python, args.model, "throughput", prompts, prompts[0][:64], args.output_len, dtype_name, args.threads,
-        ld_preload=args.peer_ld_preload,
+        num_iters=args.num_iters, ld_preload=args.peer_ld_preload,
     )
-    return Result("vllm", dtype_name, r["num_requests"], r["prompt_tokens"], r["output_tokens"], r["wall_s"],
-                  r["startup_s"])
+    walls = r.get("walls_s", [r["wall_s"]])
+    return Result("vllm", dtype_name, r["num_requests"], r["prompt_tokens"], r["output_tokens"], min(walls),
+                  r["startup_s"], walls_s=walls)
 
 
 def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
