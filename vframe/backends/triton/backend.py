@@ -205,7 +205,7 @@ class TritonAttentionBackend(AttentionBackend):
                 f"block_size {block_size} is not supported by the triton backend; use one of "
                 + ", ".join(map(str, BLOCK_SIZES))
             )
-        if device == "cpu" and not _interpreted():
+        if device == "cpu" and not triton_mode.interpreted():
             reasons.append(
                 "the triton backend runs on NVIDIA GPUs (device='cuda'); on the CPU only under "
                 "TRITON_INTERPRET=1, Triton's interpreter, which is for tests"
@@ -224,9 +224,6 @@ class TritonAttentionBackend(AttentionBackend):
     @classmethod
     def check_available(cls) -> list[str]:
         return triton_mode.unavailable("its kernels")
-
-
-_interpreted = triton_mode.interpreted
 
 
 def _load_kernels() -> ModuleType:

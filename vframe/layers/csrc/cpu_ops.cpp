@@ -349,6 +349,17 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
 // tests/layers/test_cpu_ops.py), as torch's AVX-512 kernels take it.
 inline float silu_scalar(float g) { return g / (1.0f + std::exp(-g)); }
 
+#if defined(__AVX512F__)
+// silu(g) rounded to T, times u, for 16 lanes: silu_and_mul_rows' AVX-512 step, and
+// bf16_gemm_silu's epilogue (which must give the same bits).
+template <typename T>
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
+  const __m512 sv = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), Sleef_expf16_u10avx512f(neg)));
+  return _mm512_mul_ps(round16<T>(sv), u);
+}
+#endif
+
 template <typename T>
 void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t x_stride) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(inter, 1));
@@ -359,15 +370,8 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t inter, int64_t 
       T* o = out + r * inter;
       int64_t i = 0;
 #if defined(__AVX512F__)
-      const __m512 one16 = _mm512_set1_ps(1.0f);
-      for (; i + 32 <= inter; i += 32) {
-        for (int j = 0; j < 32; j += 16) {
-          const __m512 gv = load16(g + i + j);
-          const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32(INT32_MIN)));
-          const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(one16, Sleef_expf16_u10avx512f(neg)));
-          store16(o + i + j, _mm512_mul_ps(round16<T>(sv), load16(u + i + j)));
-        }
-      }
+      for (; i + 32 <= inter; i += 32)
+        for (int j = 0; j < 32; j += 16) store16(o + i + j, silu_mul16<T>(load16(g + i + j), load16(u + i + j)));
 #endif
 #if defined(__AVX2__) && defined(__F16C__)
       const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
@@ -523,13 +527,8 @@ inline void bf16_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, in
   }
   if constexpr (SILU) {
     static_assert(COLS == 2, "a gate block and its up block");
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 g = bf16_rounded(acc[r][0]), u = bf16_rounded(acc[r][1]);
-      const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
-      const __m512 sv = _mm512_div_ps(g, _mm512_add_ps(one, Sleef_expf16_u10avx512f(neg)));
-      store16(out + r * out_stride, _mm512_mul_ps(round16<c10::BFloat16>(sv), u));
-    }
+    for (int r = 0; r < ROWS; ++r)
+      store16(out + r * out_stride, silu_mul16<c10::BFloat16>(bf16_rounded(acc[r][0]), bf16_rounded(acc[r][1])));
   } else {
     for (int r = 0; r < ROWS; ++r)
       for (int c = 0; c < COLS; ++c)

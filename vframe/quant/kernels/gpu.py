@@ -36,9 +36,6 @@ from vframe.quant.kernels import (
 from vframe.utils import triton_mode
 
 
-_interpreted = triton_mode.interpreted
-
-
 @functools.cache
 def _gemm() -> ModuleType:
     """The kernel module (imports Triton; refuses a ``TRITON_INTERPRET`` that changed since)."""
@@ -65,7 +62,7 @@ class TritonKernel(QuantLinearKernel):
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
-        if spec.device.type != "cuda" and not (spec.device.type == "cpu" and _interpreted()):
+        if spec.device.type != "cuda" and not (spec.device.type == "cpu" and triton_mode.interpreted()):
             return "it runs on NVIDIA GPUs (device 'cuda'); on the CPU only under TRITON_INTERPRET=1, for tests"
         if spec.activations != WEIGHT_ONLY:
             return "it runs weight-only layers only (activations in the model's dtype)"
