@@ -11,6 +11,7 @@ import pytest
 from tiny_qwen import save_tiny_qwen
 
 from vframe import LLM, SamplingParams
+from vframe.layers import cpu_ops
 
 PROMPTS = [
     "The capital of France is",
@@ -106,6 +107,9 @@ def test_bfloat16_plans_take_what_their_linears_take(
     params = [SamplingParams(temperature=0.0, max_tokens=3 if i < 15 else 8, logprobs=1, ignore_eos=True)
               for i in range(len(prompts))]
     model = llm.llm_engine.model_runner.model.model
+    if kind == "dense" and cpu_ops.bf16_gemm_available():  # the plan's MLPs call bf16_gemm_silu, as the layers do
+        plan_layers = model.plan_layers(llm.llm_engine.model_runner.model.rotary_emb)
+        assert all(layer.silu_pairs is layer.linears[2].weight for layer in plan_layers)
     plan = model.decode_plan
     taken = _count_runs(plan, monkeypatch)
 

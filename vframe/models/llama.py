@@ -384,9 +384,11 @@ class LlamaModel(nn.Module):
             ):
                 return None
             mlp_linears = () if moe is not None else (mlp.gate_up_proj, mlp.down_proj)
+            fused = mlp._fused if moe is None else None  # the bound MLP's bf16_gemm_silu, which the plan calls too
+            silu_pairs = fused[1] if fused is not None and fused[0] is mlp.gate_up_proj else None
             layers.append(
                 PlanLayer(norms[0].weight.detach(), norms[1].weight.detach(), (attn.qkv_proj, attn.o_proj, *mlp_linears),
-                          attn.attn, moe)
+                          attn.attn, moe, silu_pairs)
             )
         return layers
 

@@ -51,6 +51,7 @@ class PlanLayer:
     linears: tuple[Any, ...]  # qkv, o, gate_up, down: the layers (LinearBase); qkv, o where moe is set
     attention: Any  # the layer's attention impl
     moe: PlanMoe | None = None  # a mixture-of-experts MLP in place of gate_up and down
+    silu_pairs: torch.Tensor | None = None  # gate_up's bf16 pairs: bf16_gemm_silu in place of gate_up + SwiGLU
 
 
 def enabled() -> bool:
@@ -112,6 +113,8 @@ class DecodePlan:
                 call = _native(linear)
                 handle.add_linear(*_call_args(call))
                 limits.append(call.max_rows or sys.maxsize)
+            if layer.silu_pairs is not None:
+                handle.set_silu_pairs(layer.silu_pairs)
             if (moe := layer.moe) is not None:
                 call = _native(moe.router)
                 handle.add_moe(*_call_args(call), moe.top_k, moe.renormalize, *moe.experts.args)
@@ -136,6 +139,8 @@ class DecodePlan:
             for linear in (*layer.linears, *((layer.moe.router,) if layer.moe is not None else ())):
                 if _native(linear) is None:
                     return f"{getattr(linear, 'prefix', linear)} has no native bound call"
+            if layer.silu_pairs is not None and (layer.moe is not None or dtype != torch.bfloat16):
+                return f"layer {i}'s bf16_gemm_silu pairs need a bfloat16 dense MLP"
             if layer.moe is not None and layer.moe.experts.op is not cpu_ops.operator("moe_experts"):
                 return f"layer {i}'s experts are not bound to moe_experts"
             if any(t.dtype != dtype or not t.is_contiguous() for t in (layer.input_norm, layer.post_norm)):

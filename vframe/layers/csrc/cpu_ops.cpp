@@ -706,6 +706,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_weights, cons
 //
 //   h = x + o(attention(rotary(split(qkv(rms_norm(x))))))     x' = h + down(silu_and_mul(gate_up(rms_norm(h))))
 //
+// where a bfloat16 layer's gate/up weight is held as pairs (set_silu_pairs) its product and SwiGLU
+// are one operator, as the bound LlamaMLP calls them: x' = h + down(bf16_gemm_silu(rms_norm(h), pairs)),
+//
 // or, for a layer whose MLP is a mixture of experts (MixtralSparseMoeBlock with its FusedMoE),
 //
 //   x' = h + moe_experts(n, softmax_topk(router(n)), experts).to(dtype)      n = rms_norm(h)
@@ -751,6 +754,7 @@ struct PlanLayer {
   int64_t sliding_window;  // 0: none
   std::vector<BoundCall> linears;  // qkv, o, gate_up, down; qkv, o where moe is set
   std::optional<MoeMlp> moe;
+  std::optional<at::Tensor> silu_pairs;  // gate_up's weight as bf16 pairs: bf16_gemm_silu in place of linears[2]
 };
 
 struct DecodePlan : torch::CustomClassHolder {
@@ -765,7 +769,7 @@ struct DecodePlan : torch::CustomClassHolder {
         attention(find_operator("vframe_cpu::paged_decode_attention", "")) {}
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t sliding_window) {
-    layers.push_back(PlanLayer{std::move(input_norm), std::move(post_norm), sliding_window, {}, std::nullopt});
+    layers.push_back(PlanLayer{std::move(input_norm), std::move(post_norm), sliding_window, {}, std::nullopt, std::nullopt});
   }
 
   static BoundCall bound_call(const std::string& name, const std::string& overload, std::vector<c10::IValue> args,
@@ -799,6 +803,12 @@ struct DecodePlan : torch::CustomClassHolder {
                 "DecodePlan.add_moe: as many w13 as w2 matrices, 1 <= top_k <= experts");
     layers.back().moe = MoeMlp{bound_call(name, overload, std::move(args), std::move(bias)), top_k, renormalize,
                                std::move(w13), std::move(w2), layout};
+  }
+
+  // The last layer's gate/up product and SwiGLU are bf16_gemm_silu(normed, pairs) (its LlamaMLP's).
+  void set_silu_pairs(at::Tensor pairs) {
+    TORCH_CHECK(!layers.empty() && !layers.back().moe, "DecodePlan.set_silu_pairs: add_layer first, not with add_moe");
+    layers.back().silu_pairs = std::move(pairs);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
@@ -835,7 +845,8 @@ struct DecodePlan : torch::CustomClassHolder {
         if (moe.renormalize) weights = at::div(weights, at::sum(weights, {-1}, true));
         mlp = moe_experts(normed, weights, ids, moe.w13, moe.w2, moe.layout).to(x.scalar_type());
       } else {
-        mlp = layer.linears[3](silu_and_mul(layer.linears[2](normed)));
+        mlp = layer.linears[3](layer.silu_pairs ? bf16_gemm_silu(normed, *layer.silu_pairs)
+                                                : silu_and_mul(layer.linears[2](normed)));
       }
       x = at::add(h, mlp);
     }
@@ -861,6 +872,7 @@ TORCH_LIBRARY(vframe_cpu_ops, m) {
       .def("add_layer", &DecodePlan::add_layer)
       .def("add_linear", &DecodePlan::add_linear)
       .def("add_moe", &DecodePlan::add_moe)
+      .def("set_silu_pairs", &DecodePlan::set_silu_pairs)
       .def("num_layers", &DecodePlan::num_layers)
       .def("run", &DecodePlan::run);
 }
