@@ -69,9 +69,9 @@ def test_eviction_takes_least_recently_freed_and_tails_first():
     assert kv.allocate_slots(a, 5) == [0, 1, 2]
     a.num_computed_tokens = 5
     kv.cache_blocks(a, 5)
-    kv.free(a)  # freed tail first: 2, 1, 0 join after the never-used 3, 4, 5
+    kv.free(a)  # freed tail first: the partial 2 (no hash) goes before the never-used 3, 4, 5; 1, 0 stay cached
     b = make_request("b", 9, offset=100)
-    assert kv.allocate_slots(b, 9) == [3, 4, 5, 2, 1]
+    assert kv.allocate_slots(b, 9) == [2, 3, 4, 5, 1]
     # block 1 held a's second block: its hash is gone, block 0 (the head) survives.
     assert kv.get_computed_blocks(make_request("c", 5, offset=0)) == ([0], 2)
 
@@ -84,7 +84,7 @@ def test_swap_out_and_in_map_exact_blocks_and_free_swap_space():
     assert kv.swap_out(r) == [(0, 0), (1, 1)]
     assert kv.num_free_blocks == 6 and kv.swap_usage == 0.5
     other = make_request("o", 20, offset=50)
-    assert kv.allocate_slots(other, 20) == [2, 3, 4, 5, 1]  # 1 and 0 were freed tail first
+    assert kv.allocate_slots(other, 20) == [0, 1, 2, 3, 4]  # the used 0 and 1 first (freed tail first: 0 last)
     assert kv.swap_in(r, 1) is None  # 7 computed + 1 new need 2 blocks, 1 is free
     assert kv.swap_usage == 0.5 and kv.num_free_blocks == 1
     kv.free(other)

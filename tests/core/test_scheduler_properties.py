@@ -36,7 +36,7 @@ ops = st.lists(
 def check_invariants(sched: DefaultScheduler, kv: PagedKVCacheManager) -> None:
     pool = kv.block_pool
     owners = Counter(b for blocks in kv.req_to_blocks.values() for b in blocks)
-    free = set(pool._free)
+    free = pool.free_block_ids()
     for block in pool.blocks:
         assert (block.block_id in free) == (block.ref_cnt == 0), block
         assert block.ref_cnt == owners[block.block_id], block
