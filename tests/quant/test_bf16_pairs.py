@@ -113,6 +113,24 @@ def test_gate_up_and_silu_in_one_operator_equal_the_two(rows: int, inputs: int, 
     assert torch.equal(one, F.silu(gate).mul_(up))
 
 
+def test_a_product_of_several_megabytes_is_streamed_to_memory_with_the_same_bits() -> None:
+    """Outputs of 4 MiB and more are written with non-temporal stores (a prefill step's): the
+    same bits as the same rows taken 256 at a time (ordinary stores), a ragged last tile too."""
+    rows = 2101  # 2101 x 1024 bfloat16 outputs: 4.1 MiB
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(7)).bfloat16() * 3
+    pairs = cpu_ops.bf16_pairs(torch.randn(2048, 64, generator=torch.Generator().manual_seed(8)).bfloat16() * 0.2)
+    for product, width in ((cpu_ops.bf16_gemm, 2048), (cpu_ops.bf16_gemm_silu, 1024)):
+        whole = product(x, pairs)
+        assert whole.shape == (rows, width)
+        chunks = torch.cat([product(x[i : i + 256], pairs) for i in range(0, rows, 256)])
+        assert torch.equal(whole, chunks), product
+        # and each row is what the rows alone give (the stores wrote every line, nothing stale)
+        assert torch.equal(whole[-5:], product(x[-5:].clone(), pairs))
+    product = cpu_ops.bf16_gemm(x, pairs)
+    exact = x.double() @ cpu_ops.bf16_unpairs(pairs).double().T
+    assert bool(((product.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-2).all())
+
+
 def test_only_an_unquantized_bias_free_pair_of_equal_shards_fuses() -> None:
     for sizes, bias, dtype in [([32, 32], True, torch.bfloat16), ([32, 48], False, torch.bfloat16),
                                ([32, 32], False, torch.float32)]:
