@@ -1078,7 +1078,18 @@ inline void tile_rows(const C* cache, int64_t slot_size, const int64_t* slots, i
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + (t * NC + c) * 16, load16(cache + slots[t] * slot_size + c * 16));
 }
 
-// prefill_rows' contract on AVX-512: q [rows, D] pre-scaled, row r attends keys [lo[r], hi[r]).
+// Whether prefill_tile_avx512 scores bfloat16 queries (qb) against a bfloat16 cache with
+// vdpbf16ps: it then reads the queries as they are, and q, their float32 copy, is not read.
+template <typename C, int NC>
+constexpr bool kPairedScores =
+#if defined(__AVX512BF16__)
+    std::is_same_v<C, c10::BFloat16> && NC % 2 == 0;
+#else
+    false;
+#endif
+
+// prefill_rows' contract on AVX-512: q [rows, D] pre-scaled, row r attends keys [lo[r], hi[r])
+// (q unread where kPairedScores and qb is given).
 template <typename C, int NC>
 void prefill_tile_avx512(int64_t rows, const float* q, const int64_t* lo, const int64_t* hi, const C* k_cache,
                          const C* v_cache, int64_t slot_size, int64_t h, const int64_t* slots, int64_t nkeys,
@@ -1092,8 +1103,10 @@ void prefill_tile_avx512(int64_t rows, const float* q, const int64_t* lo, const 
   float* st = qt + D * rows_pad;
   float* kv = st + nkeys * rows_pad;
   auto* bounds = reinterpret_cast<int32_t*>(kv + kTileKeys * D);  // lo, then hi, per padded row
+  const bool paired_scores = kPairedScores<C, NC> && qb != nullptr;
   for (int64_t r = 0; r < rows_pad; ++r) {
-    for (int d = 0; d < D; ++d) qt[d * rows_pad + r] = r < rows ? q[r * D + d] : 0.f;
+    if (!paired_scores)
+      for (int d = 0; d < D; ++d) qt[d * rows_pad + r] = r < rows ? q[r * D + d] : 0.f;
     bounds[r] = r < rows ? static_cast<int32_t>(lo[r]) : 0;  // a padding row attends key 0: never empty
     bounds[rows_pad + r] = r < rows ? static_cast<int32_t>(hi[r]) : 1;
   }
@@ -1101,8 +1114,8 @@ void prefill_tile_avx512(int64_t rows, const float* q, const int64_t* lo, const 
   v_cache += h * D;
   bool scored = false;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<C, c10::BFloat16> && NC % 2 == 0) {
-    if (qb != nullptr) {
+  if constexpr (kPairedScores<C, NC>) {
+    if (paired_scores) {
       auto* qp = reinterpret_cast<uint32_t*>(qt);  // D / 2 pairs a row: fits in qt
       for (int64_t r = 0; r < rows_pad; ++r)
         for (int d = 0; d < D / 2; ++d) {
@@ -1242,6 +1255,13 @@ void prefill_attention(
     int64_t key_start, i0, i1;
     return (task_keys(task, &key_start, &i0, &i1) - key_start) * (i1 - i0);
   };
+#if defined(__AVX512F__)
+  // bfloat16 queries the tile scores by vdpbf16ps as they are: no float32 copy of them
+  constexpr bool kQueriesAsTheyAre =
+      HD > 0 && HD % 16 == 0 && std::is_same_v<T, c10::BFloat16> && kPairedScores<C, (HD > 0 ? HD / 16 : 1)>;
+#else
+  constexpr bool kQueriesAsTheyAre = false;
+#endif
   run_longest_first(first_task[p], cost, [&] {
     std::vector<float> q(kPrefillTile * group * D), acc(kPrefillTile * group * D), scores;
     std::vector<int64_t> slots, lo(kPrefillTile * group), hi(kPrefillTile * group);
@@ -1261,7 +1281,8 @@ void prefill_attention(
           lo[r] = window_start(pos + 1, sliding_window) - key_start;
           hi[r] = pos + 1 - key_start;
           const T* src = sources[r] = q_ptr + (starts[i] + i0 + j) * q_row_stride + (h * group + g) * q_head_stride;
-          for (int64_t d = 0; d < D; ++d) q[r * D + d] = to_float(src[d]) * fscale;
+          if constexpr (!kQueriesAsTheyAre)
+            for (int64_t d = 0; d < D; ++d) q[r * D + d] = to_float(src[d]) * fscale;
         }
       }
 #if defined(__AVX512F__)
