@@ -37,7 +37,7 @@ def test_the_operators_build_here() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "dim"), [(1, 64), (7, 64), (300, 64), (5, 20)])  # 20: a scalar tail
+@pytest.mark.parametrize(("tokens", "dim"), [(1, 64), (7, 64), (300, 64), (4, 48), (5, 20)])  # 48: 16 + 8 lanes, 20: a scalar tail
 def test_rotary_is_bit_exact_on_views_of_a_fused_projection(dtype: torch.dtype, tokens: int, dim: int) -> None:
     heads, kv_heads = 9, 3  # SmolLM2's q / k heads
     g = torch.Generator().manual_seed(tokens)
