@@ -268,10 +268,16 @@ class LlamaMLP(nn.Module):
         pairs = gate_up.silu_pairs() if enabled and isinstance(gate_up, MergedColumnParallelLinear) else None
         self._fused = None if pairs is None else (gate_up, pairs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
+    def fused_pairs(self) -> torch.Tensor | None:
+        """The gate/up pairs that ``bf16_gemm_silu`` takes for this MLP once bound; None where
+        it makes the two calls (unbound, or its gate/up layer swapped since binding: LoRA)."""
         fused = self._fused
-        if fused is not None and fused[0] is self.gate_up_proj and x.dim() == 2 and cpu_ops.bf16_gemm_takes(x):
-            return self.down_proj(cpu_ops.bf16_gemm_silu(x, fused[1]))  # [T, I] -> [T, E]
+        return fused[1] if fused is not None and fused[0] is self.gate_up_proj else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
+        pairs = self.fused_pairs()
+        if pairs is not None and x.dim() == 2 and cpu_ops.bf16_gemm_takes(x):
+            return self.down_proj(cpu_ops.bf16_gemm_silu(x, pairs))  # [T, I] -> [T, E]
         return self.down_proj(cpu_ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, E]
 
 
@@ -384,8 +390,7 @@ class LlamaModel(nn.Module):
             ):
                 return None
             mlp_linears = () if moe is not None else (mlp.gate_up_proj, mlp.down_proj)
-            fused = mlp._fused if moe is None else None  # the bound MLP's bf16_gemm_silu, which the plan calls too
-            silu_pairs = fused[1] if fused is not None and fused[0] is mlp.gate_up_proj else None
+            silu_pairs = mlp.fused_pairs() if moe is None else None  # the plan calls bf16_gemm_silu where the MLP does
             layers.append(
                 PlanLayer(norms[0].weight.detach(), norms[1].weight.detach(), (attn.qkv_proj, attn.o_proj, *mlp_linears),
                           attn.attn, moe, silu_pairs)
