@@ -15,6 +15,7 @@ from vframe.quant.awq import AWQConfig, AWQLinearMethod
 from vframe.testing.models import assert_matches_transformers
 from vframe.testing.quant import check_quant_method
 from packers import awq_quantize, write_quantized_llama
+from defaults import BF16_INT4
 
 
 def quant_config(group_size: int = 128, **more: object) -> dict:
@@ -78,14 +79,14 @@ def test_conforms_on_every_layer_kind(group_size: int, quick: bool) -> None:
         checkpoint_tensors=lambda w: awq_quantize(w, group_size=group_size).tensors,
         quick=quick,
     )
-    check_quant_method(  # bfloat16: torch's int4 kernel
+    check_quant_method(  # bfloat16: the 4-bit kernel (int4_pairs, or torch's int4_cpu)
         "awq", hf_quant_config=quant_config(group_size), dtype=torch.bfloat16, quick=quick,
         checkpoint_tensors=lambda w: awq_quantize(w, group_size=group_size).tensors,
     )
 
 
 @pytest.mark.parametrize(("out_features", "uses_int4_kernel"), [(64, True), (40, False)])  # the kernel: out % 16
-def test_bfloat16_on_cpu_takes_torch_s_int4_kernel_where_the_sizes_fit(out_features: int, uses_int4_kernel: bool):
+def test_bfloat16_on_cpu_takes_the_4_bit_kernel_where_the_sizes_fit(out_features: int, uses_int4_kernel: bool):
     g = torch.Generator().manual_seed(5)
     packed = awq_quantize(torch.randn(out_features, 384, generator=g) / 20, group_size=128)
     config = AWQConfig.from_config(quant_config(128))
@@ -97,7 +98,7 @@ def test_bfloat16_on_cpu_takes_torch_s_int4_kernel_where_the_sizes_fit(out_featu
 
     out = layer(x)
 
-    assert (layer.quant_method.kernel.name == "int4_cpu") == uses_int4_kernel
+    assert (layer.quant_method.kernel.name == BF16_INT4) == uses_int4_kernel
     reference = x.double() @ packed.weight().T + layer.bias.double()
     # bfloat16 scales and zeros (8 bits), the output and the bias add: a few 2**-8
     assert float((out.double() - reference).abs().max()) <= 2**-6 * float(reference.abs().max())

@@ -16,6 +16,7 @@ from vframe.quant.compressed_tensors import CompressedTensorsConfig, Fp4Method, 
 from vframe.testing.models import assert_matches_transformers
 from vframe.testing.quant import check_quant_method
 from fp8_blocks import fp8_block_quantize
+from defaults import BF16_INT4
 from packers import (
     cast_to_fp4, ct_fp8_quantize, ct_int_quantize, ct_mxfp4_quantize, ct_nvfp4_quantize, pack_fp4_to_uint8,
     pack_to_int32, write_quantized_llama,
@@ -113,7 +114,7 @@ def test_packed_weight_is_the_unpacked_integers_times_the_scales(
 
 
 @pytest.mark.parametrize(("strategy", "group_size", "symmetric"), [("group", 64, False), ("channel", None, True)])
-def test_bfloat16_on_cpu_takes_torch_s_int4_kernel(strategy: str, group_size: int | None, symmetric: bool) -> None:
+def test_bfloat16_on_cpu_takes_the_4_bit_kernel(strategy: str, group_size: int | None, symmetric: bool) -> None:
     in_features, out_features = 256, 48
     packed = ct_int_quantize(random_weight(out_features, in_features, 7), bits=4, strategy=strategy,
                              group_size=group_size, symmetric=symmetric)
@@ -127,7 +128,7 @@ def test_bfloat16_on_cpu_takes_torch_s_int4_kernel(strategy: str, group_size: in
 
     out = layer(x)
 
-    assert layer.quant_method.kernel.name == "int4_cpu" and out.dtype == torch.bfloat16
+    assert layer.quant_method.kernel.name == BF16_INT4 and out.dtype == torch.bfloat16
     reference = x.double() @ packed.weight().T
     # bfloat16 scales, zeros and output: a few 2**-8
     assert float((out.double() - reference).abs().max()) <= 2**-6 * float(reference.abs().max())

@@ -25,6 +25,7 @@ from vframe.quant.gguf import GGUFConfig, GGUFLinearMethod
 from vframe.quant.kernels.builtin import quantize_per_block
 from vframe.quant.onednn_packed import onednn_fp32_available
 from vframe.testing.quant import check_quant_method
+from defaults import BF16_INT4, BF16_INT8, PAIRS, bf16_int4_with_groups
 
 # Byte offsets of each format's float16 scales (d, m, dmin) inside a block.
 _F16_FIELDS = {
@@ -150,23 +151,25 @@ def test_bfloat16_mixed_fused_layer_runs_each_segment_on_its_kernel() -> None:
 
     out = layer(x)
 
-    assert [s.kernel for s in layer.quant_method.segments] == ["int4_cpu", "woq_cpu"]
+    assert [s.kernel for s in layer.quant_method.segments] == [BF16_INT4, BF16_INT8]
     assert layer.quant_method.bind(layer, layer.bias) is None  # two segments: apply's loop, unbound
     assert layer.qweight.numel() == 0  # both segments' blocks are dropped
     expected_weight = torch.cat([gguf_weight(q, "Q4_K"), gguf_weight(k, "Q4_K"), gguf_weight(v, "Q6_K")])
     reference = x.double() @ expected_weight.double().T + bias.double()
     assert out.dtype == torch.bfloat16
     assert float((out.double() - reference).abs().max()) <= 2**-6 * float(reference.abs().max())
-    # the Q4_K rows in int4_cpu's 20 bytes per 32 weights, the Q6_K rows in woq_cpu's byte per
-    # weight and float32 scale per 16
-    assert weight_bytes(layer) - layer.qweight_type.nbytes - bias.nbytes == 384 * 256 * 20 // 32 + 128 * 256 * 20 // 16
+    # the Q4_K rows two a byte and a float32 scale and zero per 32 (Q4_K's d sc are no float16s) on
+    # int4_pairs, 20 bytes per 32 weights on int4_cpu; the Q6_K rows a byte per weight and a float32
+    # scale per 16
+    q4_k_bytes = 24 if PAIRS else 20
+    assert weight_bytes(layer) - layer.qweight_type.nbytes - bias.nbytes == 384 * 256 * q4_k_bytes // 32 + 128 * 256 * 20 // 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_woq_cpu_a8_named_runs_llama_cpp_s_numerics_where_the_blocks_are_32_wide(dtype: torch.dtype) -> None:
     """quant_kernel="woq_cpu_a8": the 32-wide Q4_K rows multiply activations quantized to int8
     per block of 32 (the reference spelled in PyTorch, quantize_per_block), the Q6_K rows
-    (16-wide groups, which it does not run) take woq_cpu by priority, with float activations."""
+    (16-wide groups, which it does not run) take the 8-bit kernel by priority, with float activations."""
     config = GGUFConfig()
     config.quant_kernel = "woq_cpu_a8"
     layer = QKVParallelLinear(256, 64, 4, 2, bias=False, quant_config=config, params_dtype=dtype)
@@ -176,7 +179,7 @@ def test_woq_cpu_a8_named_runs_llama_cpp_s_numerics_where_the_blocks_are_32_wide
 
     out = layer(x).double()
 
-    assert [s.kernel for s in layer.quant_method.segments] == ["woq_cpu_a8", "woq_cpu"]
+    assert [s.kernel for s in layer.quant_method.segments] == ["woq_cpu_a8", BF16_INT8 if dtype == torch.bfloat16 else "woq_cpu"]
     w_qk = torch.cat([gguf_weight(q, "Q4_K"), gguf_weight(k, "Q4_K")]).double()
     w_v = gguf_weight(v, "Q6_K").double()
     x_blocks = quantize_per_block(x).double()
@@ -203,7 +206,7 @@ def test_a_named_kernel_that_takes_no_integer_weights_leaves_gguf_segments_to_th
     assert float((layer(x).double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
 
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q4_K"])
-def test_bfloat16_q4_takes_torch_s_int4_kernel_in_q4_1_s_bytes(ggml_type: str) -> None:
+def test_bfloat16_q4_takes_the_4_bit_kernel_in_the_file_s_bytes(ggml_type: str) -> None:
     in_features, out_features = 512, 96
     rows = random_rows(ggml_type, out_features, in_features, seed=3)
     layer = ReplicatedLinear(in_features, out_features, bias=False, quant_config=GGUFConfig(),
@@ -213,14 +216,17 @@ def test_bfloat16_q4_takes_torch_s_int4_kernel_in_q4_1_s_bytes(ggml_type: str) -
 
     out = layer(x)
 
-    assert [s.kernel for s in layer.quant_method.segments] == ["int4_cpu"]
+    assert [s.kernel for s in layer.quant_method.segments] == [BF16_INT4]
     assert layer.qweight.numel() == 0  # the blocks are dropped once repacked
     assert out.dtype == torch.bfloat16
     reference = x.double() @ gguf_weight(rows, ggml_type).double().T
     # bfloat16 scales and zeros (8 bits) and output: a few 2**-8
     assert float((out.double() - reference).abs().max()) <= 2**-6 * float(reference.abs().max())
-    # weight uint8 [out, in / 2] and bfloat16 (scale, zero) per 32 inputs: Q4_1's 20 bytes per 32 weights
-    assert weight_bytes(layer) - layer.qweight_type.nbytes == out_features * in_features * 20 // 32
+    # int4_pairs: two a byte and, per 32 inputs, a float16 d (Q4_0: the file's 18 bytes per 32 weights),
+    # d and m (Q4_1: the file's 20), or a float32 scale and zero (Q4_K's d sc are no float16s: 24);
+    # int4_cpu: bfloat16 (scale, zero) per 32 inputs, 20 bytes per 32 weights
+    per_32 = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 24}[ggml_type] if PAIRS else 20
+    assert weight_bytes(layer) - layer.qweight_type.nbytes == out_features * in_features * per_32 // 32
 
 
 @pytest.mark.parametrize(
@@ -239,11 +245,11 @@ def test_conforms_on_every_layer_kind(ggml_type: str, dtype: torch.dtype) -> Non
 @pytest.mark.parametrize(
     ("ggml_type", "dtype", "kernel", "head"),
     [
-        ("Q8_0", torch.float32, None, "woq_cpu"), ("Q8_0", torch.bfloat16, None, "woq_cpu"),
+        ("Q8_0", torch.float32, None, "woq_cpu"), ("Q8_0", torch.bfloat16, None, BF16_INT8),
         ("Q8_0", torch.bfloat16, "reference", "planes"), ("Q8_0", torch.float32, "reference", "reference"),
-        ("Q4_1", torch.bfloat16, None, "int4_cpu"), ("Q4_1", torch.bfloat16, "reference", "reference"),
+        ("Q4_1", torch.bfloat16, None, BF16_INT4), ("Q4_1", torch.bfloat16, "reference", "reference"),
         ("Q4_K", torch.float32, None, "woq_cpu"), ("Q6_K", torch.float32, None, "woq_cpu"),
-        ("Q6_K", torch.bfloat16, None, "woq_cpu"), ("Q2_K", torch.float32, None, "woq_cpu"),
+        ("Q6_K", torch.bfloat16, None, BF16_INT8), ("Q2_K", torch.float32, None, "woq_cpu"),
     ],
 )
 def test_embedding_looks_up_exact_rows_and_its_tied_head_multiplies_by_them(
@@ -284,6 +290,10 @@ def test_embedding_looks_up_exact_rows_and_its_tied_head_multiplies_by_them(
                                      "Q2_K": (8 + 8) / 16}.get(ggml_type, 0),
         # torch's int4 layout and a bfloat16 (scale, zero) per 32, beside the file's blocks for lookups
         "int4_cpu": vocab * hidden * (16 + 4) // 32 + rows.nbytes,
+        # a byte per weight and a float16 d per 32 (Q8_0: the file's bytes), a float32 scale per 16 (Q6_K)
+        "int8_pairs": vocab * hidden * {"Q8_0": (32 + 2) / 32, "Q6_K": (16 + 4) / 16}.get(ggml_type, 0),
+        # two a byte and a float16 d and m per 32 (Q4_1: the file's bytes)
+        "int4_pairs": vocab * hidden * (16 + 4) // 32,
         "reference": rows.nbytes,  # the file's blocks
     }[head]
     assert weight_bytes(embedding) - embedding.qweight_type.nbytes == expected_bytes
@@ -415,16 +425,18 @@ def test_smollm2_bfloat16_int4_kernel_keeps_the_dense_greedy_tokens(dense_greedy
     model = llm.llm_engine.model_runner.model
     embedding = model.model.embed_tokens
     layers = [m for m in quantized_linear_layers(model) if m is not embedding]
-    assert {s.kernel for layer in layers for s in layer.quant_method.segments} == {"int4_cpu"}
+    assert {s.kernel for layer in layers for s in layer.quant_method.segments} == {BF16_INT4}
+    # Q4_1's 20 bytes per 32 weights on either kernel (int4_pairs: the file's float16 d and m)
     assert sum(weight_bytes(layer) - layer.qweight_type.nbytes for layer in layers) == SMOLLM_PACKED_LINEAR_BYTES
-    # the Q8_0 embedding / head on woq_cpu: the int8 values (1 byte per weight) and a float32
-    # scale per 32 weights: 31,850,496 bytes
-    assert embedding.quant_method.segments[0].kernel == "woq_cpu" and embedding.qweight.numel() == 0
-    planes = 49152 * 576 + 49152 * 18 * 4
-    assert weight_bytes(embedding) - embedding.qweight_type.nbytes == planes == 31_850_496
-    # 98,275,968 bytes with the bfloat16 norms: 18.3% of the dense float32 weights, 36.5% of bfloat16
+    # the Q8_0 embedding / head: the int8 values (1 byte per weight) and per 32 weights the file's
+    # float16 d (int8_pairs: the file's 30,081,024 bytes) or a float32 scale (woq_cpu: 31,850,496)
+    assert embedding.quant_method.segments[0].kernel == BF16_INT8 and embedding.qweight.numel() == 0
+    table = 49152 * 576 + 49152 * 18 * (2 if PAIRS else 4)
+    assert weight_bytes(embedding) - embedding.qweight_type.nbytes == table == (30_081_024 if PAIRS else 31_850_496)
+    # with the bfloat16 norms 96,506,496 bytes (int8_pairs) or 98,275,968: 17.9% or 18.3% of the
+    # dense float32 weights, 35.9% or 36.5% of bfloat16
     total = weight_bytes(model) - type_bytes(model)
-    assert total == SMOLLM_PACKED_LINEAR_BYTES + planes + 2 * SMOLLM_NORM_VALUES == 98_275_968
+    assert total == SMOLLM_PACKED_LINEAR_BYTES + table + 2 * SMOLLM_NORM_VALUES == (96_506_496 if PAIRS else 98_275_968)
     assert total <= 0.30 * SMOLLM_DENSE_FP32_BYTES
     # bfloat16 activations, scales and zeros move a logit a little: most prompts keep every token
     ours = greedy(llm)
@@ -592,14 +604,14 @@ def test_a_k_quant_llama_runs_from_its_blocks_as_its_dense_conversion(tmp_path, 
         assert [lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)] == pytest.approx(
             [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)], abs=1e-4
         )
-    # bfloat16: Q4_K through the int4 kernel (q and k of the [Q4_K | Q4_K | Q6_K] qkv), Q5 / Q6_K /
-    # Q8_0 through woq_cpu (8 bit), Q3_K and Q2_K through woq_cpu (4 bit, groups of 16)
+    # bfloat16: Q4_K through the 4-bit kernel (q and k of the [Q4_K | Q4_K | Q6_K] qkv), Q5 / Q6_K /
+    # Q8_0 through the 8-bit kernel, Q3_K and Q2_K (4 bit, groups of 16) through int4_pairs or woq_cpu
     llm = LLM(**kw, dtype="bfloat16", quantization="gguf")
     layers = llm.llm_engine.model_runner.model.model.layers
     kernels = [[s.kernel for s in layer.quant_method.segments] for layer in quantized_linear_layers(layers)]
     assert kernels == [
-        ["int4_cpu", "woq_cpu"], ["int4_cpu"], ["int4_cpu"], ["woq_cpu"],  # qkv (Q4_K | Q6_K), o, gate_up, down
-        ["woq_cpu", "woq_cpu"], ["woq_cpu"], ["woq_cpu"], ["woq_cpu"],  # Q5_K | Q8_0, Q3_K, Q2_K, Q5_0
+        [BF16_INT4, BF16_INT8], [BF16_INT4], [BF16_INT4], [BF16_INT8],  # qkv (Q4_K | Q6_K), o, gate_up, down
+        [BF16_INT8, BF16_INT8], [bf16_int4_with_groups(16)], [bf16_int4_with_groups(16)], [BF16_INT8],  # Q5_K | Q8_0, Q3_K, Q2_K, Q5_0
     ]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert ours == [b.token_ids for b in dense]
@@ -670,7 +682,12 @@ def test_segments_with_an_integer_form_run_on_quant_kernels_as_dequantize_then_m
 
     out = layer(x)
 
-    expected = "int4_cpu" if dtype == torch.bfloat16 and ggml_type in ("Q4_0", "Q4_1", "Q4_K") else "woq_cpu"
+    if dtype == torch.float32:
+        expected = "woq_cpu"
+    elif ggml_type in ("Q4_0", "Q4_1", "Q4_K"):
+        expected = BF16_INT4
+    else:  # Q2_K / Q3_K: 4 bit in groups of 16; the rest 8 bit
+        expected = bf16_int4_with_groups(16) if ggml_type in ("Q2_K", "Q3_K") else BF16_INT8
     assert [s.kernel for s in layer.quant_method.segments] == [expected]
     assert layer.qweight.numel() == 0  # the file's blocks are dropped
     weight = gguf_weight(rows, ggml_type)

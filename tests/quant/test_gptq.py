@@ -16,6 +16,7 @@ from vframe.quant.gptq import GPTQConfig, GPTQLinearMethod
 from vframe.testing.models import assert_matches_transformers
 from vframe.testing.quant import check_quant_method
 from packers import gptq_quantize, pack_columns, to_int32, write_quantized_llama
+from defaults import BF16_INT4
 
 
 def quant_config(bits: int = 4, group_size: int = 128, desc_act: bool = False, sym: bool = True, **more: Any) -> dict:
@@ -121,7 +122,7 @@ def test_row_parallel_ranks_with_act_order_keep_every_group() -> None:
 @pytest.mark.parametrize(
     ("group_size", "desc_act", "uses_int4_kernel"), [(128, False, True), (-1, False, True), (64, True, True)]
 )
-def test_bfloat16_on_cpu_takes_torch_s_int4_kernel_act_order_by_sorting_the_inputs(
+def test_bfloat16_on_cpu_takes_the_4_bit_kernel_act_order_by_sorting_the_inputs(
     group_size: int, desc_act: bool, uses_int4_kernel: bool
 ) -> None:
     in_features, out_features = 384, 48  # 3 groups of 128; the kernel takes groups of 128 (of 128 for -1)
@@ -136,7 +137,7 @@ def test_bfloat16_on_cpu_takes_torch_s_int4_kernel_act_order_by_sorting_the_inpu
 
     out = layer(x)
 
-    assert (layer.quant_method.kernel.name == "int4_cpu") == uses_int4_kernel
+    assert (layer.quant_method.kernel.name == BF16_INT4) == uses_int4_kernel
     assert out.dtype == torch.bfloat16
     reference = x.double() @ packed.weight().T
     # bfloat16 scales and zeros (8 bits) and output: a few 2**-8
@@ -168,7 +169,7 @@ def test_conforms_on_every_layer_kind(bits: int, group_size: int, desc_act: bool
     )
 
 
-@pytest.mark.parametrize("desc_act", [True, False])  # False: torch's int4 kernel
+@pytest.mark.parametrize("desc_act", [True, False])  # both: the 4-bit bfloat16 kernel (act order: inputs sorted)
 def test_bfloat16_activations_conform(desc_act: bool) -> None:
     check_quant_method(
         "gptq", hf_quant_config=quant_config(4, 32, desc_act, False), dtype=torch.bfloat16, quick=desc_act,

@@ -26,6 +26,7 @@ from vframe.quant.native_call import NativeCall, native_call, with_native
 from vframe.testing import check_quant_kernel
 
 from packers import gptq_quantize, write_quantized_llama
+from defaults import BF16_INT4, BF16_INT8, bf16_int4_with_groups
 from test_gptq import quant_config
 
 CPU = torch.device("cpu")
@@ -101,10 +102,10 @@ def test_a_kernel_whose_native_call_differs_from_its_bound_function_fails_the_ch
         check_quant_kernel(NativeWrong, quick=True)
 
 
-def _int4_pairs_runs() -> bool:
-    from vframe.quant.kernels.builtin import int4_pairs_available
+def _pairs_run() -> bool:
+    from vframe.quant.kernels.builtin import pairs_available
 
-    return int4_pairs_available() is None
+    return pairs_available() is None
 
 
 @pytest.mark.parametrize(
@@ -121,7 +122,10 @@ def _int4_pairs_runs() -> bool:
         ("int4_cpu", torch.bfloat16, 10),
         # 4 bit in bfloat16: groups of 32, 64, 48 and per channel, sym and asym, act order with equal groups
         pytest.param("int4_pairs", torch.bfloat16, 14, marks=pytest.mark.skipif(
-            not _int4_pairs_runs(), reason="int4_pairs needs a CPU with AVX512-BF16")),
+            not _pairs_run(), reason="int4_pairs needs a CPU with AVX512-BF16")),
+        # 8 bit in bfloat16: the same specs
+        pytest.param("int8_pairs", torch.bfloat16, 14, marks=pytest.mark.skipif(
+            not _pairs_run(), reason="int8_pairs needs a CPU with AVX512-BF16")),
         ("int8_dynamic", torch.float32, 1), ("int8_dynamic", torch.bfloat16, 1),
     ],
 )
@@ -182,11 +186,11 @@ def test_a_kernel_that_computes_wrong_fails_the_check() -> None:
 @pytest.mark.parametrize(
     ("kernel_spec", "expected"),
     [
-        (spec(4, 64), "int4_cpu"),  # bfloat16, 4 bit: torch's kernel (priority 30)
-        (spec(4, 64, act_order=True), "int4_cpu"),  # act order with equal groups: inputs sorted
+        (spec(4, 64), BF16_INT4),  # bfloat16, 4 bit: int4_pairs (35) with AVX512-BF16, else torch's kernel (30)
+        (spec(4, 64, act_order=True), BF16_INT4),  # act order with equal groups: inputs sorted
         (spec(4, 64, dtype=torch.float32), "woq_cpu"),  # torch's int4 kernel is bfloat16 only
-        (spec(8, 64), "woq_cpu"),
-        (spec(4, 48), "woq_cpu"),  # torch's kernel takes groups of 32 .. 256 that tile the inputs
+        (spec(8, 64), BF16_INT8),
+        (spec(4, 48), bf16_int4_with_groups(48)),  # torch's kernel takes groups of 32 .. 256 that tile the inputs
         (spec(8, 192, activations=INT8_PER_TOKEN), "int8_dynamic"),
         (spec(4, 32, activations=INT8_PER_BLOCK), "woq_cpu_a8"),  # GGUF's blocks: llama.cpp's numerics
         (spec(8, 32, activations=INT8_PER_BLOCK, dtype=torch.float32), "woq_cpu_a8"),
@@ -297,7 +301,7 @@ def test_a_registered_kernel_of_higher_priority_runs_every_layer_and_quant_kerne
 
 
 def test_an_unknown_quant_kernel_is_refused_naming_the_known_ones(gptq_llama: Path) -> None:
-    with pytest.raises(Exception, match=r"fp4_cpu, fp8_cpu, int4_cpu, int4_pairs, int8_dynamic, reference, triton, woq_cpu, woq_cpu_a8"):
+    with pytest.raises(Exception, match=r"fp4_cpu, fp8_cpu, int4_cpu, int4_pairs, int8_dynamic, int8_pairs, reference, triton, woq_cpu, woq_cpu_a8"):
         LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", quant_kernel="marlin")
 
 
@@ -360,6 +364,36 @@ def test_woq_cpu_multiplies_a_large_weight_by_many_rows_a_block_of_outputs_at_a_
     reference = x.double() @ weight.dequantize().double().T
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
     assert float((blocks.double() - reference).abs().max()) <= tolerance * float(reference.abs().max())
+
+
+@pytest.mark.skipif(not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16")
+@pytest.mark.parametrize(("kernel_name", "bits"), [("int4_pairs", 4), ("int8_pairs", 8)])
+def test_a_pairs_kernel_dequantizes_a_large_weight_for_many_rows_a_block_of_outputs_at_a_time(
+    monkeypatch, kernel_name: str, bits: int
+) -> None:
+    """Above MAX_ROWS rows the pairs are dequantized for bf16_gemm; above CHUNK_BYTES of them (an
+    LM head's) 16 outputs at a time in blocks, the last partial: bit for bit the whole
+    weight's product, and within bfloat16's rounding of the float64 product."""
+    from vframe.quant.kernels.builtin import _PairsKernel
+
+    generator = torch.Generator().manual_seed(5)
+    out_features, in_features, group = 112, 128, 32  # 7 blocks of 16 outputs
+    weight = IntWeight(
+        bits, torch.randint(0, 1 << bits, (out_features, in_features), generator=generator, dtype=torch.uint8),
+        torch.rand(out_features, in_features // group, generator=generator) * 0.1,
+        torch.randn(out_features, in_features // group, generator=generator) * 0.1, group,
+    )
+    spec = QuantLinearSpec.for_weight(weight, activations=WEIGHT_ONLY, dtype=torch.bfloat16, layer="head")
+    kernel = choose_kernel(spec, kernel_name)
+    layer = nn.Module()
+    kernel.prepare(layer, weight)
+    x = torch.randn(40, in_features, generator=generator).bfloat16()  # more than MAX_ROWS
+    whole = kernel.apply(layer, x, None)
+    monkeypatch.setattr(_PairsKernel, "CHUNK_BYTES", 3 * 16 * in_features * 2)  # 3 blocks a GEMM: 3, 3, 1
+    blocks = kernel.apply(layer, x, None)
+    assert torch.equal(blocks, whole)
+    reference = x.double() @ weight.dequantize().double().T
+    assert float((blocks.double() - reference).abs().max()) <= 2**-7 * float(reference.abs().max())
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 9, 40])

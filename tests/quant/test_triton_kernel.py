@@ -18,6 +18,7 @@ from vframe.quant.kernels import (
 )
 from vframe.quant.kernels.gpu import TritonKernel, pack_nibbles
 from vframe.testing import check_quant_kernel
+from defaults import BF16_INT4
 
 CUDA = torch.device("cuda")
 
@@ -78,7 +79,7 @@ def test_cuda_layers_choose_it_and_w8a8_keeps_int8_dynamic(case: dict, expected:
 def test_cpu_layers_never_choose_it_without_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu = spec(device=torch.device("cpu"))
-    assert choose_kernel(cpu).name == "int4_cpu"
+    assert choose_kernel(cpu).name == BF16_INT4
     with pytest.raises(ConfigError) as e:
         choose_kernel(cpu, "triton")
     assert str(e.value) == (

@@ -20,7 +20,8 @@ checkpoint with ``quantization`` left to ``config.json``, in float32:
   prompts below;
 * perplexity of the fixed text within 2% of the reference's.
 
-In bfloat16 (the CPU's fast quant kernels: ``int4_cpu``, ``woq_cpu``, ``int8_dynamic``)
+In bfloat16 (the CPU's fast quant kernels: ``int4_pairs`` / ``int8_pairs`` or ``int4_cpu`` /
+``woq_cpu``, ``int8_dynamic``)
 each integer scheme, W8A8 included, keeps the reference's perplexity within 2%, and
 its quantized layers hold the checkpoint's packed bytes (within 10%: scales in
 float32 or bfloat16).
@@ -47,6 +48,7 @@ import torch
 from vframe import LLM, SamplingParams
 from vframe.models.loader import resolve_model
 from vframe.models.loader.resolve import default_cache_dir
+from vframe.quant.kernels.builtin import pairs_available
 
 pytestmark = pytest.mark.quant
 
@@ -256,12 +258,14 @@ def test_native_block_fp8_layout_serves_the_same_blocks(checkpoints: Path, tmp_p
     assert worst <= SCHEMES["ct-fp8-block"][2], f"a token's logprob differs by {worst:.2e}"
 
 
-# integer schemes -> the quant kernel their decoder layers take in bfloat16 on the CPU
+# integer schemes -> the quant kernel their decoder layers take in bfloat16 on the CPU: the pairs
+# kernels on CPUs with AVX512-BF16, else woq_cpu (8 bit) and torch's int4_cpu
+_PAIRS = pairs_available() is None
 BF16_KERNELS = {
-    "ct-w8a16": "woq_cpu",  # 8 bit, groups of 64
-    "ct-w4a16": "int4_cpu",  # 4 bit, groups of 64
-    "autoround-gptq": "int4_cpu",
-    "autoround-awq": "int4_cpu",
+    "ct-w8a16": "int8_pairs" if _PAIRS else "woq_cpu",  # 8 bit, groups of 64
+    "ct-w4a16": "int4_pairs" if _PAIRS else "int4_cpu",  # 4 bit, groups of 64
+    "autoround-gptq": "int4_pairs" if _PAIRS else "int4_cpu",
+    "autoround-awq": "int4_pairs" if _PAIRS else "int4_cpu",
     "ct-w8a8": "int8_dynamic",
     "ct-nvfp4a16": "fp4_cpu",
     "ct-mxfp4a16": "fp4_cpu",
@@ -273,8 +277,8 @@ PACKED_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weig
 
 @pytest.mark.parametrize("scheme", BF16_KERNELS)
 def test_bfloat16_kernels_keep_the_perplexity_and_the_checkpoint_s_size(scheme: str, checkpoints: Path) -> None:
-    """The fast CPU kernels (bfloat16 activations, scales rounded to bfloat16 by
-    int4_cpu) on the tool's checkpoint: perplexity of the text within 2% of the
+    """The fast CPU kernels (bfloat16 activations; scales rounded to bfloat16 by
+    int4_cpu, kept in float16 or float32 by the pairs kernels) on the tool's checkpoint: perplexity of the text within 2% of the
     float32 reference's (W8A8's reference rounds each linear input to int8 as well; its
     bound is 5%, the spread of its perplexity between float implementations),
     and the quantized layers hold about the checkpoint's packed bytes: the integers

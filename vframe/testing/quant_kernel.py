@@ -1,8 +1,9 @@
 """Conformance check for quantized linear kernels: ``check_quant_kernel``.
 
 The check builds random ``IntWeight``s over a matrix of specs (4 and 8 bit;
-groups of 32, 64, an odd 48-wide group and one per output channel; symmetric
-and with offsets; inputs in order, in act order with equal groups, and in a
+groups of 32, 64, an odd 48-wide group and one per output channel; float16 scales;
+symmetric and with offsets, in groups of 32 as GGUF's ``d q + m`` with a float16 ``m``,
+else from an integer zero point; inputs in order, in act order with equal groups, and in a
 different act order per fused shard; weight-only, W8A8, and int8 activations per
 block of 32 in groups of 32, 64 and per channel), random ``Fp8Weight``s (a scale
 per row, per 64 inputs, per 128 with a shorter last group) for kernels whose
@@ -20,6 +21,8 @@ kernel says it can run (``can_implement`` returns ``None``), and for each:
   ``x @ W.T + bias`` in float64 with ``W = IntWeight.dequantize()``; for W8A8
   the reference quantizes ``x`` per token as ``quantize_per_token`` does, for
   ``INT8_PER_BLOCK`` per block as ``quantize_per_block`` does;
+* ``dequantize_rows(layer, rows)``, where the kernel overrides it, equals those rows of
+  ``dequantize_weight(layer)`` bit for bit (the last row, the first twice, row 17);
 * ``bind(layer, bias)`` and ``bind(layer, None)``, where they return a function, give
   ``apply``'s outputs bit for bit on the same inputs (plugin API 1.12), and so does the
   operator call the function says it is (``vframe.quant.native_call``, plugin API 1.13).
@@ -39,7 +42,7 @@ from vframe.quant.base import bound_apply
 from vframe.quant.native_call import native_result
 from vframe.quant.kernels import (
     FP4_GROUPS, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, Fp8Weight, IntWeight,
-    QuantLinearKernel, QuantLinearSpec, refusal,
+    QuantLinearKernel, QuantLinearSpec, reads_rows, refusal,
 )
 
 # largest |apply - reference| / max |reference| per activation dtype
@@ -59,7 +62,10 @@ def _int_weight(spec: QuantLinearSpec, shards: int, generator: torch.Generator) 
     scales = (torch.rand(out, groups, generator=generator) + 0.5) / (1 << spec.bits) / inp**0.5
     scales = scales.half().float()  # checkpoints store float16 scales
     offsets = None
-    if not spec.symmetric:
+    if not spec.symmetric and gs == 32:  # GGUF's Q4_1 / Q5_1: w = d q + m, d and m float16
+        m = (-(1 << (spec.bits - 1)) * scales * (torch.rand(out, groups, generator=generator) + 0.5)).half().float()
+        offsets = m + (1 << (spec.bits - 1)) * scales
+    elif not spec.symmetric:  # GPTQ / AWQ: w = scale (q - zero), zero an integer
         zeros = torch.randint(0, 1 << spec.bits, (out, groups), generator=generator).float()
         offsets = scales * ((1 << (spec.bits - 1)) - zeros)
     g_idx = None
@@ -188,6 +194,10 @@ def check_quant_kernel(
         row_max = w.abs().amax(dim=1, keepdim=True)
         excess = float(((got_w - w).abs() - weight_tolerance(dtype) * row_max).max())
         assert excess <= 0, f"{case}: dequantize_weight differs from IntWeight.dequantize() by {excess:.3g} beyond tolerance"
+        if reads_rows(instance):  # a kernel that looks rows up on its own (a quantized embedding's)
+            ids = torch.tensor([spec.out_features - 1, 0, 17 % spec.out_features, 0], device=device)
+            got_rows = instance.dequantize_rows(layer, ids).float().cpu()
+            assert torch.equal(got_rows, got_w[ids.cpu()]), f"{case}: dequantize_rows(layer, {ids.tolist()}) are not those rows of dequantize_weight"
         bias = torch.randn(spec.out_features, generator=generator)
         for tokens in (1, 5, 20, 40):
             x = torch.randn(tokens, spec.in_features, generator=generator).to(dtype)

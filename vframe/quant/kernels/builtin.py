@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import ClassVar
 from pathlib import Path
 
 import torch
@@ -353,98 +354,167 @@ class WoqCpuKernel(_PermutedGemm):
 def _bf16_int4_refusal(spec: QuantLinearSpec) -> str | None:
     """Why a 4-bit bfloat16 CPU kernel (``int4_cpu``, ``int4_pairs``) cannot run ``spec``, as far
     as their common rules go, or None."""
+    return _bf16_cpu_refusal(spec, 4)
+
+
+def _bf16_cpu_refusal(spec: QuantLinearSpec, bits: int) -> str | None:
+    """Why a ``bits``-bit weight-only bfloat16 CPU kernel cannot run ``spec`` (the rules
+    ``int4_cpu`` and the pairs kernels share), or None."""
     if spec.device.type != "cpu" or spec.dtype != torch.bfloat16:
         return "it runs bfloat16 activations on the CPU only"
-    if spec.activations != WEIGHT_ONLY or spec.bits != 4:
-        return "it runs 4-bit weight-only formats only"
+    if spec.activations != WEIGHT_ONLY or spec.bits != bits:
+        return f"it runs {bits}-bit weight-only formats only"
     if spec.out_features % 16:
         return "it needs a multiple of 16 outputs"
     return None
 
 
-def int4_pairs_available() -> str | None:
-    """``None`` when ``int4_pairs`` runs here: woq_cpu's library built for a CPU with AVX512-BF16,
-    and ``cpu_ops.bf16_gemm`` (its prefill GEMM) on."""
+def pairs_available() -> str | None:
+    """``None`` when the pairs kernels (``int4_pairs``, ``int8_pairs``) run here: woq_cpu's library
+    built for a CPU with AVX512-BF16, and ``cpu_ops.bf16_gemm`` (their prefill GEMM) on."""
     from vframe.layers import cpu_ops
 
     if (reason := woq_cpu_available()) is not None:
         return reason
-    if not _woq_ops().int4_pairs_available():
+    if not _woq_ops().pairs_available():
         return "it needs a CPU with AVX512-BF16"
     if not cpu_ops.bf16_gemm_available():
         return "it needs cpu_ops.bf16_gemm (off: VFRAME_BF16_GEMM=0, or the fused CPU operators unavailable)"
     return None
 
 
-class Int4PairsKernel(_PermutedGemm):
-    """4-bit weight-only layers in bfloat16 on a CPU with AVX512-BF16 (``csrc/woq_gemm.cpp``'s
-    int4 pairs): the integers two a byte, laid out so that a widening, a mask and a shift give
-    ``vdpbf16ps`` operands (per block of 16 outputs, per 4 inputs: byte ``2n + j`` holds input
-    ``4p + j`` of output ``n`` low and ``4p + 2 + j`` high), scales and offsets per group and
-    output, float32. Up to
-    ``MAX_ROWS`` tokens: tiles of 4 rows x 32 outputs, each group's ``x * (q - 8)`` summed in
-    float32 and scaled, every weight byte read once a tile (SmolLM2's shapes, one row, Zen 4,
-    2 threads: the weight streamed at about memory speed, where torch's int4 kernel reads
-    9-17 GB/s); more tokens dequantize into bfloat16 pairs (each value ``IntWeight.dequantize``'s,
-    rounded once) for ``cpu_ops.bf16_gemm``.
+class _PairsKernel(_PermutedGemm):
+    """Weight-only integer layers in bfloat16 on a CPU with AVX512-BF16 (``csrc/woq_gemm.cpp``'s
+    pairs): per block of 16 outputs, 64 bytes a step read as 32 16-bit words, word ``2n + j``
+    of output ``n`` (``BITS`` 4: 8 inputs a step, nibble ``t`` holding input ``8p + 2t + j``;
+    ``BITS`` 8: 4 inputs a step, the low byte input ``4p + j``, the high one ``4p + 2 + j``),
+    scales and offsets per group and output, float32. A nibble masked out of each word and
+    or-ed with ``0x4300`` is the bfloat16 ``128 + nibble``: the four nibble planes are
+    ``vdpbf16ps`` operands as they are (no table, no widening), each group's sum corrected by
+    its inputs' sum. Up to ``MAX_ROWS`` tokens: tiles of 4 rows x 32 outputs (one or two rows x
+    64), every weight byte read once a tile, the panel a thread takes next asked for while it
+    works on one; more tokens dequantize into bfloat16 pairs (each value
+    ``IntWeight.dequantize``'s, rounded once) for ``cpu_ops.bf16_gemm``. Rows of the weight are
+    read on their own (``dequantize_rows``): a tied embedding keeps one copy of its table."""
 
-    Named, not yet chosen by default (``quant_kernel="int4_pairs"``; priority 15, below
-    ``int4_cpu`` and ``woq_cpu``): the tests that pin those kernels for 4-bit bfloat16 layers
-    (GGUF's Q4 segments and tied embedding among them) move over with the default."""
-
-    priority = 15
+    BITS: ClassVar[int]
+    STEP: ClassVar[int]
+    priority = 35  # above int4_cpu (30) and woq_cpu (20): where it runs, it streams fastest
 
     @classmethod
     def check_available(cls) -> list[str]:
-        reason = int4_pairs_available()
+        reason = pairs_available()
         return [reason] if reason else []
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
-        if (reason := _bf16_int4_refusal(spec)) is not None:
+        if (reason := _bf16_cpu_refusal(spec, cls.BITS)) is not None:
             return reason
-        if spec.in_features % spec.group_size or spec.group_size % 4:
-            return f"it needs groups of a multiple of 4 inputs that divide the {spec.in_features} inputs"
-        return cls.permutable(spec) or int4_pairs_available()
+        step = cls.STEP
+        if spec.in_features % spec.group_size or spec.group_size % step:
+            return f"it needs groups of a multiple of {step} inputs that divide the {spec.in_features} inputs"
+        return cls.permutable(spec) or pairs_available()
 
     def prepare(self, layer: nn.Module, weight: IntWeight) -> None:
         weight = self._in_group_order(layer, weight)
         self.group_size = weight.group_size
         out_features, in_features = weight.q.shape
-        blocks, groups = out_features // 16, in_features // weight.group_size
-        q = weight.q.to(torch.uint8).reshape(blocks, 16, in_features // 4, 2, 2)  # (b, n, p, high, j): k = 4p + 2 high + j
-        packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [N / 16, K / 4, 16, 2]: byte 2n + j
-        self.buffer(layer, "q", packed.reshape(blocks, in_features // 4, 32).contiguous())
+        blocks, groups, steps = out_features // 16, in_features // weight.group_size, in_features // self.STEP
+        q = weight.q.to(torch.uint8)
+        if self.BITS == 4:  # (b, n, p, t, j): input 8p + 2t + j into nibble t of word 2n + j
+            q = q.reshape(blocks, 16, steps, 4, 2)
+            low, high = q[:, :, :, 0] | (q[:, :, :, 1] << 4), q[:, :, :, 2] | (q[:, :, :, 3] << 4)  # [b, n, p, j]
+            q = torch.stack([low, high], dim=-1)  # (b, n, p, j, byte)
+        else:  # (b, n, p, byte, j): input 4p + 2 byte + j into byte `byte` of word 2n + j
+            q = q.reshape(blocks, 16, steps, 2, 2).transpose(3, 4)
+        self.buffer(layer, "q", q.permute(0, 2, 1, 3, 4).reshape(blocks, steps, 64).contiguous())
 
         def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N / 16, G, 16]
-            return t.float().reshape(blocks, 16, groups).permute(0, 2, 1).contiguous()
+            return t.reshape(blocks, 16, groups).permute(0, 2, 1).contiguous()
 
-        self.buffer(layer, "scales", per_block(weight.scales))
-        self.buffer(layer, "offsets", torch.empty(0) if weight.offsets is None else per_block(weight.offsets))
+        # w = scale q + zero: the offset at code 0 (a GGUF Q4_1's m, exactly), or none (symmetric)
+        scales = weight.scales.float()
+        zeros = None if weight.offsets is None else weight.offsets.float() - (1 << (self.BITS - 1)) * scales
+        # float16 where it holds every scale and zero exactly (the checkpoints' own float16 / bfloat16
+        # scales, GGUF's d and m): fewer bytes to read a step
+        dtype = torch.float16 if all(_exact_in_half(t) for t in (scales, zeros) if t is not None) else torch.float32
+        self.buffer(layer, "scales", per_block(scales.to(dtype)))
+        self.buffer(layer, "zeros", torch.empty(0, dtype=dtype) if zeros is None else per_block(zeros.to(dtype)))
 
     def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
-        return _woq_ops().int4_pairs_gemm.default, self._pairs_args(layer)
+        return _woq_ops().pairs_gemm.default, (*self._pairs_args(layer), self.BITS)
 
     def _pairs_args(self, layer: nn.Module) -> tuple:
-        return self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "offsets"), self.group_size
+        return self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "zeros"), self.group_size
 
     def _dequantized_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``bf16_gemm`` over the weight dequantized into bfloat16 pairs, at most ``CHUNK_BYTES``
+        of them at a time (an LM head's in blocks that stay in cache)."""
         from vframe.layers import cpu_ops
 
-        return cpu_ops.bf16_gemm(x.contiguous(), _woq_ops().int4_pairs_dequantize(*self._pairs_args(layer)))
+        q, scales, zeros, group = self._pairs_args(layer)
+        x = x.contiguous()
+        step = max(1, self.CHUNK_BYTES // (self.spec.in_features * 2 * 16))  # blocks of 16 outputs a GEMM
+        if step >= q.shape[0]:
+            return cpu_ops.bf16_gemm(x, _woq_ops().pairs_dequantize(q, scales, zeros, group, self.BITS))
+        out = x.new_empty(x.shape[0], self.spec.out_features)
+        for start in range(0, q.shape[0], step):
+            part = slice(start, start + step)
+            pairs = _woq_ops().pairs_dequantize(
+                q[part], scales[part], zeros[part] if zeros.numel() else zeros, group, self.BITS)
+            out[:, start * 16 : start * 16 + pairs.shape[0] * 16] = cpu_ops.bf16_gemm(x, pairs)
+        return out
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
-        q, scales, offsets = self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "offsets")
-        blocks, quads, _ = q.shape
-        q = q.reshape(blocks, quads, 16, 2)  # (b, p, n, j)
-        codes = torch.stack([q & 0x0F, q >> 4], dim=3)  # (b, p, n, high, j): input 4p + 2 high + j
-        codes = codes.permute(0, 2, 1, 3, 4).reshape(blocks * 16, quads * 4)
+        return self._int_weight(layer, None)
 
-        def plain(t: torch.Tensor) -> torch.Tensor:  # [N / 16, G, 16] -> [N, G]
-            return t.permute(0, 2, 1).reshape(blocks * 16, -1)
+    def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        return self._int_weight(layer, rows)
 
-        weight = IntWeight(4, codes, plain(scales), plain(offsets) if offsets.numel() else None, self.group_size)
-        return self._columns_back(layer, weight.dequantize())
+    def _int_weight(self, layer: nn.Module, rows: torch.Tensor | None) -> torch.Tensor:
+        """Output rows ``rows`` (all: None) of the weight, [R, in] float32, the inputs in the
+        checkpoint's order: ``scale q + zero`` (symmetric: ``scale (q - mid)``) of the codes read
+        back from the layout, what ``pairs_dequantize`` computes before its rounding to bfloat16."""
+        q, scales, zeros = self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "zeros")
+        blocks, steps, _ = q.shape
+        if rows is None:
+            rows = torch.arange(blocks * 16, device=q.device)
+        block, n = rows // 16, rows % 16
+        q = q.reshape(blocks, steps, 16, 2, 2)[block, :, n]  # [R, steps, j, byte]
+        if self.BITS == 4:  # nibble t = 2 byte + half holds input 8p + 2t + j
+            q = torch.stack([q & 0x0F, q >> 4], dim=-1).permute(0, 1, 3, 4, 2)  # (r, p, byte, half, j)
+        else:  # byte holds input 4p + 2 byte + j
+            q = q.transpose(2, 3)  # (r, p, byte, j)
+        codes = q.reshape(len(rows), -1, self.group_size).float()  # [R, G, group]
+        row_scales = scales[block, :, n].float()[..., None]  # [R, G, 1]
+        if zeros.numel() == 0:  # symmetric: scale (q - mid), IntWeight.dequantize's product
+            w = row_scales * (codes - (1 << (self.BITS - 1)))
+        else:
+            w = row_scales * codes + zeros[block, :, n].float()[..., None]
+        return self._columns_back(layer, w.reshape(len(rows), -1))
+
+
+def _exact_in_half(t: torch.Tensor) -> bool:
+    """Whether float16 holds every value of float32 ``t`` exactly (finite, in range)."""
+    return bool(torch.isfinite(t).all()) and torch.equal(t.half().float(), t)
+
+
+class Int4PairsKernel(_PairsKernel):
+    """``_PairsKernel`` for 4-bit weights: the default for 4-bit bfloat16 layers on CPUs with
+    AVX512-BF16 (``int4_cpu``, torch's kernel, where it cannot run)."""
+
+    BITS = 4
+    STEP = 8  # inputs a 64-byte step of a block holds
+
+
+class Int8PairsKernel(_PairsKernel):
+    """``_PairsKernel`` for 8-bit weights: ``q = 16 hi + lo``, each byte's two nibble planes
+    multiplied by its inputs and by 16 times them (exact in bfloat16). The default
+    for 8-bit weight-only bfloat16 layers on CPUs with AVX512-BF16 (W8A16, GGUF Q8_0 and its
+    8-bit types, the Q8_0 tied embedding / LM head)."""
+
+    BITS = 8
+    STEP = 4
 
 
 class WoqCpuA8Kernel(WoqCpuKernel):

@@ -1236,22 +1236,29 @@ at::Tensor int4pack_dequantize(const at::Tensor& packed, const at::Tensor& scale
 }
 
 
-// int4 pairs (vframe/quant/kernels/builtin.py, Int4PairsKernel): 4-bit weights laid out so that one
-// zero-extension, a mask and a shift give AVX512-BF16's vdpbf16ps operands, for bfloat16 activations.
-// Per block of 16 outputs, per 4 inputs 4p .. 4p + 3, 32 bytes: byte 2n + j holds input 4p + j of output
-// n in its low nibble and input 4p + 2 + j in its high one (j = 0, 1):
+// Pairs (vframe/quant/kernels/builtin.py, Int4PairsKernel / Int8PairsKernel): 4- and 8-bit weights laid
+// out so that a shift and a mask give AVX512-BF16's vdpbf16ps operands, for bfloat16 activations. Per
+// block of 16 outputs, 64 bytes a step, read as 32 little-endian 16-bit words, word 2n + j for output n:
 //
-//   q [N / 16, K / 4, 32] uint8, scales / offsets [N / 16, K / group, 16] float32
-//   w[o, k] = scales[o, g] * (q[o, k] - 8) + offsets[o, g]          (g = k / group; offsets optional)
+//   4 bit, a step 8 inputs 8p .. 8p + 7: word 2n + j's nibble t (bits 4t .. 4t + 3) holds input
+//          8p + 2t + j; q [N / 16, K / 8, 64]
+//   8 bit, a step 4 inputs 4p .. 4p + 3: word 2n + j's low byte holds input 4p + j, its high byte
+//          input 4p + 2 + j; q [N / 16, K / 4, 64]
 //
-// The 32 bytes widened to 16-bit lanes: the low nibbles are the (4p, 4p + 1) pairs of the 16 outputs,
-// the high ones the (4p + 2, 4p + 3) pairs; q - 8 as bfloat16 (exact) looked up from a table of 16
-// with vpermw. The product sums x * (q - 8) over a group in float32, then scales it, and adds offsets
-// times the group's sum of x: tiles of up to 4 rows x 32 outputs (2 rows x 64 for one or two rows),
-// every weight byte read once a tile. int4_pairs_dequantize gives the weight as
-// bfloat16 pairs ([N / 16, K / 2, 16, 2], what cpu_ops' bf16_gemm reads) for prefills, each value
-// rounded once from the float32 expression above (IntWeight.dequantize's, then the cast).
-bool int4_pairs_available() {
+//   scales / zeros [N / 16, K / group, 16] float32 or float16 (both the same)
+//   w[o, k] = scales[o, g] * q[o, k] + zeros[o, g]     (g = k / group; no zeros: scales[o, g] * (q[o, k] - 2^(bits - 1)))
+//
+// A nibble c masked out of each word and or-ed with 0x4300 is the bfloat16 128 + c, exactly: the words'
+// four nibble planes are four vdpbf16ps weight operands, each against one broadcast pair of inputs. 4 bit:
+// plane t against inputs (8p + 2t, 8p + 2t + 1); a group's sum is sum x (128 + q) = sum x q + 128 sum x.
+// 8 bit, q = 16 hi + lo: the low byte's planes against inputs (4p, 4p + 1) and 16 times them (exact in
+// bfloat16), the high byte's against (4p + 2, 4p + 3) and 16 times them; a group's sum is
+// sum x q + 2176 sum x. Each group's sum, in float32, is scaled and corrected by its inputs' sum
+// (the planes' 128 / 2176, and the zeros): tiles of up to 4 rows x 32 outputs (one or two rows x 64), every weight
+// byte read once a tile, and while a thread works on one panel of outputs it asks for the next
+// (PairsPrefetch). pairs_dequantize gives the weight as bfloat16 pairs ([N / 16, K / 2, 16, 2], what
+// cpu_ops' bf16_gemm reads) for prefills, each value rounded once from the float32 expression above.
+bool pairs_available() {
 #if defined(__AVX512BF16__)
   return true;
 #else
@@ -1261,64 +1268,96 @@ bool int4_pairs_available() {
 
 namespace {
 
-void check_int4_pairs(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets, int64_t group) {
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 32 && q.is_contiguous(),
-              "int4_pairs: q must be contiguous uint8 [N / 16, K / 4, 32]");
-  const int64_t inputs = q.size(1) * 4;
-  TORCH_CHECK(group > 0 && group % 4 == 0 && inputs % group == 0, "int4_pairs: the group (", group,
-              ") must be a multiple of 4 that divides the ", inputs, " inputs");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == q.size(0) && scales.size(1) == inputs / group && scales.size(2) == 16,
-              "int4_pairs: scales must be contiguous float32 [N / 16, K / group, 16]");
-  TORCH_CHECK(offsets.numel() == 0 || offsets.sizes() == scales.sizes(), "int4_pairs: offsets must be empty or shaped as scales");
-  TORCH_CHECK(offsets.numel() == 0 || (offsets.scalar_type() == at::kFloat && offsets.is_contiguous()),
-              "int4_pairs: offsets must be contiguous float32");
+// inputs a 64-byte step of a block covers
+constexpr int64_t pairs_step_inputs(int64_t bits) { return bits == 4 ? 8 : 4; }
+
+void check_pairs(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros, int64_t group, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "pairs: bits must be 4 or 8, not ", bits);
+  const int64_t step = pairs_step_inputs(bits);
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 64 && q.is_contiguous(),
+              "pairs: q must be contiguous uint8 [N / 16, K / ", step, ", 64]");
+  const int64_t inputs = q.size(1) * step;
+  TORCH_CHECK(group > 0 && group % step == 0 && inputs % group == 0, "pairs: the group (", group,
+              ") must be a multiple of ", step, " that divides the ", inputs, " inputs");
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
+                  scales.dim() == 3 && scales.size(0) == q.size(0) && scales.size(1) == inputs / group &&
+                  scales.size(2) == 16,
+              "pairs: scales must be contiguous float32 or float16 [N / 16, K / group, 16]");
+  TORCH_CHECK(zeros.numel() == 0 || zeros.sizes() == scales.sizes(), "pairs: zeros must be empty or shaped as scales");
+  TORCH_CHECK(zeros.numel() == 0 || (zeros.scalar_type() == scales.scalar_type() && zeros.is_contiguous()),
+              "pairs: zeros must be contiguous, of the scales' dtype");
 }
 
 #if defined(__AVX512BF16__)
-// bfloat16 bits of i - 8 for i in 0..15 (entries 16..31 unused): what vpermw looks a code up in.
-inline __m512i int4_table() {
-  alignas(64) uint16_t table[32] = {};
-  for (int i = 0; i < 16; ++i) {
-    const float v = static_cast<float>(i - 8);
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    table[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
-  }
-  return _mm512_load_si512(table);
-}
+// The lines a tile asks for while it runs (the panel its thread takes next: see pairs_product): n lines
+// from `lines`, spread over the tile's steps, and per group the next panel's scales (and zeros) at
+// scales (zeros) + group * 16, COLS blocks s_block apart.
+template <typename S>
+struct PairsPrefetch {
+  const char* lines = nullptr;
+  int64_t n = 0;
+  const S* scales = nullptr;
+  const S* zeros = nullptr;
+};
 
-template <int ROWS, int COLS>
-inline void int4_pairs_tile(const uint32_t* x, int64_t x_stride, const float* xsum, int64_t groups, const uint8_t* q,
-                            int64_t q_block, const float* scales, const float* offsets, int64_t s_block,
-                            int64_t group_quads, __m512i table, at::BFloat16* out, int64_t out_stride) {
-  const __m512i low = _mm512_set1_epi16(0xF);
+// 16 scales (zeros) as float32
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// xe: each row's inputs as the planes take them, 4 broadcast words a step (4 bit: the row's own pairs;
+// 8 bit: pair 2p, 16 times it, pair 2p + 1, 16 times it); xsum: each row's sum of inputs per group.
+// One or two rows keep two sums per output block (the planes' halves): vdpbf16ps' latency hidden.
+template <int BITS, int ROWS, int COLS, typename S>
+inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum, int64_t groups, const uint8_t* q,
+                       int64_t q_block, const S* scales, const S* zeros, int64_t s_block, int64_t group_steps,
+                       at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf) {
+  constexpr int SPLIT = ROWS <= 2 ? 2 : 1;
+  // what the planes add to x q (sum x (128 + lo) + 16 x (128 + hi) for 8 bit), and without zeros, the
+  // midpoint: each input's weight beyond its scaled sum is zero - bias scale (or -(bias + mid) scale)
+  const __m512 bias = _mm512_set1_ps(BITS == 4 ? 128.0f : 2176.0f);
+  const __m512 no_zero = _mm512_set1_ps(BITS == 4 ? -136.0f : -2304.0f);
+  const __m512i nibble = _mm512_set1_epi16(0xF), magic = _mm512_set1_epi16(0x4300);
+  const int64_t steps = groups * group_steps, per = steps ? (pf.n + steps - 1) / steps : 0;
+  int64_t asked = 0;
   __m512 acc[ROWS][COLS];
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 part[ROWS][COLS];
-    for (int r = 0; r < ROWS; ++r)
-      for (int c = 0; c < COLS; ++c) part[r][c] = _mm512_setzero_ps();
-    for (int64_t p = g * group_quads; p < (g + 1) * group_quads; ++p) {
-      __m512bh w0[COLS], w1[COLS];
+    if (pf.scales != nullptr)
       for (int c = 0; c < COLS; ++c) {
-        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * q_block + p * 32)));
-        w0[c] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(bytes, low), table);  // inputs 4p, 4p + 1
-        w1[c] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);   // inputs 4p + 2, 4p + 3
+        _mm_prefetch(reinterpret_cast<const char*>(pf.scales + c * s_block + g * 16), _MM_HINT_T1);
+        if (pf.zeros != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf.zeros + c * s_block + g * 16), _MM_HINT_T1);
       }
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + 2 * p]));
-        const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + 2 * p + 1]));
-        for (int c = 0; c < COLS; ++c) part[r][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(part[r][c], x0, w0[c]), x1, w1[c]);
+    __m512 part[ROWS][COLS][SPLIT];
+    for (int r = 0; r < ROWS; ++r)
+      for (int c = 0; c < COLS; ++c)
+        for (int s = 0; s < SPLIT; ++s) part[r][c][s] = _mm512_setzero_ps();
+    for (int64_t p = g * group_steps; p < (g + 1) * group_steps; ++p) {
+      for (int64_t i = 0; i < per && asked < pf.n; ++i, ++asked) _mm_prefetch(pf.lines + 64 * asked, _MM_HINT_T1);
+      for (int c = 0; c < COLS; ++c) {
+        const __m512i words = _mm512_loadu_si512(q + c * q_block + p * 64);
+        __m512bh w[4];  // 0xEA: (a & b) | c
+        w[0] = (__m512bh)_mm512_ternarylogic_epi32(words, nibble, magic, 0xEA);
+        w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), nibble, magic, 0xEA);
+        w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 8), nibble, magic, 0xEA);
+        w[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 12), magic);
+        for (int r = 0; r < ROWS; ++r) {
+          const uint32_t* xs = xe + r * xe_stride + 4 * p;
+          for (int t = 0; t < 4; ++t) {
+            __m512& sum = part[r][c][SPLIT == 2 ? t / 2 : 0];
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(static_cast<int>(xs[t])), w[t]);
+          }
+        }
       }
     }
     for (int c = 0; c < COLS; ++c) {
-      const __m512 scale = _mm512_loadu_ps(scales + c * s_block + g * 16);
-      for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm512_fmadd_ps(part[r][c], scale, acc[r][c]);
-      if (offsets != nullptr) {
-        const __m512 offset = _mm512_loadu_ps(offsets + c * s_block + g * 16);
-        for (int r = 0; r < ROWS; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), offset, acc[r][c]);
+      const __m512 scale = load_scales(scales + c * s_block + g * 16);
+      const __m512 extra = zeros != nullptr ? _mm512_fnmadd_ps(bias, scale, load_scales(zeros + c * s_block + g * 16))
+                                              : _mm512_mul_ps(no_zero, scale);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 sum = SPLIT == 2 ? _mm512_add_ps(part[r][c][0], part[r][c][SPLIT - 1]) : part[r][c][0];
+        acc[r][c] = _mm512_fmadd_ps(sum, scale, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), extra, acc[r][c]);
       }
     }
   }
@@ -1327,100 +1366,244 @@ inline void int4_pairs_tile(const uint32_t* x, int64_t x_stride, const float* xs
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
 }
 
-template <int COLS, int ROWS = 4>
-void int4_pairs_rows(const uint32_t* x, int64_t x_stride, const float* xsum, int64_t groups, int64_t rows,
-                     const uint8_t* q, int64_t q_block, const float* scales, const float* offsets, int64_t s_block,
-                     int64_t group_quads, __m512i table, at::BFloat16* out, int64_t out_stride) {
+// All rows against one panel of COLS blocks, in tiles of ROWS rows (then fewer); the tiles share the
+// prefetch of the thread's next panel (its scales asked for by the first tile).
+template <int BITS, int COLS, int ROWS = 4, typename S>
+void pairs_rows(const uint32_t* xe, int64_t xe_stride, const float* xsum, int64_t groups, int64_t rows,
+                const uint8_t* q, int64_t q_block, const S* scales, const S* zeros, int64_t s_block,
+                int64_t group_steps, at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf) {
   if constexpr (ROWS > 0) {
-    for (; rows >= ROWS; rows -= ROWS, x += ROWS * x_stride, xsum += ROWS * groups, out += ROWS * out_stride)
-      int4_pairs_tile<ROWS, COLS>(x, x_stride, xsum, groups, q, q_block, scales, offsets, s_block, group_quads, table,
-                                  out, out_stride);
+    const int64_t tiles = rows / ROWS + (rows % ROWS != 0), share = tiles ? (pf.n + tiles - 1) / tiles : 0;
+    for (; rows >= ROWS; rows -= ROWS, xe += ROWS * xe_stride, xsum += ROWS * groups, out += ROWS * out_stride) {
+      PairsPrefetch<S> mine = pf;
+      mine.n = std::min(share, pf.n);
+      pairs_tile<BITS, ROWS, COLS>(xe, xe_stride, xsum, groups, q, q_block, scales, zeros, s_block, group_steps,
+                                   out, out_stride, mine);
+      pf.lines += 64 * mine.n;
+      pf.n -= mine.n;
+      pf.scales = pf.zeros = nullptr;
+    }
     if (rows)
-      int4_pairs_rows<COLS, ROWS - 1>(x, x_stride, xsum, groups, rows, q, q_block, scales, offsets, s_block,
-                                      group_quads, table, out, out_stride);
+      pairs_rows<BITS, COLS, ROWS - 1, S>(xe, xe_stride, xsum, groups, rows, q, q_block, scales, zeros, s_block,
+                                       group_steps, out, out_stride, pf);
   }
 }
-#endif
 
-}  // namespace
+// 16 bfloat16 inputs as float32
+inline __m512 bf16x16(const at::BFloat16* x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
 
-at::Tensor int4_pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets,
-                           int64_t group, at::ScalarType out_dtype) {
-  check_int4_pairs(q, scales, offsets, group);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16 && x.size(1) == q.size(1) * 4,
-              "int4_pairs_gemm: x must be bfloat16 [M, K] with K = 4 * q.size(1), the output bfloat16");
-  const at::Tensor xc = x.stride(1) == 1 && x.stride(0) % 2 == 0 ? x : x.contiguous();
-  const int64_t rows = xc.size(0), blocks = q.size(0), pairs = q.size(1) * 2, groups = scales.size(1);
-  at::Tensor out = at::empty({rows, blocks * 16}, x.options());
-#if defined(__AVX512BF16__)
-  if (rows == 0) return out;
-  // each row's sum of inputs per group, for the offsets
-  std::vector<float> xsum(offsets.numel() ? rows * groups : 0, 0.0f);
+// Row r's sums of inputs per group into xsum, and (8 bit) its planes' words into xe: for each step p,
+// pair 2p, 16 times pair 2p, pair 2p + 1, 16 times pair 2p + 1 (16 x is exact in bfloat16).
+template <int BITS>
+void pairs_inputs(const at::BFloat16* x, int64_t inputs, int64_t group, float* xsum, uint32_t* xe) {
+  const int64_t groups = inputs / group;
+  if (group % 16 == 0) {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t i = g * group; i < (g + 1) * group; i += 16) sum = _mm512_add_ps(sum, bf16x16(x + i));
+      xsum[g] = _mm512_reduce_add_ps(sum);
+    }
+  } else {
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += static_cast<float>(x[i]);
+      xsum[g] = sum;
+    }
+  }
+  if constexpr (BITS == 8) {
+    int64_t i = 0;
+    if (inputs % 32 == 0) {
+      const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+      const __m512 sixteen = _mm512_set1_ps(16.0f);
+      for (; i < inputs; i += 32) {  // 16 pairs -> 32 words
+        const __m512i pairs = _mm512_loadu_si512(x + i);
+        const __m512i scaled = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(bf16x16(x + i + 16), sixteen),
+                                                            _mm512_mul_ps(bf16x16(x + i), sixteen));
+        _mm512_storeu_si512(xe + i, _mm512_permutex2var_epi32(pairs, first, scaled));
+        _mm512_storeu_si512(xe + i + 16, _mm512_permutex2var_epi32(pairs, second, scaled));
+      }
+    }
+    for (; i < inputs; i += 2) {
+      uint32_t pair;
+      std::memcpy(&pair, x + i, sizeof pair);
+      const at::BFloat16 sixteen[2] = {static_cast<at::BFloat16>(16.0f * static_cast<float>(x[i])),
+                                       static_cast<at::BFloat16>(16.0f * static_cast<float>(x[i + 1]))};
+      xe[i] = pair;
+      std::memcpy(xe + i + 1, sixteen, sizeof pair);
+    }
+  }
+}
+
+template <int BITS, typename S>
+void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros,
+                   int64_t group, at::Tensor& out) {
+  const int64_t rows = xc.size(0), inputs = xc.size(1), blocks = q.size(0), groups = scales.size(1);
   const at::BFloat16* xb = xc.const_data_ptr<at::BFloat16>();
-  for (int64_t r = 0; r < (offsets.numel() ? rows : 0); ++r)
-    for (int64_t i = 0; i < pairs * 2; ++i) xsum[r * groups + i / group] += static_cast<float>(xb[r * xc.stride(0) + i]);
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb);
-  const int64_t x_stride = xc.stride(0) / 2, q_block = q.size(1) * 32, s_block = groups * 16, outputs = blocks * 16;
+  std::vector<float> xsum(rows * groups);
+  std::vector<uint32_t> expanded(BITS == 8 ? rows * inputs : 0);
+  for (int64_t r = 0; r < rows; ++r)
+    pairs_inputs<BITS>(xb + r * xc.stride(0), inputs, group, xsum.data() + r * groups, expanded.data() + r * inputs);
+  const uint32_t* xe = BITS == 8 ? expanded.data() : reinterpret_cast<const uint32_t*>(xb);
+  const int64_t xe_stride = BITS == 8 ? inputs : xc.stride(0) / 2;
+  const int64_t q_block = q.size(1) * 64, s_block = groups * 16, outputs = blocks * 16;
+  const int64_t group_steps = group / pairs_step_inputs(BITS);
   const uint8_t* qp = q.const_data_ptr<uint8_t>();
-  const float* sp = scales.const_data_ptr<float>();
-  const float* op = offsets.numel() ? offsets.const_data_ptr<float>() : nullptr;
+  const S* sp = scales.const_data_ptr<S>();
+  const S* op = zeros.numel() ? zeros.const_data_ptr<S>() : nullptr;
   at::BFloat16* outp = out.mutable_data_ptr<at::BFloat16>();
-  const __m512i table = int4_table();
-  // Up to 2 rows, 4 blocks (64 outputs) a tile: enough independent sums to hide vdpbf16ps' latency;
-  // more rows, 4 rows x 2 blocks.
+  // Up to 2 rows, 4 blocks (64 outputs) a tile; more rows, 4 rows x 2 blocks. A thread's tasks are
+  // consecutive panels, one stream of memory: while it works on one panel it asks (into L2, spread over
+  // the panel's steps) for the next, so that the panel arrives before it is needed.
   const int64_t width = rows <= 2 ? 4 : 2;
   at::parallel_for(0, (blocks + width - 1) / width, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      for (int64_t b = task * width; b < std::min(blocks, (task + 1) * width);) {
-        const float* offs = op ? op + b * s_block : nullptr;
+      const int64_t first = task * width, last = std::min(blocks, first + width);
+      const int64_t next_last = task + 1 < end ? std::min(blocks, last + width) : last;
+      PairsPrefetch<S> pf;
+      if (next_last > last) {
+        pf.lines = reinterpret_cast<const char*>(qp + last * q_block);
+        pf.n = (next_last - last) * q_block / 64;
+        pf.scales = sp + last * s_block;
+        pf.zeros = op ? op + last * s_block : nullptr;
+      }
+      for (int64_t b = first; b < last;) {
+        const S* zs = op ? op + b * s_block : nullptr;
         const uint8_t* qb = qp + b * q_block;
-        const float* sb = sp + b * s_block;
+        const S* sb = sp + b * s_block;
         at::BFloat16* ob = outp + b * 16;
-        if (width == 4 && b + 4 <= blocks) {
-          int4_pairs_rows<4, 2>(xp, x_stride, xsum.data(), groups, rows, qb, q_block, sb, offs, s_block, group / 4,
-                                table, ob, outputs);
+        // a panel is one tile wide except a product's last (a thread's last: nothing to ask for)
+        const PairsPrefetch<S> mine = b == first ? pf : PairsPrefetch<S>{};
+        if (width == 4 && b + 4 <= last) {
+          pairs_rows<BITS, 4, 2, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block, group_steps,
+                                 ob, outputs, mine);
           b += 4;
-        } else if (width == 2 && b + 2 <= blocks) {
-          int4_pairs_rows<2>(xp, x_stride, xsum.data(), groups, rows, qb, q_block, sb, offs, s_block, group / 4, table,
-                             ob, outputs);
+        } else if (width == 2 && b + 2 <= last) {
+          pairs_rows<BITS, 2, 4, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block, group_steps,
+                              ob, outputs, mine);
           b += 2;
         } else {
-          int4_pairs_rows<1>(xp, x_stride, xsum.data(), groups, rows, qb, q_block, sb, offs, s_block, group / 4, table,
-                             ob, outputs);
+          pairs_rows<BITS, 1, 4, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block, group_steps,
+                              ob, outputs, mine);
           b += 1;
         }
       }
     }
   });
+}
+#endif
+
+}  // namespace
+
+at::Tensor pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros,
+                      int64_t group, int64_t bits, at::ScalarType out_dtype) {
+  check_pairs(q, scales, zeros, group, bits);
+  const int64_t inputs = q.size(1) * pairs_step_inputs(bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16 && x.size(1) == inputs,
+              "pairs_gemm: x must be bfloat16 [M, ", inputs, "], the output bfloat16");
+  const at::Tensor xc = x.stride(1) == 1 && x.stride(0) % 2 == 0 ? x : x.contiguous();
+  at::Tensor out = at::empty({xc.size(0), q.size(0) * 16}, x.options());
+#if defined(__AVX512BF16__)
+  if (xc.size(0) == 0) return out;
+  const bool half = scales.scalar_type() == at::kHalf;
+  if (bits == 4 && half)
+    pairs_product<4, at::Half>(xc, q, scales, zeros, group, out);
+  else if (bits == 4)
+    pairs_product<4, float>(xc, q, scales, zeros, group, out);
+  else if (half)
+    pairs_product<8, at::Half>(xc, q, scales, zeros, group, out);
+  else
+    pairs_product<8, float>(xc, q, scales, zeros, group, out);
 #else
-  TORCH_CHECK(false, "int4_pairs_gemm: this build has no AVX512-BF16 (int4_pairs_available() is false)");
+  TORCH_CHECK(false, "pairs_gemm: this build has no AVX512-BF16 (pairs_available() is false)");
 #endif
   return out;
 }
 
-at::Tensor int4_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets, int64_t group) {
-  check_int4_pairs(q, scales, offsets, group);
-  const int64_t blocks = q.size(0), quads = q.size(1), pairs = quads * 2, groups = scales.size(1);
-  at::Tensor w = at::empty({blocks, pairs, 16, 2}, q.options().dtype(at::kBFloat16));
-  const uint8_t* qp = q.const_data_ptr<uint8_t>();
-  const float* sp = scales.const_data_ptr<float>();
-  const float* op = offsets.numel() ? offsets.const_data_ptr<float>() : nullptr;
-  at::BFloat16* wp = w.mutable_data_ptr<at::BFloat16>();
+#if defined(__AVX512BF16__)
+namespace {
+
+// 32 codes (16-bit lanes, lane 2n + j for output n) as bfloat16: what pairs_dequantize stores for one
+// pair of inputs; s_lo / s_hi (z_lo / z_hi) hold outputs 0..7 / 8..15, each twice. With zeros
+// s[n] q + z[n] (the product, then the sum, each rounded), else s[n] (q - mid) (mid: -z).
+template <bool ZEROS>
+inline __m512 dequantized_half(__m256i codes, __m512 s, __m512 z) {
+  const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(codes));
+  return ZEROS ? _mm512_add_ps(_mm512_mul_ps(s, q), z) : _mm512_mul_ps(s, _mm512_add_ps(q, z));
+}
+
+template <bool ZEROS>
+inline __m512i dequantized_pair(__m512i codes, __m512 s_lo, __m512 s_hi, __m512 z_lo, __m512 z_hi) {
+  return (__m512i)_mm512_cvtne2ps_pbh(dequantized_half<ZEROS>(_mm512_extracti64x4_epi64(codes, 1), s_hi, z_hi),
+                                      dequantized_half<ZEROS>(_mm512_castsi512_si256(codes), s_lo, z_lo));
+}
+
+template <int BITS, bool ZEROS, typename S>
+void pairs_dequantize_blocks(const uint8_t* qp, const S* sp, const S* zp, int64_t blocks, int64_t steps, int64_t groups,
+                             int64_t group, at::BFloat16* wp) {
+  // A step's 32 words are in the pairs' lane order (word 2n + j: output n, input j of a pair): each
+  // nibble plane (4 bit) or byte (8 bit) is one pair of inputs of the 16 outputs, 64 bytes of w.
+  constexpr int64_t step_inputs = pairs_step_inputs(BITS);
+  const int64_t pairs = steps * step_inputs / 2, group_steps = group / step_inputs;
+  const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i second = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  const __m512 mid = _mm512_set1_ps(BITS == 4 ? -8.0f : -128.0f);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      for (int64_t p = 0; p < quads; ++p) {
-        const int64_t g = p * 4 / group;
-        for (int n = 0; n < 16; ++n) {
-          const float s = sp[(b * groups + g) * 16 + n], o = op ? op[(b * groups + g) * 16 + n] : 0.0f;
-          for (int j = 0; j < 2; ++j) {
-            const uint8_t byte = qp[(b * quads + p) * 32 + 2 * n + j];
-            const float lo = s * static_cast<float>((byte & 15) - 8), hi = s * static_cast<float>((byte >> 4) - 8);
-            wp[((b * pairs + 2 * p) * 16 + n) * 2 + j] = static_cast<at::BFloat16>(op ? lo + o : lo);      // input 4p + j
-            wp[((b * pairs + 2 * p + 1) * 16 + n) * 2 + j] = static_cast<at::BFloat16>(op ? hi + o : hi);  // 4p + 2 + j
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m512 s = load_scales(sp + (b * groups + g) * 16);
+        const __m512 z = ZEROS ? load_scales(zp + (b * groups + g) * 16) : mid;
+        const __m512 s_lo = _mm512_permutexvar_ps(first, s), s_hi = _mm512_permutexvar_ps(second, s);
+        const __m512 z_lo = _mm512_permutexvar_ps(first, z), z_hi = _mm512_permutexvar_ps(second, z);
+        for (int64_t p = g * group_steps; p < (g + 1) * group_steps; ++p) {
+          const __m512i words = _mm512_loadu_si512(qp + (b * steps + p) * 64);
+          at::BFloat16* out = wp + (b * pairs + p * step_inputs / 2) * 32;
+          if constexpr (BITS == 4) {
+            for (int t = 0; t < 4; ++t) {  // pair 4p + t: inputs 8p + 2t, 8p + 2t + 1
+              const __m512i codes = _mm512_and_si512(_mm512_srli_epi16(words, 4 * t), _mm512_set1_epi16(0xF));
+              _mm512_storeu_si512(out + 32 * t, dequantized_pair<ZEROS>(codes, s_lo, s_hi, z_lo, z_hi));
+            }
+          } else {  // pair 2p: the low bytes, 2p + 1: the high ones
+            _mm512_storeu_si512(out, dequantized_pair<ZEROS>(_mm512_and_si512(words, _mm512_set1_epi16(0xFF)), s_lo, s_hi, z_lo, z_hi));
+            _mm512_storeu_si512(out + 32, dequantized_pair<ZEROS>(_mm512_srli_epi16(words, 8), s_lo, s_hi, z_lo, z_hi));
           }
         }
       }
   });
+}
+
+}  // namespace
+#endif
+
+at::Tensor pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
+                            int64_t bits) {
+  check_pairs(q, scales, zeros, group, bits);
+  const int64_t blocks = q.size(0), steps = q.size(1), groups = scales.size(1);
+  at::Tensor w = at::empty({blocks, steps * pairs_step_inputs(bits) / 2, 16, 2}, q.options().dtype(at::kBFloat16));
+#if defined(__AVX512BF16__)
+  const uint8_t* qp = q.const_data_ptr<uint8_t>();
+  at::BFloat16* wp = w.mutable_data_ptr<at::BFloat16>();
+  const auto run = [&]<typename S>() {
+    const S* sp = scales.const_data_ptr<S>();
+    const S* zp = zeros.numel() ? zeros.const_data_ptr<S>() : nullptr;
+    if (bits == 4 && zp)
+      pairs_dequantize_blocks<4, true, S>(qp, sp, zp, blocks, steps, groups, group, wp);
+    else if (bits == 4)
+      pairs_dequantize_blocks<4, false, S>(qp, sp, zp, blocks, steps, groups, group, wp);
+    else if (zp)
+      pairs_dequantize_blocks<8, true, S>(qp, sp, zp, blocks, steps, groups, group, wp);
+    else
+      pairs_dequantize_blocks<8, false, S>(qp, sp, zp, blocks, steps, groups, group, wp);
+  };
+  if (scales.scalar_type() == at::kHalf)
+    run.template operator()<at::Half>();
+  else
+    run.template operator()<float>();
+#else
+  TORCH_CHECK(false, "pairs_dequantize: this build has no AVX512-BF16 (pairs_available() is false)");
+#endif
   return w;
 }
 
@@ -1435,9 +1618,9 @@ TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("fp4_dequantize(Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format, ScalarType out_dtype) -> Tensor");
   m.def("woq_dequantize(Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("int4pack_dequantize(Tensor packed, Tensor scales_and_zeros, int group) -> Tensor");
-  m.def("int4_pairs_gemm(Tensor x, Tensor q, Tensor scales, Tensor offsets, int group, ScalarType out_dtype) -> Tensor");
-  m.def("int4_pairs_dequantize(Tensor q, Tensor scales, Tensor offsets, int group) -> Tensor");
-  m.def("int4_pairs_available() -> bool", &int4_pairs_available);
+  m.def("pairs_gemm(Tensor x, Tensor q, Tensor scales, Tensor zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
+  m.def("pairs_dequantize(Tensor q, Tensor scales, Tensor zeros, int group, int bits) -> Tensor");
+  m.def("pairs_available() -> bool", &pairs_available);
 }
 
 TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
@@ -1451,6 +1634,6 @@ TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
   m.impl("fp4_dequantize", &fp4_dequantize);
   m.impl("woq_dequantize", &woq_dequantize);
   m.impl("int4pack_dequantize", &int4pack_dequantize);
-  m.impl("int4_pairs_gemm", &int4_pairs_gemm);
-  m.impl("int4_pairs_dequantize", &int4_pairs_dequantize);
+  m.impl("pairs_gemm", &pairs_gemm);
+  m.impl("pairs_dequantize", &pairs_dequantize);
 }
