@@ -1454,40 +1454,43 @@ void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& 
   const S* sp = scales.const_data_ptr<S>();
   const S* op = zeros.numel() ? zeros.const_data_ptr<S>() : nullptr;
   at::BFloat16* outp = out.mutable_data_ptr<at::BFloat16>();
-  // Up to 2 rows, 4 blocks (64 outputs) a tile; more rows, 4 rows x 2 blocks. A thread's tasks are
-  // consecutive panels, one stream of memory: while it works on one panel it asks (into L2, spread over
-  // the panel's steps) for the next, so that the panel arrives before it is needed.
-  const int64_t width = rows <= 2 ? 4 : 2;
-  at::parallel_for(0, (blocks + width - 1) / width, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t first = task * width, last = std::min(blocks, first + width);
-      const int64_t next_last = task + 1 < end ? std::min(blocks, last + width) : last;
-      PairsPrefetch<S> pf;
-      if (next_last > last) {
-        pf.lines = reinterpret_cast<const char*>(qp + last * q_block);
-        pf.n = (next_last - last) * q_block / 64;
-        pf.scales = sp + last * s_block;
-        pf.zeros = op ? op + last * s_block : nullptr;
-      }
-      for (int64_t b = first; b < last;) {
-        const S* zs = op ? op + b * s_block : nullptr;
-        const uint8_t* qb = qp + b * q_block;
-        const S* sb = sp + b * s_block;
-        at::BFloat16* ob = outp + b * 16;
-        // a panel is one tile wide except a product's last (a thread's last: nothing to ask for)
-        const PairsPrefetch<S> mine = b == first ? pf : PairsPrefetch<S>{};
-        if (width == 4 && b + 4 <= last) {
-          pairs_rows<BITS, 4, 2, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block, group_steps,
-                                 ob, outputs, mine);
-          b += 4;
-        } else if (width == 2 && b + 2 <= last) {
-          pairs_rows<BITS, 2, 4, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block, group_steps,
-                              ob, outputs, mine);
-          b += 2;
-        } else {
-          pairs_rows<BITS, 1, 4, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block, group_steps,
-                              ob, outputs, mine);
-          b += 1;
+  // Up to 2 rows, 4 blocks (64 outputs) a tile; more rows, 4 rows x 2 blocks. Each thread takes an equal
+  // share of the blocks (to a block: SmolLM2's 36-block products in tasks of 4 left one thread a ninth
+  // more), consecutive panels, one stream of memory: while it works on one panel it asks (into L2, spread
+  // over the panel's steps) for the next, so that the panel arrives before it is needed.
+  const int64_t width = rows <= 2 ? 4 : 2, threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t mine_end = blocks * (t + 1) / threads;
+      for (int64_t first = blocks * t / threads; first < mine_end; first += width) {
+        const int64_t last = std::min(mine_end, first + width), next_last = std::min(mine_end, last + width);
+        PairsPrefetch<S> pf;
+        if (next_last > last) {
+          pf.lines = reinterpret_cast<const char*>(qp + last * q_block);
+          pf.n = (next_last - last) * q_block / 64;
+          pf.scales = sp + last * s_block;
+          pf.zeros = op ? op + last * s_block : nullptr;
+        }
+        for (int64_t b = first; b < last;) {
+          const S* zs = op ? op + b * s_block : nullptr;
+          const uint8_t* qb = qp + b * q_block;
+          const S* sb = sp + b * s_block;
+          at::BFloat16* ob = outp + b * 16;
+          // a panel is one tile wide except a thread's last (nothing to ask for)
+          const PairsPrefetch<S> ahead = b == first ? pf : PairsPrefetch<S>{};
+          if (width == 4 && b + 4 <= last) {
+            pairs_rows<BITS, 4, 2, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
+                                      group_steps, ob, outputs, ahead);
+            b += 4;
+          } else if (b + 2 <= last) {
+            pairs_rows<BITS, 2, 4, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
+                                      group_steps, ob, outputs, ahead);
+            b += 2;
+          } else {
+            pairs_rows<BITS, 1, 4, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
+                                      group_steps, ob, outputs, ahead);
+            b += 1;
+          }
         }
       }
     }
