@@ -21,7 +21,8 @@ Kernels, per segment:
 * Q4_0 / Q4_1 / Q4_K and Q2_K / Q3_K (4 bit) and Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0
   (8 bit): an ``IntWeight`` (``_int_weight``; ``gguf_dequant.int4_groups`` /
   ``int8_groups``) on the quant kernel ``vframe.quant.kernels.choose_kernel`` picks (on
-  the CPU: ``int4_cpu`` for bfloat16 Q4, ``woq_cpu`` otherwise), its buffers in the
+  the CPU in bfloat16 with AVX512-BF16: ``int4_pairs`` / ``int8_pairs``, which keep Q4_0 / Q4_1 /
+  Q8_0 in the file's bytes; else ``int4_cpu`` for bfloat16 Q4, ``woq_cpu`` otherwise), its buffers in the
   submodule ``segment<i>``; the blocks are dropped. ``quant_kernel="woq_cpu_a8"`` runs the
   32-wide types with llama.cpp's numerics instead (activations quantized to int8 per
   block of 32, integer dot products; ``_named_kernel``).
@@ -322,8 +323,9 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
     * the integer types (``INT_TYPES``: Q2_K to Q8_0): the quant kernel chosen for the
       table's ``IntWeight``, as for a linear segment, in the submodule ``segment0``;
       lookups through the kernel's ``dequantize_rows`` where it reads rows on its own
-      (``woq_cpu``: the table is held once), else from the file's bytes, kept beside the
-      kernel's copy (``int4_cpu`` for a bfloat16 Q4 table: 0.56 + 0.63 bytes per weight).
+      (``int8_pairs``, ``int4_pairs``, ``woq_cpu``: the table is held once; SmolLM2's Q8_0 on
+      ``int8_pairs`` in the file's 1.06 bytes per weight), else from the file's bytes, kept
+      beside the kernel's copy (``int4_cpu`` for a bfloat16 Q4 table: 0.56 + 0.63 bytes per weight).
     * Q8_0 where that choice is the built-in ``reference``, in a bfloat16 model on the
       CPU (vocabulary a multiple of 64): each
       ``q = 16 hi + lo`` is split into two 4-bit planes, each run through torch's

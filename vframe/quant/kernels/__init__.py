@@ -45,6 +45,12 @@ starting with its registry name), so the format can drop its checkpoint tensors.
 
 Built-in kernels (``vframe.quant.kernels.builtin``; ``triton`` in ``vframe.quant.kernels.gpu``), by priority:
 
+* ``int4_pairs`` and ``int8_pairs`` (35): 4- and 8-bit weight-only layers in bfloat16 on CPUs with
+  AVX512-BF16, vframe's C++ operator: each 64-byte step of 16 outputs read as 16-bit words whose
+  nibble planes (or-ed with ``0x4300``, the bfloat16 ``128 + nibble``) are ``vdpbf16ps`` operands as
+  they are; scales and zeros in float16 where that holds them exactly (GGUF's ``d`` and ``m``, the
+  checkpoints' float16 / bfloat16 scales), else float32; each thread's next panel of outputs
+  prefetched. Up to 16 tokens in place, more dequantize into ``bf16_gemm``'s pairs.
 * ``int4_cpu`` (30): torch's ``_weight_int4pack_mm_for_cpu``, 4-bit, bfloat16 on the CPU.
 * ``triton`` (25): weight-only integer (4 / 8 bit), FP8 and FP4 layers on NVIDIA GPUs, one
   Triton GEMM that dequantizes the packed weight tile by tile.
@@ -63,9 +69,6 @@ Built-in kernels (``vframe.quant.kernels.builtin``; ``triton`` in ``vframe.quant
 * ``fp8_cpu`` (20): vframe's C++ FP8 kernel: e4m3 bytes read in place (as float16 bits,
   converted eight at a time with F16C) for up to 16 tokens (32 in float32), dequantized
   for one GEMM above.
-* ``int4_pairs`` (15): 4-bit weight-only in bfloat16 on CPUs with AVX512-BF16, vframe's C++
-  operator on a ``vdpbf16ps`` operand layout; named (``quant_kernel="int4_pairs"``), not yet
-  the default.
 * ``reference`` (0): dequantize in float32, cast, ``F.linear``; every spec, every device.
 
 ``vframe.testing.check_quant_kernel`` checks a kernel against ``IntWeight.dequantize``.
