@@ -1248,13 +1248,14 @@ at::Tensor int4pack_dequantize(const at::Tensor& packed, const at::Tensor& scale
 //   scales / zeros [N / 16, K / group, 16] float32 or float16 (both the same)
 //   w[o, k] = scales[o, g] * q[o, k] + zeros[o, g]     (g = k / group; no zeros: scales[o, g] * (q[o, k] - 2^(bits - 1)))
 //
-// A nibble c masked out of each word and or-ed with 0x4300 is the bfloat16 128 + c, exactly: the words'
-// four nibble planes are four vdpbf16ps weight operands, each against one broadcast pair of inputs. 4 bit:
-// plane t against inputs (8p + 2t, 8p + 2t + 1); a group's sum is sum x (128 + q) = sum x q + 128 sum x.
-// 8 bit, q = 16 hi + lo: the low byte's planes against inputs (4p, 4p + 1) and 16 times them (exact in
-// bfloat16), the high byte's against (4p + 2, 4p + 3) and 16 times them; a group's sum is
-// sum x q + 2176 sum x. Each group's sum, in float32, is scaled and corrected by its inputs' sum
-// (the planes' 128 / 2176, and the zeros): tiles of up to 4 rows x 32 outputs (one or two rows x 64), every weight
+// Bits masked out of each word and or-ed with 0x4300 (the bfloat16 128) are a bfloat16, exactly: 4 bit, a
+// nibble c at bits 0-3 is 128 + c, and the words' four nibble planes (shifted down) are four vdpbf16ps
+// weight operands, plane t against inputs (8p + 2t, 8p + 2t + 1); a group's sum is
+// sum x (128 + q) = sum x q + 128 sum x. 8 bit, q = 128 h + l: a byte's bits 0-6 give 128 + l, its bit 7
+// (the bfloat16's lowest exponent bit) 128 + 128 h, both against the byte's inputs (the low byte (4p,
+// 4p + 1), the high byte, shifted down, (4p + 2, 4p + 3)); a group's sum is sum x q + 256 sum x. One
+// shift a step at 8 bit, three at 4. Each group's sum, in float32, is scaled and corrected by its
+// inputs' sum (the planes' 128 / 256, and the zeros): tiles of up to 4 rows x 32 outputs (one or two rows x 64), every weight
 // byte read once a tile, and while a thread works on one panel of outputs it asks for the next
 // (PairsPrefetch). pairs_dequantize gives the weight as bfloat16 pairs ([N / 16, K / 2, 16, 2], what
 // cpu_ops' bf16_gemm reads) for prefills, each value rounded once from the float32 expression above.
@@ -1304,19 +1305,19 @@ struct PairsPrefetch {
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_scales(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
-// xe: each row's inputs as the planes take them, 4 broadcast words a step (4 bit: the row's own pairs;
-// 8 bit: pair 2p, 16 times it, pair 2p + 1, 16 times it); xsum: each row's sum of inputs per group.
-// One or two rows keep two sums per output block (the planes' halves): vdpbf16ps' latency hidden.
+// xe: each row's bfloat16 input pairs (a step takes 4 at 4 bit, 2 at 8); xsum: each row's sum of inputs
+// per group. One or two rows keep two sums per output block (the planes' halves): vdpbf16ps' latency hidden.
 template <int BITS, int ROWS, int COLS, typename S>
 inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum, int64_t groups, const uint8_t* q,
                        int64_t q_block, const S* scales, const S* zeros, int64_t s_block, int64_t group_steps,
                        at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf) {
   constexpr int SPLIT = ROWS <= 2 ? 2 : 1;
-  // what the planes add to x q (sum x (128 + lo) + 16 x (128 + hi) for 8 bit), and without zeros, the
-  // midpoint: each input's weight beyond its scaled sum is zero - bias scale (or -(bias + mid) scale)
-  const __m512 bias = _mm512_set1_ps(BITS == 4 ? 128.0f : 2176.0f);
-  const __m512 no_zero = _mm512_set1_ps(BITS == 4 ? -136.0f : -2304.0f);
-  const __m512i nibble = _mm512_set1_epi16(0xF), magic = _mm512_set1_epi16(0x4300);
+  // what the planes add to x q (8 bit: x (128 + l) + x (128 + 128 h)), and without zeros, the midpoint:
+  // each input's weight beyond its scaled sum is zero - bias scale (or -(bias + mid) scale)
+  const __m512 bias = _mm512_set1_ps(BITS == 4 ? 128.0f : 256.0f);
+  const __m512 no_zero = _mm512_set1_ps(BITS == 4 ? -136.0f : -384.0f);
+  const __m512i nibble = _mm512_set1_epi16(0xF), low7 = _mm512_set1_epi16(0x7F), bit7 = _mm512_set1_epi16(0x80);
+  const __m512i magic = _mm512_set1_epi16(0x4300);
   const int64_t steps = groups * group_steps, per = steps ? (pf.n + steps - 1) / steps : 0;
   int64_t asked = 0;
   __m512 acc[ROWS][COLS];
@@ -1337,15 +1338,25 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
       for (int c = 0; c < COLS; ++c) {
         const __m512i words = _mm512_loadu_si512(q + c * q_block + p * 64);
         __m512bh w[4];  // 0xEA: (a & b) | c
-        w[0] = (__m512bh)_mm512_ternarylogic_epi32(words, nibble, magic, 0xEA);
-        w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), nibble, magic, 0xEA);
-        w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 8), nibble, magic, 0xEA);
-        w[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 12), magic);
+        if constexpr (BITS == 4) {
+          w[0] = (__m512bh)_mm512_ternarylogic_epi32(words, nibble, magic, 0xEA);
+          w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), nibble, magic, 0xEA);
+          w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 8), nibble, magic, 0xEA);
+          w[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 12), magic);
+        } else {
+          const __m512i high = _mm512_srli_epi16(words, 8);
+          w[0] = (__m512bh)_mm512_ternarylogic_epi32(words, low7, magic, 0xEA);
+          w[1] = (__m512bh)_mm512_ternarylogic_epi32(words, bit7, magic, 0xEA);
+          w[2] = (__m512bh)_mm512_ternarylogic_epi32(high, low7, magic, 0xEA);
+          w[3] = (__m512bh)_mm512_ternarylogic_epi32(high, bit7, magic, 0xEA);
+        }
         for (int r = 0; r < ROWS; ++r) {
-          const uint32_t* xs = xe + r * xe_stride + 4 * p;
+          // 4 bit: plane t against pair 4p + t; 8 bit: planes 0, 1 against pair 2p, 2 and 3 against 2p + 1
+          const uint32_t* xs = xe + r * xe_stride + (BITS == 4 ? 4 : 2) * p;
           for (int t = 0; t < 4; ++t) {
             __m512& sum = part[r][c][SPLIT == 2 ? t / 2 : 0];
-            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(static_cast<int>(xs[t])), w[t]);
+            const uint32_t pair = xs[BITS == 4 ? t : t / 2];
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), w[t]);
           }
         }
       }
@@ -1394,46 +1405,18 @@ inline __m512 bf16x16(const at::BFloat16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
 }
 
-// Row r's sums of inputs per group into xsum, and (8 bit) its planes' words into xe: for each step p,
-// pair 2p, 16 times pair 2p, pair 2p + 1, 16 times pair 2p + 1 (16 x is exact in bfloat16).
-template <int BITS>
-void pairs_inputs(const at::BFloat16* x, int64_t inputs, int64_t group, float* xsum, uint32_t* xe) {
-  const int64_t groups = inputs / group;
-  if (group % 16 == 0) {
-    for (int64_t g = 0; g < groups; ++g) {
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t i = g * group; i < (g + 1) * group; i += 16) sum = _mm512_add_ps(sum, bf16x16(x + i));
-      xsum[g] = _mm512_reduce_add_ps(sum);
+// Row x's sums of inputs per group into xsum.
+void pairs_sums(const at::BFloat16* x, int64_t inputs, int64_t group, float* xsum) {
+  for (int64_t g = 0; g < inputs / group; ++g) {
+    int64_t i = g * group;
+    float sum = 0.0f;
+    if (group % 16 == 0) {
+      __m512 acc = _mm512_setzero_ps();
+      for (; i < (g + 1) * group; i += 16) acc = _mm512_add_ps(acc, bf16x16(x + i));
+      sum = _mm512_reduce_add_ps(acc);
     }
-  } else {
-    for (int64_t g = 0; g < groups; ++g) {
-      float sum = 0.0f;
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += static_cast<float>(x[i]);
-      xsum[g] = sum;
-    }
-  }
-  if constexpr (BITS == 8) {
-    int64_t i = 0;
-    if (inputs % 32 == 0) {
-      const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-      const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-      const __m512 sixteen = _mm512_set1_ps(16.0f);
-      for (; i < inputs; i += 32) {  // 16 pairs -> 32 words
-        const __m512i pairs = _mm512_loadu_si512(x + i);
-        const __m512i scaled = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(bf16x16(x + i + 16), sixteen),
-                                                            _mm512_mul_ps(bf16x16(x + i), sixteen));
-        _mm512_storeu_si512(xe + i, _mm512_permutex2var_epi32(pairs, first, scaled));
-        _mm512_storeu_si512(xe + i + 16, _mm512_permutex2var_epi32(pairs, second, scaled));
-      }
-    }
-    for (; i < inputs; i += 2) {
-      uint32_t pair;
-      std::memcpy(&pair, x + i, sizeof pair);
-      const at::BFloat16 sixteen[2] = {static_cast<at::BFloat16>(16.0f * static_cast<float>(x[i])),
-                                       static_cast<at::BFloat16>(16.0f * static_cast<float>(x[i + 1]))};
-      xe[i] = pair;
-      std::memcpy(xe + i + 1, sixteen, sizeof pair);
-    }
+    for (; i < (g + 1) * group; ++i) sum += static_cast<float>(x[i]);
+    xsum[g] = sum;
   }
 }
 
@@ -1443,11 +1426,9 @@ void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& 
   const int64_t rows = xc.size(0), inputs = xc.size(1), blocks = q.size(0), groups = scales.size(1);
   const at::BFloat16* xb = xc.const_data_ptr<at::BFloat16>();
   std::vector<float> xsum(rows * groups);
-  std::vector<uint32_t> expanded(BITS == 8 ? rows * inputs : 0);
-  for (int64_t r = 0; r < rows; ++r)
-    pairs_inputs<BITS>(xb + r * xc.stride(0), inputs, group, xsum.data() + r * groups, expanded.data() + r * inputs);
-  const uint32_t* xe = BITS == 8 ? expanded.data() : reinterpret_cast<const uint32_t*>(xb);
-  const int64_t xe_stride = BITS == 8 ? inputs : xc.stride(0) / 2;
+  for (int64_t r = 0; r < rows; ++r) pairs_sums(xb + r * xc.stride(0), inputs, group, xsum.data() + r * groups);
+  const uint32_t* xe = reinterpret_cast<const uint32_t*>(xb);
+  const int64_t xe_stride = xc.stride(0) / 2;
   const int64_t q_block = q.size(1) * 64, s_block = groups * 16, outputs = blocks * 16;
   const int64_t group_steps = group / pairs_step_inputs(BITS);
   const uint8_t* qp = q.const_data_ptr<uint8_t>();
