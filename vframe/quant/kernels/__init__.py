@@ -47,8 +47,8 @@ Built-in kernels (``vframe.quant.kernels.builtin``; ``triton`` in ``vframe.quant
 
 * ``int4_pairs`` and ``int8_pairs`` (35): 4- and 8-bit weight-only layers in bfloat16 on CPUs with
   AVX512-BF16, vframe's C++ operator: each 64-byte step of 16 outputs read as 16-bit words whose
-  nibble planes (or-ed with ``0x4300``, the bfloat16 ``128 + nibble``) are ``vdpbf16ps`` operands as
-  they are; scales and zeros in float16 where that holds them exactly (GGUF's ``d`` and ``m``, the
+  bit planes or-ed with ``0x4300`` are ``vdpbf16ps`` operands as they are (a nibble ``c``: the
+  bfloat16 ``128 + c``; 8 bit, a byte's bits 0-6 and its bit 7: ``128 + l``, ``128 + 128 h``); scales and zeros in float16 where that holds them exactly (GGUF's ``d`` and ``m``, the
   checkpoints' float16 / bfloat16 scales), else float32; each thread's next panel of outputs
   prefetched. Up to 16 tokens in place, more dequantize into ``bf16_gemm``'s pairs.
 * ``int4_cpu`` (30): torch's ``_weight_int4pack_mm_for_cpu``, 4-bit, bfloat16 on the CPU.

@@ -388,10 +388,10 @@ class _PairsKernel(_PermutedGemm):
     pairs): per block of 16 outputs, 64 bytes a step read as 32 16-bit words, word ``2n + j``
     of output ``n`` (``BITS`` 4: 8 inputs a step, nibble ``t`` holding input ``8p + 2t + j``;
     ``BITS`` 8: 4 inputs a step, the low byte input ``4p + j``, the high one ``4p + 2 + j``),
-    scales and offsets per group and output, float32. A nibble masked out of each word and
-    or-ed with ``0x4300`` is the bfloat16 ``128 + nibble``: the four nibble planes are
-    ``vdpbf16ps`` operands as they are (no table, no widening), each group's sum corrected by
-    its inputs' sum. Up to ``MAX_ROWS`` tokens: tiles of 4 rows x 32 outputs (one or two rows x
+    scales and zeros per group and output, float16 where exact, else float32. Bits masked out
+    of each word and or-ed with ``0x4300`` are bfloat16 values as they are (a nibble ``c``:
+    ``128 + c``), four ``vdpbf16ps`` operands a step (no table, no widening), each group's sum
+    corrected by its inputs' sum. Up to ``MAX_ROWS`` tokens: tiles of 4 rows x 32 outputs (one or two rows x
     64), every weight byte read once a tile, the panel a thread takes next asked for while it
     works on one; more tokens dequantize into bfloat16 pairs (each value
     ``IntWeight.dequantize``'s, rounded once) for ``cpu_ops.bf16_gemm``. Rows of the weight are
@@ -508,8 +508,9 @@ class Int4PairsKernel(_PairsKernel):
 
 
 class Int8PairsKernel(_PairsKernel):
-    """``_PairsKernel`` for 8-bit weights: ``q = 16 hi + lo``, each byte's two nibble planes
-    multiplied by its inputs and by 16 times them (exact in bfloat16). The default
+    """``_PairsKernel`` for 8-bit weights: ``q = 128 h + l``, a byte's bits 0-6 and its bit 7 (the
+    bfloat16's lowest exponent bit) or-ed with ``0x4300`` are the bfloat16 ``128 + l`` and
+    ``128 + 128 h``, both multiplied by the byte's inputs (exact). The default
     for 8-bit weight-only bfloat16 layers on CPUs with AVX512-BF16 (W8A16, GGUF Q8_0 and its
     8-bit types, the Q8_0 tied embedding / LM head)."""
 
