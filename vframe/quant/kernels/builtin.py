@@ -474,24 +474,13 @@ class _PairsKernel(_PermutedGemm):
     def _int_weight(self, layer: nn.Module, rows: torch.Tensor | None) -> torch.Tensor:
         """Output rows ``rows`` (all: None) of the weight, [R, in] float32, the inputs in the
         checkpoint's order: ``scale q + zero`` (symmetric: ``scale (q - mid)``) of the codes read
-        back from the layout, what ``pairs_dequantize`` computes before its rounding to bfloat16."""
-        q, scales, zeros = self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "zeros")
-        blocks, steps, _ = q.shape
+        back from the layout (the C++ ``pairs_dequantize_rows``), what ``pairs_dequantize``
+        computes before its rounding to bfloat16."""
+        q, scales, zeros, group = self._pairs_args(layer)
         if rows is None:
-            rows = torch.arange(blocks * 16, device=q.device)
-        block, n = rows // 16, rows % 16
-        q = q.reshape(blocks, steps, 16, 2, 2)[block, :, n]  # [R, steps, j, byte]
-        if self.BITS == 4:  # nibble t = 2 byte + half holds input 8p + 2t + j
-            q = torch.stack([q & 0x0F, q >> 4], dim=-1).permute(0, 1, 3, 4, 2)  # (r, p, byte, half, j)
-        else:  # byte holds input 4p + 2 byte + j
-            q = q.transpose(2, 3)  # (r, p, byte, j)
-        codes = q.reshape(len(rows), -1, self.group_size).float()  # [R, G, group]
-        row_scales = scales[block, :, n].float()[..., None]  # [R, G, 1]
-        if zeros.numel() == 0:  # symmetric: scale (q - mid), IntWeight.dequantize's product
-            w = row_scales * (codes - (1 << (self.BITS - 1)))
-        else:
-            w = row_scales * codes + zeros[block, :, n].float()[..., None]
-        return self._columns_back(layer, w.reshape(len(rows), -1))
+            rows = torch.arange(q.shape[0] * 16, device=q.device)
+        w = _woq_ops().pairs_dequantize_rows(q, scales, zeros, group, self.BITS, rows.to(torch.int64))
+        return self._columns_back(layer, w)
 
 
 def _exact_in_half(t: torch.Tensor) -> bool:

@@ -1591,6 +1591,55 @@ at::Tensor pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, const
   return w;
 }
 
+// Output rows `rows` of a pairs weight as float32 [R, K], the inputs in order: scale q + zero (no zeros:
+// scale (q - mid)), each product and sum rounded once, as builtin.py's _PairsKernel spells it: what a
+// quantized embedding looks a token up in (a few microseconds, where the same in tensor operations took
+// some 170 us a step).
+at::Tensor pairs_dequantize_rows(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
+                                 int64_t bits, const at::Tensor& rows) {
+  check_pairs(q, scales, zeros, group, bits);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "pairs_dequantize_rows: rows must be int64 [R]");
+  const at::Tensor ids = rows.contiguous();
+  const int64_t count = ids.size(0), blocks = q.size(0), steps = q.size(1), groups = scales.size(1);
+  const int64_t inputs = steps * pairs_step_inputs(bits), mid = bits == 4 ? 8 : 128;
+  const int64_t* idp = ids.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < count; ++r)
+    TORCH_CHECK(idp[r] >= 0 && idp[r] < blocks * 16, "pairs_dequantize_rows: row ", idp[r], " is not below ", blocks * 16);
+  at::Tensor out = at::empty({count, inputs}, q.options().dtype(at::kFloat));
+  float* op = out.mutable_data_ptr<float>();
+  const uint8_t* qp = q.const_data_ptr<uint8_t>();
+  const auto run = [&]<typename S>() {
+    const S* sp = scales.const_data_ptr<S>();
+    const S* zp = zeros.numel() ? zeros.const_data_ptr<S>() : nullptr;
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t b = idp[r] / 16, n = idp[r] % 16;
+      float* row = op + r * inputs;
+      const auto put = [&](int64_t k, int code) {
+        const int64_t at = (b * groups + k / group) * 16 + n;
+        const float scale = static_cast<float>(sp[at]);
+        row[k] = zp ? scale * static_cast<float>(code) + static_cast<float>(zp[at])
+                    : scale * static_cast<float>(code - mid);
+      };
+      for (int64_t p = 0; p < steps; ++p)
+        for (int j = 0; j < 2; ++j) {
+          const uint8_t* word = qp + (b * steps + p) * 64 + 2 * (2 * n + j);
+          if (bits == 4) {
+            const int value = word[0] | (word[1] << 8);
+            for (int t = 0; t < 4; ++t) put(8 * p + 2 * t + j, (value >> (4 * t)) & 15);
+          } else {
+            put(4 * p + j, word[0]);
+            put(4 * p + 2 + j, word[1]);
+          }
+        }
+    }
+  };
+  if (scales.scalar_type() == at::kHalf)
+    run.template operator()<at::Half>();
+  else
+    run.template operator()<float>();
+  return out;
+}
+
 TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("woq_gemm(Tensor x, Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("int8_dynamic_mm(Tensor x, Tensor weight, Tensor w_scale) -> Tensor");
@@ -1604,6 +1653,7 @@ TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("int4pack_dequantize(Tensor packed, Tensor scales_and_zeros, int group) -> Tensor");
   m.def("pairs_gemm(Tensor x, Tensor q, Tensor scales, Tensor zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("pairs_dequantize(Tensor q, Tensor scales, Tensor zeros, int group, int bits) -> Tensor");
+  m.def("pairs_dequantize_rows(Tensor q, Tensor scales, Tensor zeros, int group, int bits, Tensor rows) -> Tensor");
   m.def("pairs_available() -> bool", &pairs_available);
 }
 
@@ -1620,4 +1670,5 @@ TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
   m.impl("int4pack_dequantize", &int4pack_dequantize);
   m.impl("pairs_gemm", &pairs_gemm);
   m.impl("pairs_dequantize", &pairs_dequantize);
+  m.impl("pairs_dequantize_rows", &pairs_dequantize_rows);
 }
