@@ -40,18 +40,27 @@ def spec(bits: int = 4, group_size: int = 64, *, dtype: torch.dtype = torch.bflo
                            dtype=dtype, device=device, layer="model.layers.0.mlp.down_proj", weight_type=weight_type)
 
 
+def _pairs_run() -> bool:
+    from vframe.quant.kernels.builtin import pairs_available
+
+    return pairs_available() is None
+
+
 @pytest.mark.parametrize(
     ("kernel", "weight_type", "dtype", "activations"),
     [
         ("woq_cpu", INT_WEIGHT, torch.float32, WEIGHT_ONLY), ("woq_cpu_a8", INT_WEIGHT, torch.float32, INT8_PER_BLOCK),
         ("fp8_cpu", FP8_E4M3, torch.bfloat16, WEIGHT_ONLY), ("fp4_cpu", NVFP4, torch.float32, WEIGHT_ONLY),
         ("int4_cpu", INT_WEIGHT, torch.bfloat16, WEIGHT_ONLY), ("int8_dynamic", INT_WEIGHT, torch.float32, INT8_PER_TOKEN),
+        *(pytest.param(name, INT_WEIGHT, torch.bfloat16, WEIGHT_ONLY, marks=pytest.mark.skipif(
+            not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16")) for name in ("int4_pairs", "int8_pairs")),
     ],
 )
 def test_builtin_kernels_bind_to_their_buffers(kernel: str, weight_type: str, dtype: torch.dtype, activations: str) -> None:
     """The C++ kernels hand a bound function to layers (plugin API 1.12); the check above
     compares it with apply bit for bit on every spec."""
     bits, group = (8, 192) if kernel == "int8_dynamic" else (4, 32 if weight_type == INT_WEIGHT else 16)
+    bits = 8 if kernel == "int8_pairs" else bits
     s = spec(bits=bits, group_size=group, dtype=dtype, activations=activations, weight_type=weight_type)
     instance = get_registry("quant_kernel").load(kernel)(s, kernel)
     layer, bias = nn.Module(), torch.randn(48).to(dtype)
@@ -86,6 +95,18 @@ def test_a_kernel_whose_bound_function_differs_from_apply_fails_the_check() -> N
         check_quant_kernel(BoundWrong, quick=True)
 
 
+def test_a_kernel_whose_rows_differ_from_its_weight_fails_the_check() -> None:
+    """dequantize_rows is what a quantized embedding looks tokens up in: it must be those rows of
+    dequantize_weight, which the head multiplies by."""
+
+    class RowsWrong(ReferenceKernel):
+        def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+            return self.dequantize_weight(layer)[rows] * (1 + 2**-20)
+
+    with pytest.raises(AssertionError, match=r"int4-g32-sym, float32: dequantize_rows\(layer, \[47, 0, 17, 0\]\) are not"):
+        check_quant_kernel(RowsWrong, quick=True)
+
+
 def test_a_kernel_whose_native_call_differs_from_its_bound_function_fails_the_check() -> None:
     """The operator call a bound function says it is must compute what it does: a decode plan
     calls that operator instead (plugin API 1.13)."""
@@ -100,12 +121,6 @@ def test_a_kernel_whose_native_call_differs_from_its_bound_function_fails_the_ch
 
     with pytest.raises(AssertionError, match=r"int4-g32-sym, float32, 1 tokens: the NativeCall that bind\(layer, bias\)"):
         check_quant_kernel(NativeWrong, quick=True)
-
-
-def _pairs_run() -> bool:
-    from vframe.quant.kernels.builtin import pairs_available
-
-    return pairs_available() is None
 
 
 @pytest.mark.parametrize(
