@@ -50,7 +50,7 @@ Built-in kernels (``vframe.quant.kernels.builtin``; ``triton`` in ``vframe.quant
   bit planes or-ed with ``0x4300`` are ``vdpbf16ps`` operands as they are (a nibble ``c``: the
   bfloat16 ``128 + c``; 8 bit, a byte's bits 0-6 and its bit 7: ``128 + l``, ``128 + 128 h``); scales and zeros in float16 where that holds them exactly (GGUF's ``d`` and ``m``, the
   checkpoints' float16 / bfloat16 scales), else float32; each thread's next panel of outputs
-  prefetched. Up to 16 tokens in place, more dequantize into ``bf16_gemm``'s pairs.
+  prefetched. Up to 32 tokens (4 bit) or 16 (8 bit) in place, more dequantize into ``bf16_gemm``'s pairs.
 * ``int4_cpu`` (30): torch's ``_weight_int4pack_mm_for_cpu``, 4-bit, bfloat16 on the CPU.
 * ``triton`` (25): weight-only integer (4 / 8 bit), FP8 and FP4 layers on NVIDIA GPUs, one
   Triton GEMM that dequantizes the packed weight tile by tile.
