@@ -413,8 +413,8 @@ def test_a_pairs_kernel_dequantizes_a_large_weight_for_many_rows_a_block_of_outp
 
 @pytest.mark.parametrize("tokens", [1, 3, 9, 40])
 def test_w8a8_in_one_call_equals_its_pytorch_spelling_bit_for_bit(tokens: int) -> None:
-    """int8_dynamic's C++ call (its own exact int8 products on AVX2 CPUs without VNNI,
-    torch._int_mm elsewhere) against quantize_per_token, torch._int_mm and the scaling in
+    """int8_dynamic's C++ call (its own exact int8 products on AVX2 CPUs without VNNI and, given
+    the weight's row sums, for up to 8 rows on AVX512-VNNI; torch._int_mm elsewhere) against quantize_per_token, torch._int_mm and the scaling in
     PyTorch: int32 sums are exact, so the outputs are equal."""
     from vframe.quant.kernels.builtin import _scaled, _woq_ops, quantize_per_token
 
@@ -425,8 +425,11 @@ def test_w8a8_in_one_call_equals_its_pytorch_spelling_bit_for_bit(tokens: int) -
     xq, x_scale = quantize_per_token(x)
     acc = torch._int_mm(xq, weight.T)
     assert int(acc.abs().max()) > 1000  # sums large enough that a dropped or doubled product shows
-    assert torch.equal(_woq_ops().int8_dynamic_mm(x, weight, w_scale), _scaled(acc.float(), x_scale, w_scale,
-                                                                               torch.float32, None))
+    expected = _scaled(acc.float(), x_scale, w_scale, torch.float32, None)
+    assert torch.equal(_woq_ops().int8_dynamic_mm(x, weight, w_scale), expected)
+    # with the weight's row sums: up to 8 rows on AVX512-VNNI its own vpdpbusd loop, the same bits
+    sums = weight.sum(dim=1, dtype=torch.int32)
+    assert torch.equal(_woq_ops().int8_dynamic_mm(x, weight, w_scale, sums), expected)
 
 
 @pytest.mark.parametrize("group", [32, 64, 256])

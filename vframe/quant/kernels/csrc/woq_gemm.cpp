@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -822,12 +823,47 @@ at::Tensor int8_products(const at::Tensor& xq, const at::Tensor& weight) {
   return at::_int_mm(xq, weight.t());
 }
 
+#if defined(__AVX512VNNI__)
+// Exact int32 products of a few int8 rows xq [T, K] (K a multiple of 64) with the int8 weight [N, K]
+// whose rows sum to w_sums [N]: vpdpbusd multiplies unsigned by signed bytes, so the rows go in as
+// x + 128 and each sum gives back 128 sum(w). For decode-sized T, where torch._int_mm (oneDNN) cost
+// about what a bfloat16 product does: SmolLM2 W8A8's batch-1 TPOT was 1.06-1.16x bf16's.
+at::Tensor int8_rows_vnni(const at::Tensor& xq, const at::Tensor& weight, const at::Tensor& w_sums) {
+  const int64_t t_rows = xq.size(0), k = xq.size(1), n = weight.size(0);
+  std::vector<uint8_t> shifted(t_rows * k);
+  const int8_t* xp = xq.const_data_ptr<int8_t>();
+  for (int64_t i = 0; i < t_rows * k; ++i) shifted[i] = static_cast<uint8_t>(xp[i] + 128);
+  at::Tensor acc = at::empty({t_rows, n}, xq.options().dtype(at::kInt));
+  int32_t* out = acc.mutable_data_ptr<int32_t>();
+  const int8_t* wp = weight.const_data_ptr<int8_t>();
+  const int32_t* sums = w_sums.const_data_ptr<int32_t>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const int8_t* row = wp + o * k;
+      for (int64_t t0 = 0; t0 < t_rows; t0 += 4) {
+        const int64_t rows = std::min<int64_t>(4, t_rows - t0);
+        __m512i part[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int64_t i = 0; i < k; i += 64) {
+          const __m512i w = _mm512_loadu_si512(row + i);
+          for (int64_t r = 0; r < rows; ++r)
+            part[r] = _mm512_dpbusd_epi32(part[r], _mm512_loadu_si512(shifted.data() + (t0 + r) * k + i), w);
+        }
+        for (int64_t r = 0; r < rows; ++r) out[(t0 + r) * n + o] = _mm512_reduce_add_epi32(part[r]) - 128 * sums[o];
+      }
+    }
+  });
+  return acc;
+}
+#endif
+
 // W8A8 with dynamic per-token activations, as vframe.quant.kernels.builtin.quantize_per_token
 // and Int8DynamicKernel spell it in PyTorch, in one call: each row of x scaled by
 // max(|x|, 1e-12) / 127 and rounded half to even into int8, its exact int32 products with
 // the int8 weight [N, K] (int8_products: torch's _int_mm, or the AVX2 loop above where the
-// CPU has no VNNI), then (acc * x_scale) * w_scale in float32, cast to x's dtype.
-at::Tensor int8_dynamic_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale) {
+// CPU has no VNNI; with the weight's row sums w_sums, up to 8 rows on AVX512-VNNI, int8_rows_vnni),
+// then (acc * x_scale) * w_scale in float32, cast to x's dtype.
+at::Tensor int8_dynamic_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
+                           const std::optional<at::Tensor>& w_sums) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == at::kChar && x.size(1) == weight.size(1),
               "int8_dynamic_mm: x [T, K] and an int8 weight [N, K]");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == weight.size(0),
@@ -849,7 +885,15 @@ at::Tensor int8_dynamic_mm(const at::Tensor& x, const at::Tensor& weight, const 
       qp[t * k + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
     }
   }
-  const at::Tensor acc = int8_products(xq, weight);  // [T, N] int32, exact
+  at::Tensor acc;  // [T, N] int32, exact
+#if defined(__AVX512VNNI__)
+  if (w_sums.has_value() && t_rows <= 8 && k % 64 == 0 && weight.is_contiguous()) {
+    TORCH_CHECK(w_sums->scalar_type() == at::kInt && w_sums->is_contiguous() && w_sums->numel() == n,
+                "int8_dynamic_mm: w_sums must be int32 [N], the weight's row sums");
+    acc = int8_rows_vnni(xq, weight, *w_sums);
+  }
+#endif
+  if (!acc.defined()) acc = int8_products(xq, weight);
   at::Tensor out = at::empty({t_rows, n}, x.options());
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float* ws = w_scale.data_ptr<float>();
@@ -1642,7 +1686,7 @@ at::Tensor pairs_dequantize_rows(const at::Tensor& q, const at::Tensor& scales, 
 
 TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("woq_gemm(Tensor x, Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
-  m.def("int8_dynamic_mm(Tensor x, Tensor weight, Tensor w_scale) -> Tensor");
+  m.def("int8_dynamic_mm(Tensor x, Tensor weight, Tensor w_scale, Tensor? w_sums=None) -> Tensor");
   m.def("woq_gemm_a8(Tensor x, Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("quantize_blocks(Tensor x) -> Tensor");
   m.def("fp8_gemm(Tensor x, Tensor q, Tensor scales, int group, ScalarType out_dtype) -> Tensor");
