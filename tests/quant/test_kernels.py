@@ -411,6 +411,44 @@ def test_a_pairs_kernel_dequantizes_a_large_weight_for_many_rows_a_block_of_outp
     assert float((blocks.double() - reference).abs().max()) <= 2**-7 * float(reference.abs().max())
 
 
+@pytest.mark.skipif(not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16")
+@pytest.mark.parametrize(
+    ("offsets", "zero_points", "bytes_per_group"),
+    [
+        ("gptq", True, 2 + 2),  # float16 scale and integer zero point: -scale z needs more bits
+        ("gguf", False, 2 + 2),  # float16 d and m, as the file holds them
+        ("none", False, 2),  # symmetric: the float16 scale alone
+    ],
+)
+def test_int4_pairs_keeps_a_checkpoint_s_scales_and_zeros_in_float16(
+    offsets: str, zero_points: bool, bytes_per_group: int
+) -> None:
+    """A layer holds about the checkpoint's packed bytes: integers two a byte, and per group of 64
+    a float16 scale and, where there are offsets, a float16 zero (GGUF's m) or integer zero point
+    (GPTQ / AWQ's z): the weight it multiplies by is IntWeight.dequantize's, exactly."""
+    generator = torch.Generator().manual_seed(9)
+    out_features, in_features, group = 64, 256, 64
+    q = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    scales = (torch.rand(out_features, in_features // group, generator=generator) * 0.02 + 0.001).half().float()
+    if offsets == "gptq":  # w = s (q - z)
+        z = torch.randint(0, 16, scales.shape, generator=generator).float()
+        weight = IntWeight(4, q, scales, scales * (8 - z), group)
+    elif offsets == "gguf":  # w = d q + m
+        m = (-8 * scales * torch.rand(scales.shape, generator=generator)).half().float()
+        weight = IntWeight(4, q, scales, m + 8 * scales, group)
+    else:
+        weight = IntWeight(4, q, scales, None, group)
+    kernel = choose_kernel(QuantLinearSpec.for_weight(weight, activations=WEIGHT_ONLY, dtype=torch.bfloat16, layer="x"),
+                           "int4_pairs")
+    layer = nn.Module()
+    kernel.prepare(layer, weight)
+    assert kernel.zero_points == zero_points
+    groups = out_features * in_features // group
+    held = sum(b.numel() * b.element_size() for b in layer.buffers())
+    assert held == out_features * in_features // 2 + groups * bytes_per_group
+    assert torch.equal(kernel.dequantize_weight(layer), weight.dequantize())
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 9, 40])
 def test_w8a8_in_one_call_equals_its_pytorch_spelling_bit_for_bit(tokens: int) -> None:
     """int8_dynamic's C++ call (its own exact int8 products on AVX2 CPUs without VNNI and, given

@@ -440,13 +440,19 @@ class _PairsKernel(_PermutedGemm):
         scales = weight.scales.float()
         zeros = None if weight.offsets is None else weight.offsets.float() - (1 << (self.BITS - 1)) * scales
         # float16 where it holds every scale and zero exactly (the checkpoints' own float16 / bfloat16
-        # scales, GGUF's d and m): fewer bytes to read a step
+        # scales, GGUF's d and m): fewer bytes to read a step. GPTQ / AWQ zeros, -scale z, take more
+        # bits than float16 has: their integer zero points z are kept instead (w = scale (q - z)).
+        self.zero_points = False
+        if zeros is not None and _exact_in_half(scales) and not _exact_in_half(zeros):
+            points = _zero_points(scales, zeros, self.BITS)
+            if points is not None:
+                zeros, self.zero_points = points, True
         dtype = torch.float16 if all(_exact_in_half(t) for t in (scales, zeros) if t is not None) else torch.float32
         self.buffer(layer, "scales", per_block(scales.to(dtype)))
         self.buffer(layer, "zeros", torch.empty(0, dtype=dtype) if zeros is None else per_block(zeros.to(dtype)))
 
     def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
-        return _woq_ops().pairs_gemm.default, (*self._pairs_args(layer), self.BITS)
+        return _woq_ops().pairs_gemm.default, (*self._pairs_args(layer), self.BITS, self.zero_points)
 
     def _pairs_args(self, layer: nn.Module) -> tuple:
         return self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "zeros"), self.group_size
@@ -460,12 +466,12 @@ class _PairsKernel(_PermutedGemm):
         x = x.contiguous()
         step = max(1, self.CHUNK_BYTES // (self.spec.in_features * 2 * 16))  # blocks of 16 outputs a GEMM
         if step >= q.shape[0]:
-            return cpu_ops.bf16_gemm(x, _woq_ops().pairs_dequantize(q, scales, zeros, group, self.BITS))
+            return cpu_ops.bf16_gemm(x, _woq_ops().pairs_dequantize(q, scales, zeros, group, self.BITS, self.zero_points))
         out = x.new_empty(x.shape[0], self.spec.out_features)
         for start in range(0, q.shape[0], step):
             part = slice(start, start + step)
             pairs = _woq_ops().pairs_dequantize(
-                q[part], scales[part], zeros[part] if zeros.numel() else zeros, group, self.BITS)
+                q[part], scales[part], zeros[part] if zeros.numel() else zeros, group, self.BITS, self.zero_points)
             out[:, start * 16 : start * 16 + pairs.shape[0] * 16] = cpu_ops.bf16_gemm(x, pairs)
         return out
 
@@ -483,8 +489,17 @@ class _PairsKernel(_PermutedGemm):
         q, scales, zeros, group = self._pairs_args(layer)
         if rows is None:
             rows = torch.arange(q.shape[0] * 16, device=q.device)
-        w = _woq_ops().pairs_dequantize_rows(q, scales, zeros, group, self.BITS, rows.to(torch.int64))
+        w = _woq_ops().pairs_dequantize_rows(q, scales, zeros, group, self.BITS, self.zero_points, rows.to(torch.int64))
         return self._columns_back(layer, w)
+
+
+def _zero_points(scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> torch.Tensor | None:
+    """The integer zero points ``z`` with ``zeros == -scales * z`` exactly in float32 (GPTQ / AWQ:
+    ``w = s (q - z)``), ``z`` in ``[0, 2**bits]``, or None where the zeros are not of that form."""
+    points = torch.where(scales != 0, -zeros / torch.where(scales != 0, scales, 1), 0).round()
+    if not (points.min() >= 0 and points.max() <= (1 << bits)):
+        return None
+    return points if torch.equal(-scales * points, zeros) else None
 
 
 def _exact_in_half(t: torch.Tensor) -> bool:

@@ -1290,7 +1290,9 @@ at::Tensor int4pack_dequantize(const at::Tensor& packed, const at::Tensor& scale
 //          input 4p + 2 + j; q [N / 16, K / 4, 64]
 //
 //   scales / zeros [N / 16, K / group, 16] float32 or float16 (both the same)
-//   w[o, k] = scales[o, g] * q[o, k] + zeros[o, g]     (g = k / group; no zeros: scales[o, g] * (q[o, k] - 2^(bits - 1)))
+//   w[o, k] = scales[o, g] * q[o, k] + zeros[o, g]     (g = k / group; no zeros: scales[o, g] * (q[o, k] - 2^(bits - 1));
+//                                                       zero_points: scales[o, g] * (q[o, k] - zeros[o, g]), GPTQ / AWQ's
+//                                                       integer zero points, which float16 holds where -scale z it may not)
 //
 // Bits masked out of each word and or-ed with 0x4300 (the bfloat16 128) are a bfloat16, exactly: 4 bit, a
 // nibble c at bits 0-3 is 128 + c, and the words' four nibble planes (shifted down) are four vdpbf16ps
@@ -1354,7 +1356,7 @@ inline __m512 load_scales(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loa
 template <int BITS, int ROWS, int COLS, typename S>
 inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum, int64_t groups, const uint8_t* q,
                        int64_t q_block, const S* scales, const S* zeros, int64_t s_block, int64_t group_steps,
-                       at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf) {
+                       at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf, bool zero_points) {
   constexpr int SPLIT = ROWS <= 2 ? 2 : 1;
   // what the planes add to x q (8 bit: x (128 + l) + x (128 + 128 h)), and without zeros, the midpoint:
   // each input's weight beyond its scaled sum is zero - bias scale (or -(bias + mid) scale)
@@ -1407,8 +1409,12 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
     }
     for (int c = 0; c < COLS; ++c) {
       const __m512 scale = load_scales(scales + c * s_block + g * 16);
-      const __m512 extra = zeros != nullptr ? _mm512_fnmadd_ps(bias, scale, load_scales(zeros + c * s_block + g * 16))
-                                              : _mm512_mul_ps(no_zero, scale);
+      __m512 extra = _mm512_mul_ps(no_zero, scale);
+      if (zeros != nullptr) {
+        const __m512 zero = load_scales(zeros + c * s_block + g * 16);
+        extra = zero_points ? _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_add_ps(zero, bias)), scale)
+                            : _mm512_fnmadd_ps(bias, scale, zero);
+      }
       for (int r = 0; r < ROWS; ++r) {
         const __m512 sum = SPLIT == 2 ? _mm512_add_ps(part[r][c][0], part[r][c][SPLIT - 1]) : part[r][c][0];
         acc[r][c] = _mm512_fmadd_ps(sum, scale, acc[r][c]);
@@ -1426,21 +1432,21 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
 template <int BITS, int COLS, int ROWS = 4, typename S>
 void pairs_rows(const uint32_t* xe, int64_t xe_stride, const float* xsum, int64_t groups, int64_t rows,
                 const uint8_t* q, int64_t q_block, const S* scales, const S* zeros, int64_t s_block,
-                int64_t group_steps, at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf) {
+                int64_t group_steps, at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf, bool zero_points) {
   if constexpr (ROWS > 0) {
     const int64_t tiles = rows / ROWS + (rows % ROWS != 0), share = tiles ? (pf.n + tiles - 1) / tiles : 0;
     for (; rows >= ROWS; rows -= ROWS, xe += ROWS * xe_stride, xsum += ROWS * groups, out += ROWS * out_stride) {
       PairsPrefetch<S> mine = pf;
       mine.n = std::min(share, pf.n);
       pairs_tile<BITS, ROWS, COLS>(xe, xe_stride, xsum, groups, q, q_block, scales, zeros, s_block, group_steps,
-                                   out, out_stride, mine);
+                                   out, out_stride, mine, zero_points);
       pf.lines += 64 * mine.n;
       pf.n -= mine.n;
       pf.scales = pf.zeros = nullptr;
     }
     if (rows)
       pairs_rows<BITS, COLS, ROWS - 1, S>(xe, xe_stride, xsum, groups, rows, q, q_block, scales, zeros, s_block,
-                                       group_steps, out, out_stride, pf);
+                                       group_steps, out, out_stride, pf, zero_points);
   }
 }
 
@@ -1466,7 +1472,7 @@ void pairs_sums(const at::BFloat16* x, int64_t inputs, int64_t group, float* xsu
 
 template <int BITS, typename S>
 void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros,
-                   int64_t group, at::Tensor& out) {
+                   int64_t group, bool zero_points, at::Tensor& out) {
   const int64_t rows = xc.size(0), inputs = xc.size(1), blocks = q.size(0), groups = scales.size(1);
   const at::BFloat16* xb = xc.const_data_ptr<at::BFloat16>();
   std::vector<float> xsum(rows * groups);
@@ -1505,15 +1511,15 @@ void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& 
           const PairsPrefetch<S> ahead = b == first ? pf : PairsPrefetch<S>{};
           if (width == 4 && b + 4 <= last) {
             pairs_rows<BITS, 4, 2, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
-                                      group_steps, ob, outputs, ahead);
+                                      group_steps, ob, outputs, ahead, zero_points);
             b += 4;
           } else if (b + 2 <= last) {
             pairs_rows<BITS, 2, 4, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
-                                      group_steps, ob, outputs, ahead);
+                                      group_steps, ob, outputs, ahead, zero_points);
             b += 2;
           } else {
             pairs_rows<BITS, 1, 4, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
-                                      group_steps, ob, outputs, ahead);
+                                      group_steps, ob, outputs, ahead, zero_points);
             b += 1;
           }
         }
@@ -1526,7 +1532,7 @@ void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& 
 }  // namespace
 
 at::Tensor pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros,
-                      int64_t group, int64_t bits, at::ScalarType out_dtype) {
+                      int64_t group, int64_t bits, bool zero_points, at::ScalarType out_dtype) {
   check_pairs(q, scales, zeros, group, bits);
   const int64_t inputs = q.size(1) * pairs_step_inputs(bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16 && x.size(1) == inputs,
@@ -1537,13 +1543,13 @@ at::Tensor pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   if (xc.size(0) == 0) return out;
   const bool half = scales.scalar_type() == at::kHalf;
   if (bits == 4 && half)
-    pairs_product<4, at::Half>(xc, q, scales, zeros, group, out);
+    pairs_product<4, at::Half>(xc, q, scales, zeros, group, zero_points, out);
   else if (bits == 4)
-    pairs_product<4, float>(xc, q, scales, zeros, group, out);
+    pairs_product<4, float>(xc, q, scales, zeros, group, zero_points, out);
   else if (half)
-    pairs_product<8, at::Half>(xc, q, scales, zeros, group, out);
+    pairs_product<8, at::Half>(xc, q, scales, zeros, group, zero_points, out);
   else
-    pairs_product<8, float>(xc, q, scales, zeros, group, out);
+    pairs_product<8, float>(xc, q, scales, zeros, group, zero_points, out);
 #else
   TORCH_CHECK(false, "pairs_gemm: this build has no AVX512-BF16 (pairs_available() is false)");
 #endif
@@ -1568,7 +1574,8 @@ inline __m512i dequantized_pair(__m512i codes, __m512 s_lo, __m512 s_hi, __m512 
                                       dequantized_half<ZEROS>(_mm512_castsi512_si256(codes), s_lo, z_lo));
 }
 
-template <int BITS, bool ZEROS, typename S>
+// MODE 0: no zeros, s (q - mid); 1: s q + z; 2: zero points, s (q - z)
+template <int BITS, int MODE, typename S>
 void pairs_dequantize_blocks(const uint8_t* qp, const S* sp, const S* zp, int64_t blocks, int64_t steps, int64_t groups,
                              int64_t group, at::BFloat16* wp) {
   // A step's 32 words are in the pairs' lane order (word 2n + j: output n, input j of a pair): each
@@ -1582,7 +1589,9 @@ void pairs_dequantize_blocks(const uint8_t* qp, const S* sp, const S* zp, int64_
     for (int64_t b = begin; b < end; ++b)
       for (int64_t g = 0; g < groups; ++g) {
         const __m512 s = load_scales(sp + (b * groups + g) * 16);
-        const __m512 z = ZEROS ? load_scales(zp + (b * groups + g) * 16) : mid;
+        const __m512 z = MODE == 0 ? mid
+                         : MODE == 1 ? load_scales(zp + (b * groups + g) * 16)
+                                     : _mm512_sub_ps(_mm512_setzero_ps(), load_scales(zp + (b * groups + g) * 16));
         const __m512 s_lo = _mm512_permutexvar_ps(first, s), s_hi = _mm512_permutexvar_ps(second, s);
         const __m512 z_lo = _mm512_permutexvar_ps(first, z), z_hi = _mm512_permutexvar_ps(second, z);
         for (int64_t p = g * group_steps; p < (g + 1) * group_steps; ++p) {
@@ -1591,11 +1600,11 @@ void pairs_dequantize_blocks(const uint8_t* qp, const S* sp, const S* zp, int64_
           if constexpr (BITS == 4) {
             for (int t = 0; t < 4; ++t) {  // pair 4p + t: inputs 8p + 2t, 8p + 2t + 1
               const __m512i codes = _mm512_and_si512(_mm512_srli_epi16(words, 4 * t), _mm512_set1_epi16(0xF));
-              _mm512_storeu_si512(out + 32 * t, dequantized_pair<ZEROS>(codes, s_lo, s_hi, z_lo, z_hi));
+              _mm512_storeu_si512(out + 32 * t, dequantized_pair<MODE == 1>(codes, s_lo, s_hi, z_lo, z_hi));
             }
           } else {  // pair 2p: the low bytes, 2p + 1: the high ones
-            _mm512_storeu_si512(out, dequantized_pair<ZEROS>(_mm512_and_si512(words, _mm512_set1_epi16(0xFF)), s_lo, s_hi, z_lo, z_hi));
-            _mm512_storeu_si512(out + 32, dequantized_pair<ZEROS>(_mm512_srli_epi16(words, 8), s_lo, s_hi, z_lo, z_hi));
+            _mm512_storeu_si512(out, dequantized_pair<MODE == 1>(_mm512_and_si512(words, _mm512_set1_epi16(0xFF)), s_lo, s_hi, z_lo, z_hi));
+            _mm512_storeu_si512(out + 32, dequantized_pair<MODE == 1>(_mm512_srli_epi16(words, 8), s_lo, s_hi, z_lo, z_hi));
           }
         }
       }
@@ -1606,7 +1615,7 @@ void pairs_dequantize_blocks(const uint8_t* qp, const S* sp, const S* zp, int64_
 #endif
 
 at::Tensor pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
-                            int64_t bits) {
+                            int64_t bits, bool zero_points) {
   check_pairs(q, scales, zeros, group, bits);
   const int64_t blocks = q.size(0), steps = q.size(1), groups = scales.size(1);
   at::Tensor w = at::empty({blocks, steps * pairs_step_inputs(bits) / 2, 16, 2}, q.options().dtype(at::kBFloat16));
@@ -1616,14 +1625,19 @@ at::Tensor pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, const
   const auto run = [&]<typename S>() {
     const S* sp = scales.const_data_ptr<S>();
     const S* zp = zeros.numel() ? zeros.const_data_ptr<S>() : nullptr;
-    if (bits == 4 && zp)
-      pairs_dequantize_blocks<4, true, S>(qp, sp, zp, blocks, steps, groups, group, wp);
-    else if (bits == 4)
-      pairs_dequantize_blocks<4, false, S>(qp, sp, zp, blocks, steps, groups, group, wp);
-    else if (zp)
-      pairs_dequantize_blocks<8, true, S>(qp, sp, zp, blocks, steps, groups, group, wp);
+    const int mode = zp == nullptr ? 0 : zero_points ? 2 : 1;
+    const auto blocks_of = [&]<int BITS>() {
+      if (mode == 0)
+        pairs_dequantize_blocks<BITS, 0, S>(qp, sp, zp, blocks, steps, groups, group, wp);
+      else if (mode == 1)
+        pairs_dequantize_blocks<BITS, 1, S>(qp, sp, zp, blocks, steps, groups, group, wp);
+      else
+        pairs_dequantize_blocks<BITS, 2, S>(qp, sp, zp, blocks, steps, groups, group, wp);
+    };
+    if (bits == 4)
+      blocks_of.template operator()<4>();
     else
-      pairs_dequantize_blocks<8, false, S>(qp, sp, zp, blocks, steps, groups, group, wp);
+      blocks_of.template operator()<8>();
   };
   if (scales.scalar_type() == at::kHalf)
     run.template operator()<at::Half>();
@@ -1636,11 +1650,11 @@ at::Tensor pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, const
 }
 
 // Output rows `rows` of a pairs weight as float32 [R, K], the inputs in order: scale q + zero (no zeros:
-// scale (q - mid)), each product and sum rounded once, as builtin.py's _PairsKernel spells it: what a
+// scale (q - mid); zero points: scale (q - zero)), each product and sum rounded once, as builtin.py's _PairsKernel spells it: what a
 // quantized embedding looks a token up in (a few microseconds, where the same in tensor operations took
 // some 170 us a step).
 at::Tensor pairs_dequantize_rows(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
-                                 int64_t bits, const at::Tensor& rows) {
+                                 int64_t bits, bool zero_points, const at::Tensor& rows) {
   check_pairs(q, scales, zeros, group, bits);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "pairs_dequantize_rows: rows must be int64 [R]");
   const at::Tensor ids = rows.contiguous();
@@ -1661,8 +1675,12 @@ at::Tensor pairs_dequantize_rows(const at::Tensor& q, const at::Tensor& scales, 
       const auto put = [&](int64_t k, int code) {
         const int64_t at = (b * groups + k / group) * 16 + n;
         const float scale = static_cast<float>(sp[at]);
-        row[k] = zp ? scale * static_cast<float>(code) + static_cast<float>(zp[at])
-                    : scale * static_cast<float>(code - mid);
+        if (zp == nullptr)
+          row[k] = scale * static_cast<float>(code - mid);
+        else if (zero_points)
+          row[k] = scale * (static_cast<float>(code) - static_cast<float>(zp[at]));
+        else
+          row[k] = scale * static_cast<float>(code) + static_cast<float>(zp[at]);
       };
       for (int64_t p = 0; p < steps; ++p)
         for (int j = 0; j < 2; ++j) {
@@ -1695,9 +1713,9 @@ TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("fp4_dequantize(Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format, ScalarType out_dtype) -> Tensor");
   m.def("woq_dequantize(Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("int4pack_dequantize(Tensor packed, Tensor scales_and_zeros, int group) -> Tensor");
-  m.def("pairs_gemm(Tensor x, Tensor q, Tensor scales, Tensor zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
-  m.def("pairs_dequantize(Tensor q, Tensor scales, Tensor zeros, int group, int bits) -> Tensor");
-  m.def("pairs_dequantize_rows(Tensor q, Tensor scales, Tensor zeros, int group, int bits, Tensor rows) -> Tensor");
+  m.def("pairs_gemm(Tensor x, Tensor q, Tensor scales, Tensor zeros, int group, int bits, bool zero_points, ScalarType out_dtype) -> Tensor");
+  m.def("pairs_dequantize(Tensor q, Tensor scales, Tensor zeros, int group, int bits, bool zero_points) -> Tensor");
+  m.def("pairs_dequantize_rows(Tensor q, Tensor scales, Tensor zeros, int group, int bits, bool zero_points, Tensor rows) -> Tensor");
   m.def("pairs_available() -> bool", &pairs_available);
 }
 
