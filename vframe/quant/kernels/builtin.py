@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -356,8 +356,7 @@ class WoqCpuKernel(_PermutedGemm):
 
 
 def _bf16_int4_refusal(spec: QuantLinearSpec) -> str | None:
-    """Why a 4-bit bfloat16 CPU kernel (``int4_cpu``, ``int4_pairs``) cannot run ``spec``, as far
-    as their common rules go, or None."""
+    """Why ``int4_cpu`` cannot run ``spec``, as far as the bfloat16 CPU kernels' common rules go, or None."""
     return _bf16_cpu_refusal(spec, 4)
 
 
@@ -395,11 +394,11 @@ class _PairsKernel(_PermutedGemm):
     scales and zeros per group and output, float16 where exact, else float32. Bits masked out
     of each word and or-ed with ``0x4300`` are bfloat16 values as they are (a nibble ``c``:
     ``128 + c``), four ``vdpbf16ps`` operands a step (no table, no widening), each group's sum
-    corrected by its inputs' sum. Up to ``MAX_ROWS`` tokens: tiles of 4 rows x 32 outputs (one or two rows x
-    64), every weight byte read once a tile, the panel a thread takes next asked for while it
-    works on one; more tokens dequantize into bfloat16 pairs (each value
-    ``IntWeight.dequantize``'s, rounded once) for ``cpu_ops.bf16_gemm``. Rows of the weight are
-    read on their own (``dequantize_rows``): a tied embedding keeps one copy of its table."""
+    corrected by its inputs' sum. Up to ``MAX_ROWS`` tokens: tiles of 4 rows x 32 outputs (one
+    or two rows x 64), every weight byte read once a tile, the panel a thread takes next asked
+    for while it works on one; more tokens dequantize into bfloat16 pairs (each value the
+    weight's, rounded once) for ``cpu_ops.bf16_gemm``. Rows of the weight are read on their own
+    (``dequantize_rows``): a tied embedding keeps one copy of its table."""
 
     BITS: ClassVar[int]
     STEP: ClassVar[int]
@@ -414,9 +413,8 @@ class _PairsKernel(_PermutedGemm):
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
         if (reason := _bf16_cpu_refusal(spec, cls.BITS)) is not None:
             return reason
-        step = cls.STEP
-        if spec.in_features % spec.group_size or spec.group_size % step:
-            return f"it needs groups of a multiple of {step} inputs that divide the {spec.in_features} inputs"
+        if spec.in_features % spec.group_size or spec.group_size % cls.STEP:
+            return f"it needs groups of a multiple of {cls.STEP} inputs that divide the {spec.in_features} inputs"
         return cls.permutable(spec) or pairs_available()
 
     def prepare(self, layer: nn.Module, weight: IntWeight) -> None:

@@ -1292,7 +1292,7 @@ at::Tensor int4pack_dequantize(const at::Tensor& packed, const at::Tensor& scale
 //   scales / zeros [N / 16, K / group, 16] float32 or float16 (both the same)
 //   w[o, k] = scales[o, g] * q[o, k] + zeros[o, g]     (g = k / group; no zeros: scales[o, g] * (q[o, k] - 2^(bits - 1));
 //                                                       zero_points: scales[o, g] * (q[o, k] - zeros[o, g]), GPTQ / AWQ's
-//                                                       integer zero points, which float16 holds where -scale z it may not)
+//                                                       integer zero points, exact in float16 where -scale z is not)
 //
 // Bits masked out of each word and or-ed with 0x4300 (the bfloat16 128) are a bfloat16, exactly: 4 bit, a
 // nibble c at bits 0-3 is 128 + c, and the words' four nibble planes (shifted down) are four vdpbf16ps
@@ -1301,9 +1301,9 @@ at::Tensor int4pack_dequantize(const at::Tensor& packed, const at::Tensor& scale
 // (the bfloat16's lowest exponent bit) 128 + 128 h, both against the byte's inputs (the low byte (4p,
 // 4p + 1), the high byte, shifted down, (4p + 2, 4p + 3)); a group's sum is sum x q + 256 sum x. One
 // shift a step at 8 bit, three at 4. Each group's sum, in float32, is scaled and corrected by its
-// inputs' sum (the planes' 128 / 256, and the zeros): tiles of up to 4 rows x 32 outputs (one or two rows x 64), every weight
-// byte read once a tile, and while a thread works on one panel of outputs it asks for the next
-// (PairsPrefetch). pairs_dequantize gives the weight as bfloat16 pairs ([N / 16, K / 2, 16, 2], what
+// inputs' sum (the planes' 128 / 256, and the zeros): tiles of up to 4 rows x 32 outputs (one or two
+// rows x 64), every weight byte read once a tile, and while a thread works on one panel of outputs it
+// asks for the next (PairsPrefetch). pairs_dequantize gives the weight as bfloat16 pairs ([N / 16, K / 2, 16, 2], what
 // cpu_ops' bf16_gemm reads) for prefills, each value rounded once from the float32 expression above.
 bool pairs_available() {
 #if defined(__AVX512BF16__)
