@@ -26,7 +26,7 @@ from vframe.quant.native_call import NativeCall, native_call, with_native
 from vframe.testing import check_quant_kernel
 
 from packers import gptq_quantize, write_quantized_llama
-from defaults import BF16_INT4, BF16_INT8, bf16_int4_with_groups
+from defaults import BF16_FP4, BF16_INT4, BF16_INT8, bf16_int4_with_groups
 from test_gptq import quant_config
 
 CPU = torch.device("cpu")
@@ -54,6 +54,8 @@ def _pairs_run() -> bool:
         ("int4_cpu", INT_WEIGHT, torch.bfloat16, WEIGHT_ONLY), ("int8_dynamic", INT_WEIGHT, torch.float32, INT8_PER_TOKEN),
         *(pytest.param(name, INT_WEIGHT, torch.bfloat16, WEIGHT_ONLY, marks=pytest.mark.skipif(
             not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16")) for name in ("int4_pairs", "int8_pairs")),
+        pytest.param("fp4_pairs", NVFP4, torch.bfloat16, WEIGHT_ONLY, marks=pytest.mark.skipif(
+            not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16")),
     ],
 )
 def test_builtin_kernels_bind_to_their_buffers(kernel: str, weight_type: str, dtype: torch.dtype, activations: str) -> None:
@@ -141,6 +143,9 @@ def test_a_kernel_whose_native_call_differs_from_its_bound_function_fails_the_ch
         # 8 bit in bfloat16: the same specs
         pytest.param("int8_pairs", torch.bfloat16, 14, marks=pytest.mark.skipif(
             not _pairs_run(), reason="int8_pairs needs a CPU with AVX512-BF16")),
+        # FP4 in bfloat16: NVFP4 and MXFP4, every code, scales from the subnormals up
+        pytest.param("fp4_pairs", torch.bfloat16, 2, marks=pytest.mark.skipif(
+            not _pairs_run(), reason="fp4_pairs needs a CPU with AVX512-BF16")),
         ("int8_dynamic", torch.float32, 1), ("int8_dynamic", torch.bfloat16, 1),
     ],
 )
@@ -213,7 +218,7 @@ def test_a_kernel_that_computes_wrong_fails_the_check() -> None:
         (spec(8, 128, weight_type=FP8_E4M3), "fp8_cpu"),  # FP8 weights: only kernels that name the form
         (spec(8, 192, weight_type=FP8_E4M3, device=torch.device("cuda")), "triton"),
         (spec(4, 16, weight_type=NVFP4, dtype=torch.float32), "fp4_cpu"),  # NVFP4: not woq_cpu's integers
-        (spec(4, 32, weight_type=MXFP4), "fp4_cpu"),  # nor int4_cpu's
+        (spec(4, 32, weight_type=MXFP4), BF16_FP4),  # nor int4_cpu's: bfloat16, fp4_pairs with AVX512-BF16
         (spec(4, 16, weight_type=NVFP4, device=torch.device("cuda")), "triton"),
         (spec(4, 64, act_order=True, equal_groups=False), "reference"),  # q, k, v each in its own order
         (spec(4, 64, device=torch.device("cuda")), "triton"),  # the GPU's weight-only kernel
@@ -316,7 +321,7 @@ def test_a_registered_kernel_of_higher_priority_runs_every_layer_and_quant_kerne
 
 
 def test_an_unknown_quant_kernel_is_refused_naming_the_known_ones(gptq_llama: Path) -> None:
-    with pytest.raises(Exception, match=r"fp4_cpu, fp8_cpu, int4_cpu, int4_pairs, int8_dynamic, int8_pairs, reference, triton, woq_cpu, woq_cpu_a8"):
+    with pytest.raises(Exception, match=r"fp4_cpu, fp4_pairs, fp8_cpu, int4_cpu, int4_pairs, int8_dynamic, int8_pairs, reference, triton, woq_cpu, woq_cpu_a8"):
         LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", quant_kernel="marlin")
 
 

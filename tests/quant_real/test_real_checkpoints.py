@@ -267,8 +267,8 @@ BF16_KERNELS = {
     "autoround-gptq": "int4_pairs" if _PAIRS else "int4_cpu",
     "autoround-awq": "int4_pairs" if _PAIRS else "int4_cpu",
     "ct-w8a8": "int8_dynamic",
-    "ct-nvfp4a16": "fp4_cpu",
-    "ct-mxfp4a16": "fp4_cpu",
+    "ct-nvfp4a16": "fp4_pairs" if _PAIRS else "fp4_cpu",
+    "ct-mxfp4a16": "fp4_pairs" if _PAIRS else "fp4_cpu",
 }
 # checkpoint tensors a quantized linear layer is made from
 PACKED_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",

@@ -199,7 +199,7 @@ def vframe_register_quant_kernels(register: RegisterFn) -> None:
     FP8 (1.10) and NVFP4 (1.11) weights, chosen per layer by ``priority`` and
     ``can_implement``, or named by the ``quant_kernel`` setting (built-in: ``int4_cpu``,
     ``triton``, ``woq_cpu``, ``woq_cpu_a8``, ``fp8_cpu``, ``fp4_cpu``, ``int8_dynamic``, ``int4_pairs``,
-    ``int8_pairs``, ``reference``);
+    ``int8_pairs``, ``fp4_pairs``, ``reference``);
     ``check_available`` (1.17) says what ``vframe plugins`` shows. Checked with
     ``vframe.testing.check_quant_kernel``. Since plugin API 1.8."""
 

@@ -51,6 +51,9 @@ Built-in kernels (``vframe.quant.kernels.builtin``; ``triton`` in ``vframe.quant
   bfloat16 ``128 + c``; 8 bit, a byte's bits 0-6 and its bit 7: ``128 + l``, ``128 + 128 h``); scales and zeros in float16 where that holds them exactly (GGUF's ``d`` and ``m``, the
   checkpoints' float16 / bfloat16 scales), else float32; each thread's next panel of outputs
   prefetched. Up to 32 tokens (4 bit) or 16 (8 bit) in place, more dequantize into ``bf16_gemm``'s pairs.
+* ``fp4_pairs`` (35): FP4 weights (NVFP4, MXFP4) the same way in bfloat16: the e2m1 codes in
+  ``int4_pairs``' layout, each nibble plane looked up as bfloat16 (``vpermw``), each group's sum
+  times its scale byte's value over the row's global scale; the checkpoint's scale bytes kept.
 * ``int4_cpu`` (30): torch's ``_weight_int4pack_mm_for_cpu``, 4-bit, bfloat16 on the CPU.
 * ``triton`` (25): weight-only integer (4 / 8 bit), FP8 and FP4 layers on NVIDIA GPUs, one
   Triton GEMM that dequantizes the packed weight tile by tile.

@@ -423,13 +423,11 @@ class _PairsKernel(_PermutedGemm):
         out_features, in_features = weight.q.shape
         blocks, groups, steps = out_features // 16, in_features // weight.group_size, in_features // self.STEP
         q = weight.q.to(torch.uint8)
-        if self.BITS == 4:  # (b, n, p, t, j): input 8p + 2t + j into nibble t of word 2n + j
-            q = q.reshape(blocks, 16, steps, 4, 2)
-            low, high = q[:, :, :, 0] | (q[:, :, :, 1] << 4), q[:, :, :, 2] | (q[:, :, :, 3] << 4)  # [b, n, p, j]
-            q = torch.stack([low, high], dim=-1)  # (b, n, p, j, byte)
+        if self.BITS == 4:
+            self.buffer(layer, "q", _nibble_words(q))
         else:  # (b, n, p, byte, j): input 4p + 2 byte + j into byte `byte` of word 2n + j
             q = q.reshape(blocks, 16, steps, 2, 2).transpose(3, 4)
-        self.buffer(layer, "q", q.permute(0, 2, 1, 3, 4).reshape(blocks, steps, 64).contiguous())
+            self.buffer(layer, "q", q.permute(0, 2, 1, 3, 4).reshape(blocks, steps, 64).contiguous())
 
         def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N / 16, G, 16]
             return t.reshape(blocks, 16, groups).permute(0, 2, 1).contiguous()
@@ -491,6 +489,26 @@ class _PairsKernel(_PermutedGemm):
         return self._columns_back(layer, w)
 
 
+def _nibble_words(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes uint8 [N, K] (N a multiple of 16, K of 8) in the pairs layout [N / 16, K / 8, 64]:
+    per block of 16 outputs and step of 8 inputs, input 8p + 2t + j of output n in nibble t of the
+    16-bit word 2n + j."""
+    out_features, in_features = codes.shape
+    blocks, steps = out_features // 16, in_features // 8
+    q = codes.reshape(blocks, 16, steps, 4, 2)  # (b, n, p, t, j)
+    low, high = q[:, :, :, 0] | (q[:, :, :, 1] << 4), q[:, :, :, 2] | (q[:, :, :, 3] << 4)  # [b, n, p, j]
+    words = torch.stack([low, high], dim=-1)  # (b, n, p, j, byte)
+    return words.permute(0, 2, 1, 3, 4).reshape(blocks, steps, 64).contiguous()
+
+
+def _nibble_codes(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Output rows ``rows`` of ``_nibble_words``' layout back as codes, uint8 [R, K]."""
+    blocks, steps, _ = q.shape
+    q = q.reshape(blocks, steps, 16, 2, 2)[rows // 16, :, rows % 16]  # [R, steps, j, byte]
+    q = torch.stack([q & 0x0F, q >> 4], dim=-1).permute(0, 1, 3, 4, 2)  # (r, p, byte, half, j): input 8p + 2t + j
+    return q.reshape(len(rows), -1)
+
+
 def _zero_points(scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> torch.Tensor | None:
     """The integer zero points ``z`` with ``zeros == -scales * z`` exactly in float32 (GPTQ / AWQ:
     ``w = s (q - z)``), ``z`` in ``[0, 2**bits]``, or None where the zeros are not of that form."""
@@ -526,6 +544,75 @@ class Int8PairsKernel(_PairsKernel):
 
     BITS = 8
     STEP = 4
+
+
+class Fp4PairsKernel(_DequantizedGemm, QuantLinearKernel):
+    """FP4 weights (NVFP4, MXFP4) in bfloat16 on a CPU with AVX512-BF16 (``csrc/woq_gemm.cpp``'s
+    ``fp4_pairs_gemm``): the e2m1 codes in ``int4_pairs``' layout, each nibble plane looked up as
+    bfloat16 (``vpermw``, exact) for ``vdpbf16ps``, each group's sum times ``scale(byte) /
+    global``; the checkpoint's scale bytes kept as they are (per block of 16 outputs), the global
+    scales float32 per row: NVFP4 4.5 bits a weight, MXFP4 4.25, as the checkpoint. Up to
+    ``MAX_ROWS`` tokens in place, more dequantize into ``bf16_gemm``'s pairs. A NaN scale byte is
+    refused, as ``fp4_cpu`` refuses it."""
+
+    priority = 35  # above fp4_cpu (20), which reads the codes eight at a time in float32
+    weight_types = (NVFP4, MXFP4)
+
+    @classmethod
+    def check_available(cls) -> list[str]:
+        reason = pairs_available()
+        return [reason] if reason else []
+
+    @classmethod
+    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        if spec.device.type != "cpu" or spec.dtype != torch.bfloat16:
+            return "it runs bfloat16 activations on the CPU only"
+        if spec.out_features % 16 or spec.in_features % 8:
+            return "it needs a multiple of 16 outputs and of 8 inputs"
+        return pairs_available()
+
+    def prepare(self, layer: nn.Module, weight: Fp4Weight) -> None:
+        Fp4CpuKernel.refuse_nan_scales(weight, self.spec.layer)
+        out_features = weight.q.shape[0]
+        blocks, groups = out_features // 16, weight.scales.shape[1]
+        self.group_size, self.scale_format = weight.group_size, Fp4CpuKernel.SCALE_FORMATS[weight.format]
+        self.format = weight.format
+        self.buffer(layer, "q", _nibble_words(weight.codes()))
+        self.buffer(layer, "scales", weight.scales.reshape(blocks, 16, groups).permute(0, 2, 1).contiguous())
+        self.buffer(layer, "global_scale", weight.global_scale.float().reshape(blocks, 16).contiguous())
+
+    def _args(self, layer: nn.Module) -> tuple:
+        return (self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "global_scale"), self.group_size,
+                self.scale_format)
+
+    def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
+        return _woq_ops().fp4_pairs_gemm.default, self._args(layer)
+
+    def _dequantized_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``bf16_gemm`` over the weight dequantized into bfloat16 pairs, at most ``CHUNK_BYTES``
+        of them at a time."""
+        from vframe.layers import cpu_ops
+
+        q, scales, global_scale, group, scale_format = self._args(layer)
+        x = x.contiguous()
+        step = max(1, self.CHUNK_BYTES // (self.spec.in_features * 2 * 16))  # blocks of 16 outputs a GEMM
+        out = x.new_empty(x.shape[0], self.spec.out_features)
+        for start in range(0, q.shape[0], step):
+            part = slice(start, start + step)
+            pairs = _woq_ops().fp4_pairs_dequantize(q[part], scales[part], global_scale[part], group, scale_format)
+            out[:, start * 16 : start * 16 + pairs.shape[0] * 16] = cpu_ops.bf16_gemm(x, pairs)
+        return out
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        return self.dequantize_rows(layer, torch.arange(self.spec.out_features, device=self.get(layer, "q").device))
+
+    def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """``Fp4Weight.dequantize`` of the rows read back from the layout."""
+        codes = _nibble_codes(self.get(layer, "q"), rows)  # [R, K]
+        block, n = rows // 16, rows % 16
+        weight = Fp4Weight(codes[:, 0::2] | (codes[:, 1::2] << 4), self.get(layer, "scales")[block, :, n],
+                           self.get(layer, "global_scale")[block, n], self.format)
+        return weight.dequantize()
 
 
 class WoqCpuA8Kernel(WoqCpuKernel):
@@ -622,10 +709,15 @@ class Fp4CpuKernel(_DequantizedGemm, QuantLinearKernel):
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
         return _cpu_weight_only_refusal(spec, "FP4")
 
-    def prepare(self, layer: nn.Module, weight: Fp4Weight) -> None:
+    @staticmethod
+    def refuse_nan_scales(weight: Fp4Weight, layer: str) -> None:
+        """A ``ModelLoadError`` where a scale byte is NaN (e4m3 0x7F / 0xFF, e8m0 0xFF)."""
         nan = weight.scales == 0xFF if weight.format == MXFP4 else (weight.scales & 0x7F) == 0x7F
         if bool(nan.any()):
-            raise ModelLoadError(f"{self.spec.layer or 'an FP4 layer'}: a scale is NaN ({weight.format} byte)")
+            raise ModelLoadError(f"{layer or 'an FP4 layer'}: a scale is NaN ({weight.format} byte)")
+
+    def prepare(self, layer: nn.Module, weight: Fp4Weight) -> None:
+        self.refuse_nan_scales(weight, self.spec.layer)
         self.group_size, self.scale_format = weight.group_size, self.SCALE_FORMATS[weight.format]
         self.buffer(layer, "q", weight.q.contiguous())  # the checkpoint's bytes, shared where contiguous
         self.buffer(layer, "scales", weight.scales.contiguous())

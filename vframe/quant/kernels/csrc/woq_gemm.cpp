@@ -1351,12 +1351,32 @@ struct PairsPrefetch {
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_scales(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
+// FP4 (fp4_pairs_gemm): the rows' global scales per block ([N / 16, 16] float32), the scale bytes'
+// values (e4m3_table / e8m0_table) and the e2m1 codes as bfloat16 bits (entries 0..15, for vpermw).
+struct PairsFp4 {
+  const float* global = nullptr;
+  const float* table = nullptr;
+  __m512i codes = _mm512_setzero_si512();
+};
+
+// bfloat16 bits of every e2m1 code (bit 3 the sign), entries 16..31 unused
+inline __m512i e2m1_bf16_table() {
+  alignas(64) uint16_t table[32] = {};
+  for (int i = 0; i < 16; ++i) {
+    const float v = e2m1_value(static_cast<uint8_t>(i));
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    table[i] = static_cast<uint16_t>(bits >> 16);  // exact: e2m1 values have 2 significant bits
+  }
+  return _mm512_load_si512(table);
+}
+
 // xe: each row's bfloat16 input pairs (a step takes 4 at 4 bit, 2 at 8); xsum: each row's sum of inputs
 // per group. One or two rows keep two sums per output block (the planes' halves): vdpbf16ps' latency hidden.
-template <int BITS, int ROWS, int COLS, typename S>
+template <int BITS, int ROWS, int COLS, typename S, bool FP4 = false>
 inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum, int64_t groups, const uint8_t* q,
                        int64_t q_block, const S* scales, const S* zeros, int64_t s_block, int64_t group_steps,
-                       at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf, bool zero_points) {
+                       at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf, bool zero_points, const PairsFp4& fp4) {
   constexpr int SPLIT = ROWS <= 2 ? 2 : 1;
   // what the planes add to x q (8 bit: x (128 + l) + x (128 + 128 h)), and without zeros, the midpoint:
   // each input's weight beyond its scaled sum is zero - bias scale (or -(bias + mid) scale)
@@ -1384,7 +1404,12 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
       for (int c = 0; c < COLS; ++c) {
         const __m512i words = _mm512_loadu_si512(q + c * q_block + p * 64);
         __m512bh w[4];  // 0xEA: (a & b) | c
-        if constexpr (BITS == 4) {
+        if constexpr (FP4) {  // each nibble plane's codes looked up as bfloat16
+          w[0] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(words, nibble), fp4.codes);
+          w[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(words, 4), nibble), fp4.codes);
+          w[2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(words, 8), nibble), fp4.codes);
+          w[3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), fp4.codes);
+        } else if constexpr (BITS == 4) {
           w[0] = (__m512bh)_mm512_ternarylogic_epi32(words, nibble, magic, 0xEA);
           w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), nibble, magic, 0xEA);
           w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 8), nibble, magic, 0xEA);
@@ -1407,18 +1432,30 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
         }
       }
     }
-    for (int c = 0; c < COLS; ++c) {
-      const __m512 scale = load_scales(scales + c * s_block + g * 16);
-      __m512 extra = _mm512_mul_ps(no_zero, scale);
-      if (zeros != nullptr) {
-        const __m512 zero = load_scales(zeros + c * s_block + g * 16);
-        extra = zero_points ? _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_add_ps(zero, bias)), scale)
-                            : _mm512_fnmadd_ps(bias, scale, zero);
+    if constexpr (FP4) {  // the group's scale: its byte's value over the row's global scale
+      for (int c = 0; c < COLS; ++c) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c * s_block + g * 16));
+        const __m512 value = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), fp4.table, 4);
+        const __m512 scale = _mm512_div_ps(value, _mm512_loadu_ps(fp4.global + c * 16));
+        for (int r = 0; r < ROWS; ++r) {
+          const __m512 sum = SPLIT == 2 ? _mm512_add_ps(part[r][c][0], part[r][c][SPLIT - 1]) : part[r][c][0];
+          acc[r][c] = _mm512_fmadd_ps(sum, scale, acc[r][c]);
+        }
       }
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512 sum = SPLIT == 2 ? _mm512_add_ps(part[r][c][0], part[r][c][SPLIT - 1]) : part[r][c][0];
-        acc[r][c] = _mm512_fmadd_ps(sum, scale, acc[r][c]);
-        acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), extra, acc[r][c]);
+    } else {
+      for (int c = 0; c < COLS; ++c) {
+        const __m512 scale = load_scales(scales + c * s_block + g * 16);
+        __m512 extra = _mm512_mul_ps(no_zero, scale);
+        if (zeros != nullptr) {
+          const __m512 zero = load_scales(zeros + c * s_block + g * 16);
+          extra = zero_points ? _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_add_ps(zero, bias)), scale)
+                              : _mm512_fnmadd_ps(bias, scale, zero);
+        }
+        for (int r = 0; r < ROWS; ++r) {
+          const __m512 sum = SPLIT == 2 ? _mm512_add_ps(part[r][c][0], part[r][c][SPLIT - 1]) : part[r][c][0];
+          acc[r][c] = _mm512_fmadd_ps(sum, scale, acc[r][c]);
+          acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), extra, acc[r][c]);
+        }
       }
     }
   }
@@ -1429,24 +1466,25 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
 
 // All rows against one panel of COLS blocks, in tiles of ROWS rows (then fewer); the tiles share the
 // prefetch of the thread's next panel (its scales asked for by the first tile).
-template <int BITS, int COLS, int ROWS = 4, typename S>
+template <int BITS, int COLS, int ROWS = 4, typename S, bool FP4 = false>
 void pairs_rows(const uint32_t* xe, int64_t xe_stride, const float* xsum, int64_t groups, int64_t rows,
                 const uint8_t* q, int64_t q_block, const S* scales, const S* zeros, int64_t s_block,
-                int64_t group_steps, at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf, bool zero_points) {
+                int64_t group_steps, at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf, bool zero_points,
+                const PairsFp4& fp4) {
   if constexpr (ROWS > 0) {
     const int64_t tiles = rows / ROWS + (rows % ROWS != 0), share = tiles ? (pf.n + tiles - 1) / tiles : 0;
     for (; rows >= ROWS; rows -= ROWS, xe += ROWS * xe_stride, xsum += ROWS * groups, out += ROWS * out_stride) {
       PairsPrefetch<S> mine = pf;
       mine.n = std::min(share, pf.n);
-      pairs_tile<BITS, ROWS, COLS>(xe, xe_stride, xsum, groups, q, q_block, scales, zeros, s_block, group_steps,
-                                   out, out_stride, mine, zero_points);
+      pairs_tile<BITS, ROWS, COLS, S, FP4>(xe, xe_stride, xsum, groups, q, q_block, scales, zeros, s_block,
+                                           group_steps, out, out_stride, mine, zero_points, fp4);
       pf.lines += 64 * mine.n;
       pf.n -= mine.n;
       pf.scales = pf.zeros = nullptr;
     }
     if (rows)
-      pairs_rows<BITS, COLS, ROWS - 1, S>(xe, xe_stride, xsum, groups, rows, q, q_block, scales, zeros, s_block,
-                                       group_steps, out, out_stride, pf, zero_points);
+      pairs_rows<BITS, COLS, ROWS - 1, S, FP4>(xe, xe_stride, xsum, groups, rows, q, q_block, scales, zeros, s_block,
+                                            group_steps, out, out_stride, pf, zero_points, fp4);
   }
 }
 
@@ -1470,13 +1508,16 @@ void pairs_sums(const at::BFloat16* x, int64_t inputs, int64_t group, float* xsu
   }
 }
 
-template <int BITS, typename S>
+// FP4: the codes in the 4-bit layout, S the scale bytes, fp4 the global scales and tables (no zeros, no
+// input sums: e2m1 values are signed).
+template <int BITS, typename S, bool FP4 = false>
 void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros,
-                   int64_t group, bool zero_points, at::Tensor& out) {
+                   int64_t group, bool zero_points, at::Tensor& out, const PairsFp4& fp4 = PairsFp4{}) {
   const int64_t rows = xc.size(0), inputs = xc.size(1), blocks = q.size(0), groups = scales.size(1);
   const at::BFloat16* xb = xc.const_data_ptr<at::BFloat16>();
   std::vector<float> xsum(rows * groups);
-  for (int64_t r = 0; r < rows; ++r) pairs_sums(xb + r * xc.stride(0), inputs, group, xsum.data() + r * groups);
+  if constexpr (!FP4)
+    for (int64_t r = 0; r < rows; ++r) pairs_sums(xb + r * xc.stride(0), inputs, group, xsum.data() + r * groups);
   const uint32_t* xe = reinterpret_cast<const uint32_t*>(xb);
   const int64_t xe_stride = xc.stride(0) / 2;
   const int64_t q_block = q.size(1) * 64, s_block = groups * 16, outputs = blocks * 16;
@@ -1509,17 +1550,19 @@ void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& 
           at::BFloat16* ob = outp + b * 16;
           // a panel is one tile wide except a thread's last (nothing to ask for)
           const PairsPrefetch<S> ahead = b == first ? pf : PairsPrefetch<S>{};
+          PairsFp4 tile_fp4 = fp4;
+          if constexpr (FP4) tile_fp4.global = fp4.global + b * 16;
           if (width == 4 && b + 4 <= last) {
-            pairs_rows<BITS, 4, 2, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
-                                      group_steps, ob, outputs, ahead, zero_points);
+            pairs_rows<BITS, 4, 2, S, FP4>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
+                                           group_steps, ob, outputs, ahead, zero_points, tile_fp4);
             b += 4;
           } else if (b + 2 <= last) {
-            pairs_rows<BITS, 2, 4, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
-                                      group_steps, ob, outputs, ahead, zero_points);
+            pairs_rows<BITS, 2, 4, S, FP4>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
+                                           group_steps, ob, outputs, ahead, zero_points, tile_fp4);
             b += 2;
           } else {
-            pairs_rows<BITS, 1, 4, S>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
-                                      group_steps, ob, outputs, ahead, zero_points);
+            pairs_rows<BITS, 1, 4, S, FP4>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
+                                           group_steps, ob, outputs, ahead, zero_points, tile_fp4);
             b += 1;
           }
         }
@@ -1702,6 +1745,96 @@ at::Tensor pairs_dequantize_rows(const at::Tensor& q, const at::Tensor& scales, 
   return out;
 }
 
+// FP4 pairs (builtin.py's Fp4PairsKernel): NVFP4 / MXFP4 codes in the 4-bit pairs layout (q [N / 16, K / 8,
+// 64]), the scale bytes per block and group (scales [N / 16, K / group, 16] uint8) and the rows' global
+// scales (global [N / 16, 16] float32):
+//
+//   w[o, k] = e2m1(q[o, k]) * (scale(scales[o, g]) / global[o])      (scale: e4m3 or e8m0, scale_format)
+//
+// Each nibble plane's codes looked up as bfloat16 (vpermw, exact) are vdpbf16ps operands; each group's
+// float32 sum times its scale (the byte's value, a gather from a 256-entry table, over the global scale,
+// in float32 as compressed-tensors divides).
+void check_fp4_pairs(const char* op, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& global,
+                     int64_t group, int64_t scale_format) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 64 && q.is_contiguous(), op,
+              ": q must be contiguous uint8 [N / 16, K / 8, 64]");
+  const int64_t inputs = q.size(1) * 8;
+  TORCH_CHECK(group > 0 && group % 8 == 0 && inputs % group == 0, op, ": the group (", group,
+              ") must be a multiple of 8 that divides the ", inputs, " inputs");
+  TORCH_CHECK(scale_format == kScaleE4m3 || scale_format == kScaleE8m0, op, ": scale_format must be 0 (e4m3) or 1 (e8m0)");
+  TORCH_CHECK(scales.scalar_type() == at::kByte && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == q.size(0) && scales.size(1) == inputs / group && scales.size(2) == 16,
+              op, ": scales must be contiguous uint8 [N / 16, K / group, 16]");
+  TORCH_CHECK(global.scalar_type() == at::kFloat && global.is_contiguous() && global.dim() == 2 &&
+                  global.size(0) == q.size(0) && global.size(1) == 16,
+              op, ": global must be contiguous float32 [N / 16, 16]");
+}
+
+at::Tensor fp4_pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& global,
+                          int64_t group, int64_t scale_format, at::ScalarType out_dtype) {
+  check_fp4_pairs("fp4_pairs_gemm", q, scales, global, group, scale_format);
+  const int64_t inputs = q.size(1) * 8;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16 && x.size(1) == inputs,
+              "fp4_pairs_gemm: x must be bfloat16 [M, ", inputs, "], the output bfloat16");
+  const at::Tensor xc = x.stride(1) == 1 && x.stride(0) % 2 == 0 ? x : x.contiguous();
+  at::Tensor out = at::empty({xc.size(0), q.size(0) * 16}, x.options());
+#if defined(__AVX512BF16__)
+  if (xc.size(0) == 0) return out;
+  PairsFp4 fp4;
+  fp4.global = global.const_data_ptr<float>();
+  fp4.table = fp4_scale_table(scale_format);
+  fp4.codes = e2m1_bf16_table();
+  pairs_product<4, uint8_t, true>(xc, q, scales, at::empty({0}, q.options()), group, false, out, fp4);
+#else
+  TORCH_CHECK(false, "fp4_pairs_gemm: this build has no AVX512-BF16 (pairs_available() is false)");
+#endif
+  return out;
+}
+
+// The weight as bfloat16 pairs ([N / 16, K / 2, 16, 2], bf16_gemm's), each value e2m1 times the group's
+// scale in float32, rounded once: for prefills.
+at::Tensor fp4_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& global, int64_t group,
+                                int64_t scale_format) {
+  check_fp4_pairs("fp4_pairs_dequantize", q, scales, global, group, scale_format);
+  const int64_t blocks = q.size(0), steps = q.size(1), groups = scales.size(1), pairs = steps * 4;
+  at::Tensor w = at::empty({blocks, pairs, 16, 2}, q.options().dtype(at::kBFloat16));
+#if defined(__AVX512BF16__)
+  const uint8_t* qp = q.const_data_ptr<uint8_t>();
+  const uint8_t* sp = scales.const_data_ptr<uint8_t>();
+  const float* gp = global.const_data_ptr<float>();
+  const float* table = fp4_scale_table(scale_format);
+  at::BFloat16* wp = w.mutable_data_ptr<at::BFloat16>();
+  const __m512i codes_table = e2m1_bf16_table(), nibble = _mm512_set1_epi16(0xF);
+  const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i second = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  const int64_t group_steps = group / 8;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const __m512 global_scale = _mm512_loadu_ps(gp + b * 16);
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + (b * groups + g) * 16));
+        const __m512 s = _mm512_div_ps(_mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), table, 4), global_scale);
+        const __m512 s_lo = _mm512_permutexvar_ps(first, s), s_hi = _mm512_permutexvar_ps(second, s);
+        for (int64_t p = g * group_steps; p < (g + 1) * group_steps; ++p) {
+          const __m512i words = _mm512_loadu_si512(qp + (b * steps + p) * 64);
+          for (int t = 0; t < 4; ++t) {  // pair 4p + t: inputs 8p + 2t, 8p + 2t + 1
+            const __m512i codes = _mm512_and_si512(_mm512_srli_epi16(words, 4 * t), nibble);
+            const __m512i values = _mm512_permutexvar_epi16(codes, codes_table);  // bfloat16 bits
+            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(values)), 16));
+            const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(values, 1)), 16));
+            _mm512_storeu_si512(wp + (b * pairs + 4 * p + t) * 32,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi), _mm512_mul_ps(lo, s_lo)));
+          }
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "fp4_pairs_dequantize: this build has no AVX512-BF16 (pairs_available() is false)");
+#endif
+  return w;
+}
+
 TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("woq_gemm(Tensor x, Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("int8_dynamic_mm(Tensor x, Tensor weight, Tensor w_scale, Tensor? w_sums=None) -> Tensor");
@@ -1715,6 +1848,8 @@ TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("int4pack_dequantize(Tensor packed, Tensor scales_and_zeros, int group) -> Tensor");
   m.def("pairs_gemm(Tensor x, Tensor q, Tensor scales, Tensor zeros, int group, int bits, bool zero_points, ScalarType out_dtype) -> Tensor");
   m.def("pairs_dequantize(Tensor q, Tensor scales, Tensor zeros, int group, int bits, bool zero_points) -> Tensor");
+  m.def("fp4_pairs_gemm(Tensor x, Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format, ScalarType out_dtype) -> Tensor");
+  m.def("fp4_pairs_dequantize(Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format) -> Tensor");
   m.def("pairs_dequantize_rows(Tensor q, Tensor scales, Tensor zeros, int group, int bits, bool zero_points, Tensor rows) -> Tensor");
   m.def("pairs_available() -> bool", &pairs_available);
 }
@@ -1733,4 +1868,6 @@ TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
   m.impl("pairs_gemm", &pairs_gemm);
   m.impl("pairs_dequantize", &pairs_dequantize);
   m.impl("pairs_dequantize_rows", &pairs_dequantize_rows);
+  m.impl("fp4_pairs_gemm", &fp4_pairs_gemm);
+  m.impl("fp4_pairs_dequantize", &fp4_pairs_dequantize);
 }
