@@ -386,7 +386,32 @@ def pairs_available() -> str | None:
     return None
 
 
-class _PairsKernel(_PermutedGemm):
+class _OnPairs:
+    """What the pairs kernels share: they run where ``pairs_available()`` says so, and their
+    prefills multiply ``bf16_gemm``'s pairs dequantized a chunk at a time."""
+
+    @classmethod
+    def check_available(cls) -> list[str]:
+        reason = pairs_available()
+        return [reason] if reason else []
+
+    def _chunked_product(self, x: torch.Tensor, blocks: int, dequantize: Callable[[slice], torch.Tensor]) -> torch.Tensor:
+        """``x @ W.T`` by ``bf16_gemm`` on ``dequantize(blocks of 16 outputs)`` (bfloat16 pairs), at most
+        ``CHUNK_BYTES`` of them at a time (an LM head's in blocks that stay in cache)."""
+        from vframe.layers import cpu_ops
+
+        x = x.contiguous()
+        step = max(1, self.CHUNK_BYTES // (self.spec.in_features * 2 * 16))
+        if step >= blocks:
+            return cpu_ops.bf16_gemm(x, dequantize(slice(None)))
+        out = x.new_empty(x.shape[0], self.spec.out_features)
+        for start in range(0, blocks, step):
+            pairs = dequantize(slice(start, start + step))
+            out[:, start * 16 : start * 16 + pairs.shape[0] * 16] = cpu_ops.bf16_gemm(x, pairs)
+        return out
+
+
+class _PairsKernel(_OnPairs, _PermutedGemm):
     """Weight-only integer layers in bfloat16 on a CPU with AVX512-BF16 (``csrc/woq_gemm.cpp``'s
     pairs): per block of 16 outputs, 64 bytes a step read as 32 16-bit words, word ``2n + j``
     of output ``n`` (``BITS`` 4: 8 inputs a step, nibble ``t`` holding input ``8p + 2t + j``;
@@ -403,11 +428,6 @@ class _PairsKernel(_PermutedGemm):
     BITS: ClassVar[int]
     STEP: ClassVar[int]
     priority = 35  # above int4_cpu (30) and woq_cpu (20): where it runs, it streams fastest
-
-    @classmethod
-    def check_available(cls) -> list[str]:
-        reason = pairs_available()
-        return [reason] if reason else []
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
@@ -454,22 +474,13 @@ class _PairsKernel(_PermutedGemm):
         return self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "zeros"), self.group_size
 
     def _dequantized_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``bf16_gemm`` over the weight dequantized into bfloat16 pairs, at most ``CHUNK_BYTES``
-        of them at a time (an LM head's in blocks that stay in cache)."""
-        from vframe.layers import cpu_ops
-
         q, scales, zeros, group = self._pairs_args(layer)
-        x = x.contiguous()
-        step = max(1, self.CHUNK_BYTES // (self.spec.in_features * 2 * 16))  # blocks of 16 outputs a GEMM
-        if step >= q.shape[0]:
-            return cpu_ops.bf16_gemm(x, _woq_ops().pairs_dequantize(q, scales, zeros, group, self.BITS, self.zero_points))
-        out = x.new_empty(x.shape[0], self.spec.out_features)
-        for start in range(0, q.shape[0], step):
-            part = slice(start, start + step)
-            pairs = _woq_ops().pairs_dequantize(
+
+        def dequantize(part: slice) -> torch.Tensor:
+            return _woq_ops().pairs_dequantize(
                 q[part], scales[part], zeros[part] if zeros.numel() else zeros, group, self.BITS, self.zero_points)
-            out[:, start * 16 : start * 16 + pairs.shape[0] * 16] = cpu_ops.bf16_gemm(x, pairs)
-        return out
+
+        return self._chunked_product(x, q.shape[0], dequantize)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         return self._int_weight(layer, None)
@@ -546,7 +557,7 @@ class Int8PairsKernel(_PairsKernel):
     STEP = 4
 
 
-class Fp4PairsKernel(_DequantizedGemm, QuantLinearKernel):
+class Fp4PairsKernel(_OnPairs, _DequantizedGemm, QuantLinearKernel):
     """FP4 weights (NVFP4, MXFP4) in bfloat16 on a CPU with AVX512-BF16 (``csrc/woq_gemm.cpp``'s
     ``fp4_pairs_gemm``): the e2m1 codes in ``int4_pairs``' layout, each nibble plane looked up as
     bfloat16 (``vpermw``, exact) for ``vdpbf16ps``, each group's sum times ``scale(byte) /
@@ -557,11 +568,6 @@ class Fp4PairsKernel(_DequantizedGemm, QuantLinearKernel):
 
     priority = 35  # above fp4_cpu (20), which reads the codes eight at a time in float32
     weight_types = (NVFP4, MXFP4)
-
-    @classmethod
-    def check_available(cls) -> list[str]:
-        reason = pairs_available()
-        return [reason] if reason else []
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
@@ -589,19 +595,12 @@ class Fp4PairsKernel(_DequantizedGemm, QuantLinearKernel):
         return _woq_ops().fp4_pairs_gemm.default, self._args(layer)
 
     def _dequantized_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``bf16_gemm`` over the weight dequantized into bfloat16 pairs, at most ``CHUNK_BYTES``
-        of them at a time."""
-        from vframe.layers import cpu_ops
-
         q, scales, global_scale, group, scale_format = self._args(layer)
-        x = x.contiguous()
-        step = max(1, self.CHUNK_BYTES // (self.spec.in_features * 2 * 16))  # blocks of 16 outputs a GEMM
-        out = x.new_empty(x.shape[0], self.spec.out_features)
-        for start in range(0, q.shape[0], step):
-            part = slice(start, start + step)
-            pairs = _woq_ops().fp4_pairs_dequantize(q[part], scales[part], global_scale[part], group, scale_format)
-            out[:, start * 16 : start * 16 + pairs.shape[0] * 16] = cpu_ops.bf16_gemm(x, pairs)
-        return out
+
+        def dequantize(part: slice) -> torch.Tensor:
+            return _woq_ops().fp4_pairs_dequantize(q[part], scales[part], global_scale[part], group, scale_format)
+
+        return self._chunked_product(x, q.shape[0], dequantize)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         return self.dequantize_rows(layer, torch.arange(self.spec.out_features, device=self.get(layer, "q").device))

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -1574,14 +1575,21 @@ void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& 
 
 }  // namespace
 
+// x as the pairs operators read it (bfloat16 [M, inputs], each row's pairs 4-byte aligned) and their
+// bfloat16 output [M, 16 q.size(0)]
+std::pair<at::Tensor, at::Tensor> pairs_io(const char* op, const at::Tensor& x, const at::Tensor& q, int64_t inputs,
+                                           at::ScalarType out_dtype) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16 && x.size(1) == inputs,
+              op, ": x must be bfloat16 [M, ", inputs, "], the output bfloat16");
+  at::Tensor xc = x.stride(1) == 1 && x.stride(0) % 2 == 0 ? x : x.contiguous();
+  at::Tensor out = at::empty({xc.size(0), q.size(0) * 16}, x.options());
+  return {xc, out};
+}
+
 at::Tensor pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros,
                       int64_t group, int64_t bits, bool zero_points, at::ScalarType out_dtype) {
   check_pairs(q, scales, zeros, group, bits);
-  const int64_t inputs = q.size(1) * pairs_step_inputs(bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16 && x.size(1) == inputs,
-              "pairs_gemm: x must be bfloat16 [M, ", inputs, "], the output bfloat16");
-  const at::Tensor xc = x.stride(1) == 1 && x.stride(0) % 2 == 0 ? x : x.contiguous();
-  at::Tensor out = at::empty({xc.size(0), q.size(0) * 16}, x.options());
+  auto [xc, out] = pairs_io("pairs_gemm", x, q, q.size(1) * pairs_step_inputs(bits), out_dtype);
 #if defined(__AVX512BF16__)
   if (xc.size(0) == 0) return out;
   const bool half = scales.scalar_type() == at::kHalf;
@@ -1773,11 +1781,7 @@ void check_fp4_pairs(const char* op, const at::Tensor& q, const at::Tensor& scal
 at::Tensor fp4_pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& global,
                           int64_t group, int64_t scale_format, at::ScalarType out_dtype) {
   check_fp4_pairs("fp4_pairs_gemm", q, scales, global, group, scale_format);
-  const int64_t inputs = q.size(1) * 8;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && out_dtype == at::kBFloat16 && x.size(1) == inputs,
-              "fp4_pairs_gemm: x must be bfloat16 [M, ", inputs, "], the output bfloat16");
-  const at::Tensor xc = x.stride(1) == 1 && x.stride(0) % 2 == 0 ? x : x.contiguous();
-  at::Tensor out = at::empty({xc.size(0), q.size(0) * 16}, x.options());
+  auto [xc, out] = pairs_io("fp4_pairs_gemm", x, q, q.size(1) * 8, out_dtype);
 #if defined(__AVX512BF16__)
   if (xc.size(0) == 0) return out;
   PairsFp4 fp4;
