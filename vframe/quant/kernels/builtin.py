@@ -355,11 +355,6 @@ class WoqCpuKernel(_PermutedGemm):
         return self._columns_back(layer, self._dequantized(layer, torch.float32, rows))
 
 
-def _bf16_int4_refusal(spec: QuantLinearSpec) -> str | None:
-    """Why ``int4_cpu`` cannot run ``spec``, as far as the bfloat16 CPU kernels' common rules go, or None."""
-    return _bf16_cpu_refusal(spec, 4)
-
-
 def _bf16_cpu_refusal(spec: QuantLinearSpec, bits: int) -> str | None:
     """Why a ``bits``-bit weight-only bfloat16 CPU kernel cannot run ``spec`` (the rules
     ``int4_cpu`` and the pairs kernels share), or None."""
@@ -751,7 +746,7 @@ class TorchInt4CpuKernel(_Permuted):
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
-        if (reason := _bf16_int4_refusal(spec)) is not None:
+        if (reason := _bf16_cpu_refusal(spec, 4)) is not None:
             return reason
         if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
             return "this torch has no _weight_int4pack_mm_for_cpu"

@@ -1619,6 +1619,13 @@ inline __m512 dequantized_half(__m256i codes, __m512 s, __m512 z) {
   return ZEROS ? _mm512_add_ps(_mm512_mul_ps(s, q), z) : _mm512_mul_ps(s, _mm512_add_ps(q, z));
 }
 
+// 16 per-output values v (outputs 0..15) spread over a step's 32 word lanes (word 2n + j: output n):
+// outputs 0..7 each twice in lo, 8..15 in hi, as the float32 halves of a pair's 32 values.
+inline void per_word(__m512 v, __m512& lo, __m512& hi) {
+  lo = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), v);
+  hi = _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), v);
+}
+
 template <bool ZEROS>
 inline __m512i dequantized_pair(__m512i codes, __m512 s_lo, __m512 s_hi, __m512 z_lo, __m512 z_hi) {
   return (__m512i)_mm512_cvtne2ps_pbh(dequantized_half<ZEROS>(_mm512_extracti64x4_epi64(codes, 1), s_hi, z_hi),
@@ -1633,8 +1640,6 @@ void pairs_dequantize_blocks(const uint8_t* qp, const S* sp, const S* zp, int64_
   // nibble plane (4 bit) or byte (8 bit) is one pair of inputs of the 16 outputs, 64 bytes of w.
   constexpr int64_t step_inputs = pairs_step_inputs(BITS);
   const int64_t pairs = steps * step_inputs / 2, group_steps = group / step_inputs;
-  const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i second = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
   const __m512 mid = _mm512_set1_ps(BITS == 4 ? -8.0f : -128.0f);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
@@ -1643,8 +1648,9 @@ void pairs_dequantize_blocks(const uint8_t* qp, const S* sp, const S* zp, int64_
         const __m512 z = MODE == 0 ? mid
                          : MODE == 1 ? load_scales(zp + (b * groups + g) * 16)
                                      : _mm512_sub_ps(_mm512_setzero_ps(), load_scales(zp + (b * groups + g) * 16));
-        const __m512 s_lo = _mm512_permutexvar_ps(first, s), s_hi = _mm512_permutexvar_ps(second, s);
-        const __m512 z_lo = _mm512_permutexvar_ps(first, z), z_hi = _mm512_permutexvar_ps(second, z);
+        __m512 s_lo, s_hi, z_lo, z_hi;
+        per_word(s, s_lo, s_hi);
+        per_word(z, z_lo, z_hi);
         for (int64_t p = g * group_steps; p < (g + 1) * group_steps; ++p) {
           const __m512i words = _mm512_loadu_si512(qp + (b * steps + p) * 64);
           at::BFloat16* out = wp + (b * pairs + p * step_inputs / 2) * 32;
@@ -1809,8 +1815,6 @@ at::Tensor fp4_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, c
   const float* table = fp4_scale_table(scale_format);
   at::BFloat16* wp = w.mutable_data_ptr<at::BFloat16>();
   const __m512i codes_table = e2m1_bf16_table(), nibble = _mm512_set1_epi16(0xF);
-  const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i second = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
   const int64_t group_steps = group / 8;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
@@ -1818,7 +1822,8 @@ at::Tensor fp4_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, c
       for (int64_t g = 0; g < groups; ++g) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + (b * groups + g) * 16));
         const __m512 s = _mm512_div_ps(_mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), table, 4), global_scale);
-        const __m512 s_lo = _mm512_permutexvar_ps(first, s), s_hi = _mm512_permutexvar_ps(second, s);
+        __m512 s_lo, s_hi;
+        per_word(s, s_lo, s_hi);
         for (int64_t p = g * group_steps; p < (g + 1) * group_steps; ++p) {
           const __m512i words = _mm512_loadu_si512(qp + (b * steps + p) * 64);
           for (int t = 0; t < 4; ++t) {  // pair 4p + t: inputs 8p + 2t, 8p + 2t + 1
