@@ -454,21 +454,25 @@ def test_int4_pairs_keeps_a_checkpoint_s_scales_and_zeros_in_float16(
     assert torch.equal(kernel.dequantize_weight(layer), weight.dequantize())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 3, 9, 40])
-def test_w8a8_in_one_call_equals_its_pytorch_spelling_bit_for_bit(tokens: int) -> None:
+def test_w8a8_in_one_call_equals_its_pytorch_spelling_bit_for_bit(tokens: int, dtype: torch.dtype) -> None:
     """int8_dynamic's C++ call (its own exact int8 products on AVX2 CPUs without VNNI and, given
-    the weight's row sums, for up to 8 rows on AVX512-VNNI; torch._int_mm elsewhere) against quantize_per_token, torch._int_mm and the scaling in
-    PyTorch: int32 sums are exact, so the outputs are equal."""
+    the weight's row sums, for up to 8 rows on AVX512-VNNI, 16 outputs a tile and the last 2 alone;
+    torch._int_mm elsewhere) against quantize_per_token, torch._int_mm and the scaling in PyTorch:
+    int32 sums are exact, so the outputs are equal, rounded to the activations' dtype as ``.to`` rounds
+    (the bfloat16 tile's own rounding included: outputs down to float32 subnormals, a tie, halves)."""
     from vframe.quant.kernels.builtin import _scaled, _woq_ops, quantize_per_token
 
     generator = torch.Generator().manual_seed(tokens)
-    weight = torch.randint(-127, 128, (48, 192), generator=generator, dtype=torch.int8)
-    w_scale = torch.rand(48, generator=generator) * 0.01
-    x = torch.randn(tokens, 192, generator=generator) * 3
+    weight = torch.randint(-127, 128, (50, 192), generator=generator, dtype=torch.int8)
+    w_scale = torch.rand(50, generator=generator) * 0.01
+    w_scale[:4] = torch.tensor([1e-38, 3e-41, 1.0, 0.5])  # subnormal outputs; large, exact ones
+    x = (torch.randn(tokens, 192, generator=generator) * 3).to(dtype)
     xq, x_scale = quantize_per_token(x)
     acc = torch._int_mm(xq, weight.T)
     assert int(acc.abs().max()) > 1000  # sums large enough that a dropped or doubled product shows
-    expected = _scaled(acc.float(), x_scale, w_scale, torch.float32, None)
+    expected = _scaled(acc.float(), x_scale, w_scale, dtype, None)
     assert torch.equal(_woq_ops().int8_dynamic_mm(x, weight, w_scale), expected)
     # with the weight's row sums: up to 8 rows on AVX512-VNNI its own vpdpbusd loop, the same bits
     sums = weight.sum(dim=1, dtype=torch.int32)

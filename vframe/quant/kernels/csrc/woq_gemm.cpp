@@ -824,36 +824,114 @@ at::Tensor int8_products(const at::Tensor& xq, const at::Tensor& weight) {
   return at::_int_mm(xq, weight.t());
 }
 
+// Row `row` (K floats) quantized as quantize_per_token spells it: scale = max(max |x|, 1e-12) / 127 and
+// q = clamp(nearbyint(x / scale), -127, 127) (a NaN ends at -127, where std::max leaves it; vector max
+// keeps its second operand likewise); q + 128 where OFFSET (int8_dynamic_vnni's unsigned operands).
+// Returns the scale.
+template <bool OFFSET>
+float quantize_row(const float* row, int64_t k, uint8_t* q) {
+  float amax = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  for (; i + 16 <= k; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(row + i)), m);
+  amax = _mm512_reduce_max_ps(m);
+#endif
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+  const float scale = std::max(amax, 1e-12f) / 127.0f;
+  const int offset = OFFSET ? 128 : 0;
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  for (; i + 16 <= k; i += 16) {
+    const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + i), s),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i n = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi)),
+                                       _mm512_set1_epi32(offset));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(n));
+  }
+#endif
+  for (; i < k; ++i) {
+    const float v = std::nearbyint(row[i] / scale);
+    q[i] = static_cast<uint8_t>(static_cast<int>(std::min(127.0f, std::max(-127.0f, v))) + offset);
+  }
+  return scale;
+}
+
 #if defined(__AVX512VNNI__)
-// Exact int32 products of a few int8 rows xq [T, K] (K a multiple of 64) with the int8 weight [N, K]
-// whose rows sum to w_sums [N]: vpdpbusd multiplies unsigned by signed bytes, so the rows go in as
-// x + 128 and each sum gives back 128 sum(w). For decode-sized T, where torch._int_mm (oneDNN) cost
-// about what a bfloat16 product does: SmolLM2 W8A8's batch-1 TPOT was 1.06-1.16x bf16's.
-at::Tensor int8_rows_vnni(const at::Tensor& xq, const at::Tensor& weight, const at::Tensor& w_sums) {
-  const int64_t t_rows = xq.size(0), k = xq.size(1), n = weight.size(0);
-  std::vector<uint8_t> shifted(t_rows * k);
-  const int8_t* xp = xq.const_data_ptr<int8_t>();
-  for (int64_t i = 0; i < t_rows * k; ++i) shifted[i] = static_cast<uint8_t>(xp[i] + 128);
-  at::Tensor acc = at::empty({t_rows, n}, xq.options().dtype(at::kInt));
-  int32_t* out = acc.mutable_data_ptr<int32_t>();
-  const int8_t* wp = weight.const_data_ptr<int8_t>();
-  const int32_t* sums = w_sums.const_data_ptr<int32_t>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      const int8_t* row = wp + o * k;
-      for (int64_t t0 = 0; t0 < t_rows; t0 += 4) {
-        const int64_t rows = std::min<int64_t>(4, t_rows - t0);
-        __m512i part[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int64_t i = 0; i < k; i += 64) {
-          const __m512i w = _mm512_loadu_si512(row + i);
-          for (int64_t r = 0; r < rows; ++r)
-            part[r] = _mm512_dpbusd_epi32(part[r], _mm512_loadu_si512(shifted.data() + (t0 + r) * k + i), w);
-        }
-        for (int64_t r = 0; r < rows; ++r) out[(t0 + r) * n + o] = _mm512_reduce_add_epi32(part[r]) - 128 * sums[o];
+// 16 int32 vectors' lanes added: lane j of the result is the sum of v[j]'s 16 lanes (exact).
+inline __m512i reduce16_epi32(const __m512i* v) {
+  __m512i t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)
+    u[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * j], t[2 * j + 1]), _mm512_unpackhi_epi64(t[2 * j], t[2 * j + 1]));
+  const __m512i x0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                      _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i x1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                      _mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// 16 floats stored as T, each rounded as static_cast<T> rounds: float16 by vcvtps2ph (to nearest even),
+// bfloat16 by c10's round_to_nearest_even in integer arithmetic (a NaN as 0x7FC0; vcvtneps2bf16 would
+// flush subnormals).
+inline void store_as(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+inline void store_as(at::Half* out, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store_as(at::BFloat16* out, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+}
+
+// W8A8 for a few rows on AVX512-VNNI, quantization, products and scaling in one pass: the rows
+// quantized per token into unsigned bytes q + 128 (vpdpbusd multiplies unsigned by signed bytes; each
+// output's sum gives back 128 w_sums), then per tile of 16 outputs (16 int32 sums a row in registers,
+// reduced together) the exact sum, times the row's scale, times the outputs' w_scale, as x's dtype. A
+// tile reads its weight rows one after another, one sequential stream a thread (16 rows interleaved
+// with the next tile asked for ahead measured slower). For decode-sized T, where torch._int_mm (oneDNN)
+// cost what a bfloat16 product does (SmolLM2 W8A8's batch-1 TPOT was 1.06-1.16x bf16's). The first VNNI
+// loop (an output at a time with a horizontal add each, the quantization and scaling in scalar passes)
+// took 5.2-5.6 us a call for 16 outputs against 3.7-3.9 now (2 threads, from Python).
+template <typename T>
+void int8_dynamic_vnni(const float* x, int64_t t_rows, int64_t k, const int8_t* w, const float* w_scale,
+                       const int32_t* w_sums, int64_t n, T* out) {
+  std::vector<uint8_t> xq(t_rows * k);
+  std::vector<float> x_scale(t_rows);
+  for (int64_t t = 0; t < t_rows; ++t) x_scale[t] = quantize_row<true>(x + t * k, k, xq.data() + t * k);
+  const int64_t tiles = n / 16;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int8_t* wt = w + tile * 16 * k;
+      for (int64_t t = 0; t < t_rows; ++t) {
+        __m512i acc[16];
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_si512();
+        const uint8_t* xr = xq.data() + t * k;
+        for (int j = 0; j < 16; ++j)  // output by output: one sequential stream (measured faster than 16 interleaved)
+          for (int64_t i = 0; i < k; i += 64)
+            acc[j] = _mm512_dpbusd_epi32(acc[j], _mm512_loadu_si512(xr + i), _mm512_loadu_si512(wt + j * k + i));
+        const __m512i sums = _mm512_sub_epi32(
+            reduce16_epi32(acc), _mm512_slli_epi32(_mm512_loadu_si512(w_sums + tile * 16), 7));
+        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(x_scale[t])),
+                                       _mm512_loadu_ps(w_scale + tile * 16));
+        store_as(out + t * n + tile * 16, y);
       }
     }
   });
-  return acc;
+  for (int64_t o = tiles * 16; o < n; ++o)  // the last n % 16 outputs, one at a time
+    for (int64_t t = 0; t < t_rows; ++t) {
+      __m512i acc = _mm512_setzero_si512();
+      for (int64_t i = 0; i < k; i += 64)
+        acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(xq.data() + t * k + i), _mm512_loadu_si512(w + o * k + i));
+      const int32_t sum = _mm512_reduce_add_epi32(acc) - 128 * w_sums[o];
+      out[t * n + o] = static_cast<T>(static_cast<float>(sum) * x_scale[t] * w_scale[o]);
+    }
 }
 #endif
 
@@ -861,8 +939,8 @@ at::Tensor int8_rows_vnni(const at::Tensor& xq, const at::Tensor& weight, const 
 // and Int8DynamicKernel spell it in PyTorch, in one call: each row of x scaled by
 // max(|x|, 1e-12) / 127 and rounded half to even into int8, its exact int32 products with
 // the int8 weight [N, K] (int8_products: torch's _int_mm, or the AVX2 loop above where the
-// CPU has no VNNI; with the weight's row sums w_sums, up to 8 rows on AVX512-VNNI, int8_rows_vnni),
-// then (acc * x_scale) * w_scale in float32, cast to x's dtype.
+// CPU has no VNNI; with the weight's row sums w_sums, up to 8 rows on AVX512-VNNI in one pass,
+// int8_dynamic_vnni), then (acc * x_scale) * w_scale in float32, cast to x's dtype.
 at::Tensor int8_dynamic_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
                            const std::optional<at::Tensor>& w_sums) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == at::kChar && x.size(1) == weight.size(1),
@@ -871,31 +949,24 @@ at::Tensor int8_dynamic_mm(const at::Tensor& x, const at::Tensor& weight, const 
               "int8_dynamic_mm: w_scale must be float32 [N]");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t t_rows = xf.size(0), k = xf.size(1), n = weight.size(0);
-  at::Tensor xq = at::empty({t_rows, k}, x.options().dtype(at::kChar));
-  std::vector<float> x_scale(t_rows);
   const float* xp = xf.data_ptr<float>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  for (int64_t t = 0; t < t_rows; ++t) {
-    const float* row = xp + t * k;
-    float amax = 0.f;
-    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
-    const float scale = std::max(amax, 1e-12f) / 127.0f;
-    x_scale[t] = scale;
-    for (int64_t i = 0; i < k; ++i) {
-      const float v = std::nearbyint(row[i] / scale);
-      qp[t * k + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
-    }
-  }
-  at::Tensor acc;  // [T, N] int32, exact
+  at::Tensor out = at::empty({t_rows, n}, x.options());
 #if defined(__AVX512VNNI__)
   if (w_sums.has_value() && t_rows <= 8 && k % 64 == 0 && weight.is_contiguous()) {
     TORCH_CHECK(w_sums->scalar_type() == at::kInt && w_sums->is_contiguous() && w_sums->numel() == n,
                 "int8_dynamic_mm: w_sums must be int32 [N], the weight's row sums");
-    acc = int8_rows_vnni(xq, weight, *w_sums);
+    AT_DISPATCH_V2(x.scalar_type(), "int8_dynamic_mm", AT_WRAP([&] {
+      int8_dynamic_vnni(xp, t_rows, k, weight.const_data_ptr<int8_t>(), w_scale.const_data_ptr<float>(),
+                        w_sums->const_data_ptr<int32_t>(), n, out.mutable_data_ptr<scalar_t>());
+    }), VFRAME_FLOAT_TYPES);
+    return out;
   }
 #endif
-  if (!acc.defined()) acc = int8_products(xq, weight);
-  at::Tensor out = at::empty({t_rows, n}, x.options());
+  at::Tensor xq = at::empty({t_rows, k}, x.options().dtype(at::kChar));
+  std::vector<float> x_scale(t_rows);
+  for (int64_t t = 0; t < t_rows; ++t)
+    x_scale[t] = quantize_row<false>(xp + t * k, k, reinterpret_cast<uint8_t*>(xq.data_ptr<int8_t>()) + t * k);
+  const at::Tensor acc = int8_products(xq, weight);  // [T, N] int32, exact
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float* ws = w_scale.data_ptr<float>();
   auto fill = [&](auto* o) {
