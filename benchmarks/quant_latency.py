@@ -1,42 +1,69 @@
 """Batch-1 latency of SmolLM2 quantized checkpoints against the same model in
-bfloat16, and the embedded Q4_1 GGUF against llama.cpp, in one run (issue 13's
+bfloat16, and the embedded Q4_1 GGUF against llama.cpp, taking turns in one run (issue 13's
 speed targets: int8 TPOT <= 0.7x bfloat16's, int4 <= 0.5x, GGUF Q4_1 <= llama.cpp's).
 
     .venv/bin/python benchmarks/quant_latency.py                       # every variant found
     .venv/bin/python benchmarks/quant_latency.py --llama-cpp-python /work/llama-venv/bin/python
 
 The latency workload of ``vframe bench latency`` (../shared/BENCHMARK.md: one request,
-256 prompt tokens, 128 greedy output tokens with ``ignore_eos``, best of 3 after a
-warm-up, 2 threads) on each variant, one after another in this process:
+256 prompt tokens, 128 greedy output tokens with ``ignore_eos``, after a warm-up, 2 threads)
+on each variant:
 
 - ``bf16``: the embedded SmolLM2 (its dense conversion) in bfloat16 (``--dtype float32``:
   ``float32``, and every variant in float32, for CPUs without native bfloat16);
 - the llm-compressor / auto-round checkpoints that ``make test-quant`` caches in
   ``$VFRAME_CACHE_DIR/quant-checkpoints`` (W8A16 and W4A16 groups of 64, W8A8, GPTQ
   and AWQ 4 bit groups of 64, NVFP4A16, MXFP4A16), bfloat16 activations; the kernel each layer got is shown;
-- ``gguf-q4_1``: the embedded GGUF kept quantized (``quantization="gguf"``), float
-  activations (``woq_cpu``: exact against its dense conversion);
+- ``gguf-q4_1``: the embedded GGUF kept quantized (``quantization="gguf"``);
 - ``gguf-q4_1-a8``: the same with ``quant_kernel="woq_cpu_a8"``: activations quantized to
   int8 per block of 32 for integer dot products, llama.cpp's own numerics;
 - ``llama.cpp``: the same GGUF through ``llama-cpp-python`` in ``--llama-cpp-python``
-  (its own environment; ``benchmarks/llama_cpp_peer.py``), fed the same prompt ids.
+  (its own environment; ``benchmarks/llama_cpp_peer.py``, a process a round), fed the same
+  prompt ids.
 
-The ratio column is TPOT / the dense model's TPOT (and, for the GGUF, also / llama.cpp's).
+Every vframe variant is opened (and warmed up) once, then ``--rounds`` rounds each time every
+variant once, the order turned by one each round: on a shared machine whose memory bandwidth
+drifts by a third over minutes, variants timed one after another compared their moments as
+much as their kernels. Reported per variant: the median and best TTFT and TPOT over the rounds,
+and the ratio column: the median over rounds of TPOT / the dense model's TPOT in the same
+round, with its range (and, for the GGUF, / llama.cpp's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import tempfile
+from collections import Counter
 from pathlib import Path
 
-from vframe.bench.latency import _offline_args, run_vframe
+from vframe.bench.latency import Timing, VframeLatency, _offline_args
 from vframe.bench.throughput import model_workload_prompts
 from vframe.models.loader.resolve import default_cache_dir, embedded_default_gguf
 
 CHECKPOINTS = ("ct-w8a16", "ct-w8a8", "ct-w4a16", "ct-nvfp4a16", "ct-mxfp4a16", "autoround-gptq", "autoround-awq")
+KV_CACHE_BYTES = 256 << 20  # each open engine's KV budget: the workload needs 384 tokens
+
+
+def llama_cpp_run(python: str, args: argparse.Namespace) -> Timing:
+    """One timed run of the GGUF through llama.cpp (after its warm-up), in its own process."""
+    args.model = None
+    [prompt] = model_workload_prompts(_offline_args(args))
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec.write_text(json.dumps({"gguf": str(embedded_default_gguf()), "prompt": prompt,
+                                    "output_len": args.output_len, "num_iters": 1, "threads": args.threads}))
+        subprocess.run([python, str(Path(__file__).with_name("llama_cpp_peer.py")), str(spec), str(out)], check=True)
+        [times] = json.loads(out.read_text())["token_times_s"]
+    return Timing.from_token_times(times)
+
+
+def ratio_text(runs: list[Timing], base: list[Timing]) -> str:
+    """The median over rounds of TPOT / base's TPOT in the same round, and its range."""
+    ratios = sorted(r.tpot_ms / b.tpot_ms for r, b in zip(runs, base, strict=True))
+    return f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
 def main() -> None:
@@ -44,13 +71,12 @@ def main() -> None:
     parser.add_argument("--llama-cpp-python", default=None, help="a Python with llama-cpp-python")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of one timed run of every variant")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16",
                         help="vframe's dtype for every variant (float32 on CPUs without native bfloat16)")
     parser.add_argument("--only", default=None, help="comma-separated variant names")
     args = parser.parse_args()
-    args.model = None
     cache = default_cache_dir() / "quant-checkpoints"
     base = "bf16" if args.dtype == "bfloat16" else args.dtype
     variants: list[tuple[str, str | None, dict]] = [(base, None, {})]
@@ -61,32 +87,43 @@ def main() -> None:
         keep = set(args.only.split(","))
         variants = [v for v in variants if v[0] in keep or v[0] == base]
 
-    results = {}
+    opened: dict[str, VframeLatency] = {}
     for name, model, extra in variants:
         args.model = model
-        result = run_vframe(args, {"dtype": args.dtype, "num_threads": args.threads, **extra})
-        results[name] = result
-        print(f"{name:>15}: TTFT {result.ttft_ms:7.1f} ms  TPOT {result.tpot_ms:6.2f} ms  "
-              f"x {base} {result.tpot_ms / results[base].tpot_ms:.2f}", flush=True)
+        opened[name] = VframeLatency(args, {"dtype": args.dtype, "num_threads": args.threads,
+                                            "kv_cache_memory_bytes": KV_CACHE_BYTES, **extra})
+        print(f"{name:>15}: opened in {opened[name].startup_s:.1f} s, kernels: {kernels_of(opened[name].llm)}",
+              flush=True)
+    names = list(opened) + (["llama.cpp"] if args.llama_cpp_python else [])
+    runs: dict[str, list[Timing]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            timing = llama_cpp_run(args.llama_cpp_python, args) if name == "llama.cpp" else opened[name].run()
+            runs[name].append(timing)
+        print(f"round {r + 1}: " + "  ".join(f"{n} {runs[n][-1].tpot_ms:.2f}" for n in names), flush=True)
+    for bench in opened.values():
+        bench.shutdown()
 
-    if args.llama_cpp_python:
-        args.model = None
-        [prompt] = model_workload_prompts(_offline_args(args))
-        with tempfile.TemporaryDirectory() as tmp:
-            spec, out = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-            spec.write_text(json.dumps({"gguf": str(embedded_default_gguf()), "prompt": prompt,
-                                        "output_len": args.output_len, "num_iters": args.num_iters,
-                                        "threads": args.threads}))
-            peer = Path(__file__).with_name("llama_cpp_peer.py")
-            subprocess.run([args.llama_cpp_python, str(peer), str(spec), str(out)], check=True)
-            r = json.loads(out.read_text())
-        runs = [(t[0] * 1e3, (t[-1] - t[0]) * 1e3 / (len(t) - 1)) for t in r["token_times_s"]]
-        ttft, tpot = min(x[0] for x in runs), min(x[1] for x in runs)
-        print(f"{'llama.cpp q4_1':>15}: TTFT {ttft:7.1f} ms  TPOT {tpot:6.2f} ms  "
-              f"x {base} {tpot / results[base].tpot_ms:.2f}")
+    print(f"\n{'':>15}  TTFT median (best)   TPOT median (best)   TPOT / {base}: median (range)")
+    for name in names:
+        ttft = statistics.median(t.ttft_ms for t in runs[name])
+        tpot = statistics.median(t.tpot_ms for t in runs[name])
+        print(f"{name:>15}: {ttft:7.1f} ({min(t.ttft_ms for t in runs[name]):7.1f}) ms  "
+              f"{tpot:6.2f} ({min(t.tpot_ms for t in runs[name]):6.2f}) ms  {ratio_text(runs[name], runs[base])}")
+    if "llama.cpp" in runs:
         for name in ("gguf-q4_1", "gguf-q4_1-a8"):
-            if name in results:
-                print(f"vframe {name} / llama.cpp TPOT: {results[name].tpot_ms / tpot:.2f}x")
+            if name in runs:
+                print(f"vframe {name} / llama.cpp TPOT: {ratio_text(runs[name], runs['llama.cpp'])}")
+
+
+def kernels_of(llm) -> str:
+    """The quant kernels the engine's linear layers run on, with their counts."""
+    counts = Counter(
+        getattr(getattr(m.quant_method, "kernel", None), "name", None) or type(m.quant_method).__name__
+        for m in llm.llm_engine.model_runner.model.modules()
+        if hasattr(m, "quant_method")
+    )
+    return ", ".join(f"{name} x{n}" for name, n in counts.most_common())
 
 
 if __name__ == "__main__":

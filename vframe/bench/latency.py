@@ -85,30 +85,48 @@ def _offline_args(args: argparse.Namespace) -> argparse.Namespace:
     )
 
 
+class VframeLatency:
+    """A vframe engine opened for the latency workload, warmed up: ``run()`` times the request
+    once (the prefix cache emptied first). ``run_vframe`` takes ``--num-iters`` runs of one;
+    ``benchmarks/quant_latency.py`` holds several open and takes turns."""
+
+    def __init__(self, args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
+        import torch
+
+        from vframe import LLM, SamplingParams
+        from vframe.core.worker.model_runner import default_dtype_name
+
+        torch.set_num_threads(args.threads)
+        engine_kwargs.setdefault("dtype", default_dtype_name(engine_kwargs.get("device") or "auto"))
+        t0 = time.perf_counter()
+        self.llm = LLM(**(engine_kwargs | {"model": args.model}))
+        self.startup_s = time.perf_counter() - t0
+        self.engine = self.llm.llm_engine
+        [self.prompt] = workload_prompts(_offline_args(args), self.engine.tokenizer, self.engine.vocab_size)
+        self.params = SamplingParams(
+            temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False, output_kind="delta"
+        )
+        self.dtype = str(self.engine.runner_info.dtype).removeprefix("torch.")
+        self.runs = 0
+        timed_request(self.engine, "warmup", self.prompt, self.params)
+
+    def run(self) -> Timing:
+        self.llm.reset_prefix_cache()
+        self.runs += 1
+        return Timing.from_token_times(timed_request(self.engine, f"timed-{self.runs}", self.prompt, self.params))
+
+    def result(self, runs: list[Timing]) -> LatencyResult:
+        return LatencyResult("vframe", self.dtype, len(self.prompt), runs, self.startup_s)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
 def run_vframe(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> LatencyResult:
-    import torch
-
-    from vframe import LLM, SamplingParams
-    from vframe.core.worker.model_runner import default_dtype_name
-
-    torch.set_num_threads(args.threads)
-    engine_kwargs.setdefault("dtype", default_dtype_name(engine_kwargs.get("device") or "auto"))
-    t0 = time.perf_counter()
-    llm = LLM(**(engine_kwargs | {"model": args.model}))
-    startup = time.perf_counter() - t0
-    engine = llm.llm_engine
-    [prompt] = workload_prompts(_offline_args(args), engine.tokenizer, engine.vocab_size)
-    params = SamplingParams(
-        temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False, output_kind="delta"
-    )
-    timed_request(engine, "warmup", prompt, params)
-    runs = []
-    for i in range(args.num_iters):
-        llm.reset_prefix_cache()
-        runs.append(Timing.from_token_times(timed_request(engine, f"timed-{i}", prompt, params)))
-    dtype = str(engine.runner_info.dtype).removeprefix("torch.")
-    llm.shutdown()
-    return LatencyResult("vframe", dtype, len(prompt), runs, startup)
+    bench = VframeLatency(args, engine_kwargs)
+    runs = [bench.run() for _ in range(args.num_iters)]
+    bench.shutdown()
+    return bench.result(runs)
 
 
 def run_hf(args: argparse.Namespace, dtype_name: str, device: str) -> LatencyResult:
