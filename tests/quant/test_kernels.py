@@ -81,9 +81,10 @@ def test_builtin_kernels_bind_to_their_buffers(kernel: str, weight_type: str, dt
     assert product is not None
     assert torch.equal(product(x), instance.apply(layer, x, bias))
     call = native_call(product)
-    # where apply's path changes (int8_dynamic: one operator for every row count; int4_cpu: from
-    # PREFILL_ROWS rows it dequantizes for a bfloat16 GEMM)
-    max_rows = {"int8_dynamic": None, "int4_cpu": 127, "int4_pairs": 32}.get(kernel, 32 if dtype == torch.float32 else 16)
+    # where apply's path changes (int8_dynamic and the pairs kernels: one operator for every row count;
+    # int4_cpu: from PREFILL_ROWS rows it dequantizes for a bfloat16 GEMM)
+    one_operator = ("int8_dynamic", "int4_pairs", "int8_pairs", "fp4_pairs")
+    max_rows = None if kernel in one_operator else {"int4_cpu": 127}.get(kernel, 32 if dtype == torch.float32 else 16)
     assert call is not None and call.max_rows == max_rows
     assert torch.equal(call(x), instance.apply(layer, x, bias))
 
