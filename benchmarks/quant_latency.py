@@ -22,11 +22,12 @@ on each variant:
   prompt ids.
 
 Every vframe variant is opened (and warmed up) once, then ``--rounds`` rounds each time every
-variant once, the order turned by one each round: on a shared machine whose memory bandwidth
-drifts by a third over minutes, variants timed one after another compared their moments as
-much as their kernels. Reported per variant: the median and best TTFT and TPOT over the rounds,
-and the ratio column: the median over rounds of TPOT / the dense model's TPOT in the same
-round, with its range (and, for the GGUF, / llama.cpp's).
+variant once, the order turned by one each round, and the dense model timed again between any
+two: on a shared machine whose memory bandwidth moves by a third within seconds, variants timed
+one after another compared their moments as much as their kernels. Reported per variant: the
+median and best TTFT and TPOT over the rounds, and the ratio column: the median over rounds of
+TPOT / the mean of the dense model's TPOT just before and just after it, with its range (the
+GGUF against llama.cpp: TPOT / llama.cpp's in the same round).
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def llama_cpp_run(python: str, args: argparse.Namespace) -> Timing:
     return Timing.from_token_times(times)
 
 
-def ratio_text(runs: list[Timing], base: list[Timing]) -> str:
-    """The median over rounds of TPOT / base's TPOT in the same round, and its range."""
-    ratios = sorted(r.tpot_ms / b.tpot_ms for r, b in zip(runs, base, strict=True))
+def ratio_text(ratios: list[float]) -> str:
+    """The median of per-round ratios, and their range."""
+    ratios = sorted(ratios)
     return f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
@@ -94,26 +95,35 @@ def main() -> None:
                                             "kv_cache_memory_bytes": KV_CACHE_BYTES, **extra})
         print(f"{name:>15}: opened in {opened[name].startup_s:.1f} s, kernels: {kernels_of(opened[name].llm)}",
               flush=True)
-    names = list(opened) + (["llama.cpp"] if args.llama_cpp_python else [])
-    runs: dict[str, list[Timing]] = {name: [] for name in names}
+    others = [name for name in opened if name != base] + (["llama.cpp"] if args.llama_cpp_python else [])
+    runs: dict[str, list[Timing]] = {name: [] for name in [base, *others]}
+    around: dict[str, list[float]] = {name: [] for name in others}  # the base's TPOT just before and after
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        before = opened[base].run()
+        runs[base].append(before)
+        for name in others[r % len(others):] + others[: r % len(others)]:
             timing = llama_cpp_run(args.llama_cpp_python, args) if name == "llama.cpp" else opened[name].run()
+            after = opened[base].run()
             runs[name].append(timing)
-        print(f"round {r + 1}: " + "  ".join(f"{n} {runs[n][-1].tpot_ms:.2f}" for n in names), flush=True)
+            runs[base].append(after)
+            around[name].append((before.tpot_ms + after.tpot_ms) / 2)
+            before = after
+        print(f"round {r + 1}: " + "  ".join(f"{n} {runs[n][-1].tpot_ms:.2f}" for n in others), flush=True)
     for bench in opened.values():
         bench.shutdown()
 
-    print(f"\n{'':>15}  TTFT median (best)   TPOT median (best)   TPOT / {base}: median (range)")
-    for name in names:
+    print(f"\n{'':>15}  TTFT median (best)   TPOT median (best)   TPOT / {base} around it: median (range)")
+    for name in [base, *others]:
         ttft = statistics.median(t.ttft_ms for t in runs[name])
         tpot = statistics.median(t.tpot_ms for t in runs[name])
+        ratio = "" if name == base else ratio_text([t.tpot_ms / b for t, b in zip(runs[name], around[name])])
         print(f"{name:>15}: {ttft:7.1f} ({min(t.ttft_ms for t in runs[name]):7.1f}) ms  "
-              f"{tpot:6.2f} ({min(t.tpot_ms for t in runs[name]):6.2f}) ms  {ratio_text(runs[name], runs[base])}")
+              f"{tpot:6.2f} ({min(t.tpot_ms for t in runs[name]):6.2f}) ms  {ratio}")
     if "llama.cpp" in runs:
         for name in ("gguf-q4_1", "gguf-q4_1-a8"):
             if name in runs:
-                print(f"vframe {name} / llama.cpp TPOT: {ratio_text(runs[name], runs['llama.cpp'])}")
+                ratios = [t.tpot_ms / p.tpot_ms for t, p in zip(runs[name], runs["llama.cpp"])]
+                print(f"vframe {name} / llama.cpp TPOT (same round): {ratio_text(ratios)}")
 
 
 def kernels_of(llm) -> str:
