@@ -388,33 +388,59 @@ def test_woq_cpu_multiplies_a_large_weight_by_many_rows_a_block_of_outputs_at_a_
 
 
 @pytest.mark.skipif(not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16")
-@pytest.mark.parametrize(("kernel_name", "bits"), [("int4_pairs", 4), ("int8_pairs", 8)])
-def test_a_pairs_kernel_dequantizes_a_large_weight_for_many_rows_a_block_of_outputs_at_a_time(
-    monkeypatch, kernel_name: str, bits: int
+@pytest.mark.parametrize(
+    ("kernel_name", "bits", "offsets"), [("int4_pairs", 4, True), ("int4_pairs", 4, False), ("int8_pairs", 8, True)]
+)
+@pytest.mark.parametrize("rows", [33, 300])  # past the in-place tiles; past a block of 256 rows
+def test_a_pairs_kernel_multiplies_many_rows_as_bf16_gemm_multiplies_its_dequantized_pairs(
+    kernel_name: str, bits: int, offsets: bool, rows: int
 ) -> None:
-    """Above MAX_ROWS rows the pairs are dequantized for bf16_gemm; above CHUNK_BYTES of them (an
-    LM head's) 16 outputs at a time in blocks, the last partial: bit for bit the whole
-    weight's product, and within bfloat16's rounding of the float64 product."""
-    from vframe.quant.kernels.builtin import _PairsKernel
+    """Past the in-place tiles each thread dequantizes two blocks of 16 outputs at a time (here 7
+    blocks: the last task holds one) and multiplies them as bf16_gemm does: bit for bit
+    bf16_gemm(x, pairs_dequantize(w)), and within bfloat16's rounding of the float64 product."""
+    from vframe.layers import cpu_ops
+    from vframe.quant.kernels.builtin import _woq_ops
 
     generator = torch.Generator().manual_seed(5)
-    out_features, in_features, group = 112, 128, 32  # 7 blocks of 16 outputs
+    out_features, in_features, group = 112, 128, 32
     weight = IntWeight(
         bits, torch.randint(0, 1 << bits, (out_features, in_features), generator=generator, dtype=torch.uint8),
         torch.rand(out_features, in_features // group, generator=generator) * 0.1,
-        torch.randn(out_features, in_features // group, generator=generator) * 0.1, group,
+        torch.randn(out_features, in_features // group, generator=generator) * 0.1 if offsets else None, group,
     )
-    spec = QuantLinearSpec.for_weight(weight, activations=WEIGHT_ONLY, dtype=torch.bfloat16, layer="head")
-    kernel = choose_kernel(spec, kernel_name)
+    kernel = choose_kernel(QuantLinearSpec.for_weight(weight, activations=WEIGHT_ONLY, dtype=torch.bfloat16,
+                                                      layer="x"), kernel_name)
     layer = nn.Module()
     kernel.prepare(layer, weight)
-    x = torch.randn(40, in_features, generator=generator).bfloat16()  # more than MAX_ROWS
-    whole = kernel.apply(layer, x, None)
-    monkeypatch.setattr(_PairsKernel, "CHUNK_BYTES", 3 * 16 * in_features * 2)  # 3 blocks a GEMM: 3, 3, 1
-    blocks = kernel.apply(layer, x, None)
-    assert torch.equal(blocks, whole)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    got = kernel.apply(layer, x, None)
+    q, scales, zeros, group_size = kernel._pairs_args(layer)
+    pairs = _woq_ops().pairs_dequantize(q, scales, zeros, group_size, bits, kernel.zero_points)
+    assert torch.equal(got, cpu_ops.bf16_gemm(x, pairs))
     reference = x.double() @ weight.dequantize().double().T
-    assert float((blocks.double() - reference).abs().max()) <= 2**-7 * float(reference.abs().max())
+    assert float((got.double() - reference).abs().max()) <= 2**-7 * float(reference.abs().max())
+
+
+@pytest.mark.skipif(not _pairs_run(), reason="fp4_pairs needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4])
+def test_fp4_pairs_multiplies_many_rows_as_bf16_gemm_multiplies_its_dequantized_pairs(fmt: str) -> None:
+    """fp4_pairs past its in-place tiles: bit for bit bf16_gemm(x, fp4_pairs_dequantize(w))."""
+    from vframe.layers import cpu_ops
+    from vframe.quant.kernels.builtin import _woq_ops
+
+    generator = torch.Generator().manual_seed(6)
+    group = 16 if fmt == NVFP4 else 32
+    scale_bytes = (0x30, 0x40) if fmt == NVFP4 else (120, 130)  # e4m3 0.5-1.9; e8m0 2^-7-2^3
+    weight = Fp4Weight(torch.randint(0, 256, (112, 64), generator=generator, dtype=torch.uint8),
+                       torch.randint(*scale_bytes, (112, 128 // group), generator=generator, dtype=torch.uint8),
+                       torch.rand(112, generator=generator) + 0.5 if fmt == NVFP4 else torch.ones(112), fmt)
+    kernel = choose_kernel(QuantLinearSpec.for_weight(weight, activations=WEIGHT_ONLY, dtype=torch.bfloat16,
+                                                      layer="x"), "fp4_pairs")
+    layer = nn.Module()
+    kernel.prepare(layer, weight)
+    x = torch.randn(40, 128, generator=generator).bfloat16()
+    pairs = _woq_ops().fp4_pairs_dequantize(*kernel._args(layer))
+    assert torch.equal(kernel.apply(layer, x, None), cpu_ops.bf16_gemm(x, pairs))
 
 
 @pytest.mark.skipif(not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16")
