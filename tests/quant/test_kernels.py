@@ -391,7 +391,7 @@ def test_woq_cpu_multiplies_a_large_weight_by_many_rows_a_block_of_outputs_at_a_
 @pytest.mark.parametrize(
     ("kernel_name", "bits", "offsets"), [("int4_pairs", 4, True), ("int4_pairs", 4, False), ("int8_pairs", 8, True)]
 )
-@pytest.mark.parametrize("rows", [33, 300])  # past the in-place tiles; past a block of 256 rows
+@pytest.mark.parametrize("rows", [65, 300])  # past the in-place tiles (4 bit: 64 rows); past a block of 256
 def test_a_pairs_kernel_multiplies_many_rows_as_bf16_gemm_multiplies_its_dequantized_pairs(
     kernel_name: str, bits: int, offsets: bool, rows: int
 ) -> None:

@@ -385,10 +385,11 @@ def pairs_available() -> str | None:
 
 class _OnPairs:
     """What the pairs kernels share: they run where ``pairs_available()`` says so, and their
-    operators take every row count: up to 32 tokens (8 bit: 16) in place, more through each
-    thread's two blocks at a time dequantized into a buffer that stays in its L2 and multiplied as
-    ``bf16_gemm`` multiplies (its bits: ``bf16_gemm(x, dequantized pairs)``), so that the decode
-    plan takes their layers at any batch size."""
+    operators take every row count: up to 64 tokens in place (8 bit and FP4: 12; measured
+    crossovers, ``csrc/woq_gemm.cpp``'s ``pairs_in_place_rows``), more through each thread's two
+    blocks at a time dequantized into a buffer that stays in its L2 and multiplied as ``bf16_gemm``
+    multiplies (its bits: ``bf16_gemm(x, dequantized pairs)``), so that the decode plan takes their
+    layers at any batch size."""
 
     MAX_ROWS: ClassVar[dict[torch.dtype, int | None]] = dict.fromkeys((torch.float32, torch.bfloat16, torch.float16))
 
@@ -536,7 +537,7 @@ class Fp4PairsKernel(_OnPairs, _DequantizedGemm, QuantLinearKernel):
     ``fp4_pairs_gemm``): the e2m1 codes in ``int4_pairs``' layout, each nibble plane looked up as
     bfloat16 (``vpermw``, exact) for ``vdpbf16ps``, each group's sum times ``scale(byte) /
     global``; the checkpoint's scale bytes kept as they are (per block of 16 outputs), the global
-    scales float32 per row: NVFP4 4.5 bits a weight, MXFP4 4.25, as the checkpoint. Up to 32
+    scales float32 per row: NVFP4 4.5 bits a weight, MXFP4 4.25, as the checkpoint. Up to 12
     tokens in place, more dequantized two blocks at a time for ``bf16_gemm``'s multiplication
     (``_OnPairs``). A NaN scale byte is refused, as ``fp4_cpu`` refuses it."""
 

@@ -1788,9 +1788,11 @@ void dequantized_product(const at::Tensor& xc, int64_t blocks, const Dequantize&
 }
 
 // Rows the in-place tiles take; more go through dequantized_product. Zen 4, 2 threads, [M, 576] x
-// [576 -> 1536] over 40 weights from memory, in place against dequantized whole for bf16_gemm: 4 bit 83
-// / 124 us at 16 rows, 157 / 191 at 32, 302 / 307 at 64; 8 bit 157 / 137 at 16.
-constexpr int64_t pairs_in_place_rows(int64_t bits) { return bits == 8 ? 16 : 32; }
+// [576 -> 1536] over 40 weights from memory, us a product in place / dequantized, two runs: 4 bit 86-89
+// / 119 at 16 rows, 159-163 / 181 at 32, 233 / 245 at 48, 292-312 / 299-305 at 64, 431-437 / 428-431 at
+// 96; 8 bit 85 / 119 at 8, 119-120 / 106-122 at 12, 135-137 / 118-127 at 14; FP4 (its codes looked up,
+// a gather a group) 81 / 105 at 8, 107-115 / 113-115 at 12, 134-140 / 122 at 14, 283 / 202 at 32.
+constexpr int64_t pairs_in_place_rows(int64_t bits, bool fp4 = false) { return fp4 || bits == 8 ? 12 : 64; }
 
 }  // namespace
 #endif
@@ -1999,7 +2001,7 @@ at::Tensor fp4_pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
   fp4.global = global.const_data_ptr<float>();
   fp4.table = fp4_scale_table(scale_format);
   fp4.codes = e2m1_bf16_table();
-  if (xc.size(0) <= pairs_in_place_rows(4)) {
+  if (xc.size(0) <= pairs_in_place_rows(4, true)) {
     pairs_product<4, uint8_t, true>(xc, q, scales, at::empty({0}, q.options()), group, false, out, fp4);
   } else {
     dequantized_product(xc, q.size(0), [&](int64_t b, int64_t n, at::BFloat16* panel) {
