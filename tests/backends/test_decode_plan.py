@@ -90,9 +90,9 @@ def test_the_plan_takes_the_decode_steps_and_computes_what_the_layers_do(
     ("kind", "settings", "max_tokens"),
     [
         ("dense", {}, sys.maxsize),
-        # bfloat16's 4-bit default: int4_pairs (AVX512-BF16), one operator for every row count, else
-        # torch's operator below int4_cpu.PREFILL_ROWS (128) rows
-        ("GGUF default", {"quantization": "gguf"}, sys.maxsize if PAIRS else 127),
+        # bfloat16's 4-bit default: int4_pairs (AVX512-BF16), its operator below its PREFILL_ROWS (1,024)
+        # rows, else torch's operator below int4_cpu.PREFILL_ROWS (128)
+        ("GGUF default", {"quantization": "gguf"}, 1023 if PAIRS else 127),
         ("GGUF int4_cpu", {"quantization": "gguf", "quant_kernel": "int4_cpu"}, 127),
         ("GGUF woq_cpu", {"quantization": "gguf", "quant_kernel": "woq_cpu"}, 16),  # in place up to 16 rows
     ],

@@ -81,10 +81,11 @@ def test_builtin_kernels_bind_to_their_buffers(kernel: str, weight_type: str, dt
     assert product is not None
     assert torch.equal(product(x), instance.apply(layer, x, bias))
     call = native_call(product)
-    # where apply's path changes (int8_dynamic and the pairs kernels: one operator for every row count;
-    # int4_cpu: from PREFILL_ROWS rows it dequantizes for a bfloat16 GEMM)
-    one_operator = ("int8_dynamic", "int4_pairs", "int8_pairs", "fp4_pairs")
-    max_rows = None if kernel in one_operator else {"int4_cpu": 127}.get(kernel, 32 if dtype == torch.float32 else 16)
+    # where apply's path changes (int8_dynamic: one operator for every row count; int4_cpu and the pairs
+    # kernels: from their PREFILL_ROWS rows bf16 GEMMs over the dequantized weight)
+    pairs = ("int4_pairs", "int8_pairs", "fp4_pairs")
+    max_rows = {"int8_dynamic": None, "int4_cpu": 127, **dict.fromkeys(pairs, 1023)}.get(
+        kernel, 32 if dtype == torch.float32 else 16)
     assert call is not None and call.max_rows == max_rows
     assert torch.equal(call(x), instance.apply(layer, x, bias))
 
@@ -391,15 +392,20 @@ def test_woq_cpu_multiplies_a_large_weight_by_many_rows_a_block_of_outputs_at_a_
 @pytest.mark.parametrize(
     ("kernel_name", "bits", "offsets"), [("int4_pairs", 4, True), ("int4_pairs", 4, False), ("int8_pairs", 8, True)]
 )
-@pytest.mark.parametrize("rows", [65, 300])  # past the in-place tiles (4 bit: 64 rows); past a block of 256
+# past the in-place tiles (4 bit: 64 rows); past a block of 256; from PREFILL_ROWS, the weight dequantized
+# for bf16_gemm a chunk at a time (3 blocks a chunk here: 3, 3, 1)
+@pytest.mark.parametrize("rows", [65, 300, 1100])
 def test_a_pairs_kernel_multiplies_many_rows_as_bf16_gemm_multiplies_its_dequantized_pairs(
-    kernel_name: str, bits: int, offsets: bool, rows: int
+    kernel_name: str, bits: int, offsets: bool, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past the in-place tiles each thread dequantizes two blocks of 16 outputs at a time (here 7
-    blocks: the last task holds one) and multiplies them as bf16_gemm does: bit for bit
+    blocks: the last task holds one) and multiplies them as bf16_gemm does; from PREFILL_ROWS rows
+    bf16_gemm takes the weight dequantized in chunks: either way bit for bit
     bf16_gemm(x, pairs_dequantize(w)), and within bfloat16's rounding of the float64 product."""
     from vframe.layers import cpu_ops
-    from vframe.quant.kernels.builtin import _woq_ops
+    from vframe.quant.kernels.builtin import _PairsKernel, _woq_ops
+
+    monkeypatch.setattr(_PairsKernel, "CHUNK_BYTES", 3 * 16 * 128 * 2)
 
     generator = torch.Generator().manual_seed(5)
     out_features, in_features, group = 112, 128, 32

@@ -1726,8 +1726,9 @@ namespace {
 
 // bf16_gemm's tile (vframe/layers/csrc/cpu_ops.cpp) on a dequantized panel: ROWS rows of x against
 // COLS blocks of 16 outputs held as bfloat16 pairs at w (block c at w + c * pairs * 16 words), the sums
-// over the pairs in order, one vdpbf16ps a pair, rounded to bfloat16 once: bf16_gemm's bits.
-template <int ROWS, int COLS>
+// over the pairs in order, one vdpbf16ps a pair, rounded to bfloat16 once: bf16_gemm's bits. STREAM:
+// the output written past the caches (a prefill's of 4 MiB or more, as bf16_gemm writes it).
+template <int ROWS, int COLS, bool STREAM>
 inline void panel_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t pairs, at::BFloat16* out,
                        int64_t out_stride) {
   __m512 acc[ROWS][COLS];
@@ -1742,17 +1743,22 @@ inline void panel_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, i
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+    for (int c = 0; c < COLS; ++c) {
+      auto* o = reinterpret_cast<__m256i*>(out + r * out_stride + c * 16);
+      if constexpr (STREAM)
+        _mm256_stream_si256(o, (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+      else
+        _mm256_storeu_si256(o, (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+    }
 }
 
-template <int COLS, int ROWS = 8>
+template <int COLS, bool STREAM, int ROWS = 8>
 void panel_rows(const uint32_t* x, int64_t x_stride, int64_t rows, const uint32_t* w, int64_t pairs, at::BFloat16* out,
                 int64_t out_stride) {
   if constexpr (ROWS > 0) {
     for (; rows >= ROWS; rows -= ROWS, x += ROWS * x_stride, out += ROWS * out_stride)
-      panel_tile<ROWS, COLS>(x, x_stride, w, pairs, out, out_stride);
-    if (rows) panel_rows<COLS, ROWS - 1>(x, x_stride, rows, w, pairs, out, out_stride);
+      panel_tile<ROWS, COLS, STREAM>(x, x_stride, w, pairs, out, out_stride);
+    if (rows) panel_rows<COLS, STREAM, ROWS - 1>(x, x_stride, rows, w, pairs, out, out_stride);
   }
 }
 
@@ -1760,8 +1766,10 @@ void panel_rows(const uint32_t* x, int64_t x_stride, int64_t rows, const uint32_
 // tiles take: each thread dequantizes two blocks at a time (dequantize(b, n, panel): n blocks from b as
 // bfloat16 pairs, what pairs_dequantize stores) into a buffer of its own, which stays in its L2, and
 // multiplies 256 rows at a time by them as bf16_gemm would: the bits of bf16_gemm(x, pairs_dequantize(w)),
-// the dequantized weight never written to memory and read back (Zen 4, 2 threads, [64, 576] x
-// [576 -> 3072]: the weight dequantized whole for bf16_gemm took 86 us more than bf16_gemm alone).
+// the dequantized weight never written to memory and read back. Zen 4, 2 threads, [M, 576] x [576 -> 3072],
+// against the weight dequantized whole for bf16_gemm: 1.06 / 1.10 ms at 128 rows, 4.17 / 4.36 at 512,
+// 8.35 / 8.21 at 1,024, 16.58 / 16.26 at 2,048 (each row block dequantizes the panels again): from
+// 1,024 rows builtin.py's _OnPairs takes the other way.
 template <typename Dequantize>
 void dequantized_product(const at::Tensor& xc, int64_t blocks, const Dequantize& dequantize, at::Tensor& out) {
   const int64_t rows = xc.size(0), inputs = xc.size(1), pairs = inputs / 2, outputs = blocks * 16;
@@ -1769,22 +1777,30 @@ void dequantized_product(const at::Tensor& xc, int64_t blocks, const Dequantize&
   const int64_t x_stride = xc.stride(0) / 2;
   at::BFloat16* op = out.mutable_data_ptr<at::BFloat16>();
   constexpr int64_t kRowBlock = 256;  // rows a panel is used for before the next (x's block stays in cache)
-  for (int64_t m = 0; m < rows; m += kRowBlock) {
-    const int64_t m_rows = std::min(kRowBlock, rows - m);
-    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-      std::vector<at::BFloat16> panel(2 * 16 * inputs);
-      const uint32_t* w = reinterpret_cast<const uint32_t*>(panel.data());
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task * 2, n = std::min<int64_t>(2, blocks - b);
-        dequantize(b, n, panel.data());
-        at::BFloat16* o = op + m * outputs + b * 16;
-        if (n == 2)
-          panel_rows<2>(xp + m * x_stride, x_stride, m_rows, w, pairs, o, outputs);
-        else
-          panel_rows<1>(xp + m * x_stride, x_stride, m_rows, w, pairs, o, outputs);
-      }
-    });
-  }
+  const bool stream = rows * outputs * 2 >= (4 << 20) && reinterpret_cast<uintptr_t>(op) % 32 == 0;
+  const auto run = [&]<bool STREAM>() {
+    for (int64_t m = 0; m < rows; m += kRowBlock) {
+      const int64_t m_rows = std::min(kRowBlock, rows - m);
+      at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+        std::vector<at::BFloat16> panel(2 * 16 * inputs);
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(panel.data());
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = task * 2, n = std::min<int64_t>(2, blocks - b);
+          dequantize(b, n, panel.data());
+          at::BFloat16* o = op + m * outputs + b * 16;
+          if (n == 2)
+            panel_rows<2, STREAM>(xp + m * x_stride, x_stride, m_rows, w, pairs, o, outputs);
+          else
+            panel_rows<1, STREAM>(xp + m * x_stride, x_stride, m_rows, w, pairs, o, outputs);
+        }
+        if constexpr (STREAM) _mm_sfence();  // the streamed stores reach memory before another thread reads them
+      });
+    }
+  };
+  if (stream)
+    run.template operator()<true>();
+  else
+    run.template operator()<false>();
 }
 
 // Rows the in-place tiles take; more go through dequantized_product. Zen 4, 2 threads, [M, 576] x
