@@ -50,7 +50,9 @@ Built-in kernels (``vframe.quant.kernels.builtin``; ``triton`` in ``vframe.quant
   bit planes or-ed with ``0x4300`` are ``vdpbf16ps`` operands as they are (a nibble ``c``: the
   bfloat16 ``128 + c``; 8 bit, a byte's bits 0-6 and its bit 7: ``128 + l``, ``128 + 128 h``); scales and zeros in float16 where that holds them exactly (GGUF's ``d`` and ``m``, the
   checkpoints' float16 / bfloat16 scales), else float32; each thread's next panel of outputs
-  prefetched. Up to 32 tokens (4 bit) or 16 (8 bit) in place, more dequantize into ``bf16_gemm``'s pairs.
+  prefetched. Up to 64 tokens (4 bit) or 12 (8 bit, FP4) in place; up to 1,023 each thread dequantizes
+  two blocks at a time into its L2 and multiplies them as ``bf16_gemm`` does; from 1,024 (long prefills)
+  the weight is dequantized a chunk at a time for ``bf16_gemm``.
 * ``fp4_pairs`` (35): FP4 weights (NVFP4, MXFP4) the same way in bfloat16: the e2m1 codes in
   ``int4_pairs``' layout, each nibble plane looked up as bfloat16 (``vpermw``), each group's sum
   times its scale byte's value over the row's global scale; the checkpoint's scale bytes kept.

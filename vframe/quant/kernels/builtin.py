@@ -399,20 +399,26 @@ class _OnPairs:
         reason = pairs_available()
         return [reason] if reason else []
 
-    def _chunked_product(self, x: torch.Tensor, blocks: int, dequantize: Callable[[slice], torch.Tensor]) -> torch.Tensor:
-        """``x @ W.T`` by ``bf16_gemm`` on ``dequantize(blocks of 16 outputs)`` (bfloat16 pairs), at most
-        ``CHUNK_BYTES`` of them at a time (an LM head's in blocks that stay in cache)."""
+    def _dequantized_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` by ``bf16_gemm`` on the weight's blocks of 16 outputs as bfloat16 pairs
+        (``_dequantized_pairs``), at most ``CHUNK_BYTES`` of them at a time (an LM head's in blocks
+        that stay in cache)."""
         from vframe.layers import cpu_ops
 
         x = x.contiguous()
+        blocks = self.spec.out_features // 16
         step = max(1, self.CHUNK_BYTES // (self.spec.in_features * 2 * 16))
         if step >= blocks:
-            return cpu_ops.bf16_gemm(x, dequantize(slice(None)))
+            return cpu_ops.bf16_gemm(x, self._dequantized_pairs(layer, slice(None)))
         out = x.new_empty(x.shape[0], self.spec.out_features)
         for start in range(0, blocks, step):
-            pairs = dequantize(slice(start, start + step))
+            pairs = self._dequantized_pairs(layer, slice(start, start + step))
             out[:, start * 16 : start * 16 + pairs.shape[0] * 16] = cpu_ops.bf16_gemm(x, pairs)
         return out
+
+    def _dequantized_pairs(self, layer: nn.Module, blocks: slice) -> torch.Tensor:
+        """Blocks ``blocks`` of the weight as ``bf16_gemm``'s pairs (the kernel's C++ dequantize)."""
+        raise NotImplementedError
 
 
 class _PairsKernel(_OnPairs, _PermutedGemm):
@@ -477,14 +483,10 @@ class _PairsKernel(_OnPairs, _PermutedGemm):
     def _pairs_args(self, layer: nn.Module) -> tuple:
         return self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "zeros"), self.group_size
 
-    def _dequantized_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _dequantized_pairs(self, layer: nn.Module, blocks: slice) -> torch.Tensor:
         q, scales, zeros, group = self._pairs_args(layer)
-
-        def dequantize(part: slice) -> torch.Tensor:
-            return _woq_ops().pairs_dequantize(
-                q[part], scales[part], zeros[part] if zeros.numel() else zeros, group, self.BITS, self.zero_points)
-
-        return self._chunked_product(x, q.shape[0], dequantize)
+        return _woq_ops().pairs_dequantize(
+            q[blocks], scales[blocks], zeros[blocks] if zeros.numel() else zeros, group, self.BITS, self.zero_points)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         return self._int_weight(layer, None)
@@ -594,13 +596,9 @@ class Fp4PairsKernel(_OnPairs, _DequantizedGemm, QuantLinearKernel):
     def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
         return _woq_ops().fp4_pairs_gemm.default, self._args(layer)
 
-    def _dequantized_product(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _dequantized_pairs(self, layer: nn.Module, blocks: slice) -> torch.Tensor:
         q, scales, global_scale, group, scale_format = self._args(layer)
-
-        def dequantize(part: slice) -> torch.Tensor:
-            return _woq_ops().fp4_pairs_dequantize(q[part], scales[part], global_scale[part], group, scale_format)
-
-        return self._chunked_product(x, q.shape[0], dequantize)
+        return _woq_ops().fp4_pairs_dequantize(q[blocks], scales[blocks], global_scale[blocks], group, scale_format)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         return self.dequantize_rows(layer, torch.arange(self.spec.out_features, device=self.get(layer, "q").device))

@@ -1443,6 +1443,20 @@ inline __m512i e2m1_bf16_table() {
   return _mm512_load_si512(table);
 }
 
+// A tile's float32 sums as bfloat16, ROWS rows x COLS blocks of 16 outputs (what cpu_ops' bf16_gemm stores);
+// STREAM: past the caches (an output of several MB).
+template <int ROWS, int COLS, bool STREAM = false>
+inline void store_tile(const __m512 (&acc)[ROWS][COLS], at::BFloat16* out, int64_t out_stride) {
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < COLS; ++c) {
+      auto* o = reinterpret_cast<__m256i*>(out + r * out_stride + c * 16);
+      if constexpr (STREAM)
+        _mm256_stream_si256(o, (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+      else
+        _mm256_storeu_si256(o, (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+    }
+}
+
 // xe: each row's bfloat16 input pairs (a step takes 4 at 4 bit, 2 at 8); xsum: each row's sum of inputs
 // per group. One or two rows keep two sums per output block (the planes' halves): vdpbf16ps' latency hidden.
 template <int BITS, int ROWS, int COLS, typename S, bool FP4 = false>
@@ -1531,9 +1545,7 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
       }
     }
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+  store_tile(acc, out, out_stride);
 }
 
 // All rows against one panel of COLS blocks, in tiles of ROWS rows (then fewer); the tiles share the
@@ -1718,6 +1730,37 @@ void pairs_dequantize_blocks(const uint8_t* qp, const S* sp, const S* zp, int64_
   });
 }
 
+// Blocks first .. first + blocks of a pairs weight as bfloat16 pairs into wp (what pairs_dequantize stores
+// for them), the zeros' form picked at run time.
+template <int BITS, typename S>
+void pairs_dequantize_range(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
+                            bool zero_points, int64_t first, int64_t blocks, at::BFloat16* wp) {
+  const int64_t steps = q.size(1), groups = scales.size(1);
+  const uint8_t* qp = q.const_data_ptr<uint8_t>() + first * steps * 64;
+  const S* sp = scales.const_data_ptr<S>() + first * groups * 16;
+  const S* zp = zeros.numel() ? zeros.const_data_ptr<S>() + first * groups * 16 : nullptr;
+  if (zp == nullptr)
+    pairs_dequantize_blocks<BITS, 0, S>(qp, sp, zp, blocks, steps, groups, group, wp);
+  else if (!zero_points)
+    pairs_dequantize_blocks<BITS, 1, S>(qp, sp, zp, blocks, steps, groups, group, wp);
+  else
+    pairs_dequantize_blocks<BITS, 2, S>(qp, sp, zp, blocks, steps, groups, group, wp);
+}
+
+// f.template operator()<BITS, S>() for the weight's bits and its scales' type (float16 or float32)
+template <typename F>
+void pairs_types(int64_t bits, const at::Tensor& scales, const F& f) {
+  const bool half = scales.scalar_type() == at::kHalf;
+  if (bits == 4 && half)
+    f.template operator()<4, at::Half>();
+  else if (bits == 4)
+    f.template operator()<4, float>();
+  else if (half)
+    f.template operator()<8, at::Half>();
+  else
+    f.template operator()<8, float>();
+}
+
 }  // namespace
 #endif
 
@@ -1742,14 +1785,7 @@ inline void panel_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, i
       for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
     }
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) {
-      auto* o = reinterpret_cast<__m256i*>(out + r * out_stride + c * 16);
-      if constexpr (STREAM)
-        _mm256_stream_si256(o, (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
-      else
-        _mm256_storeu_si256(o, (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
-    }
+  store_tile<ROWS, COLS, STREAM>(acc, out, out_stride);
 }
 
 template <int COLS, bool STREAM, int ROWS = 8>
@@ -1819,34 +1855,12 @@ at::Tensor pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   auto [xc, out] = pairs_io("pairs_gemm", x, q, q.size(1) * pairs_step_inputs(bits), out_dtype);
 #if defined(__AVX512BF16__)
   if (xc.size(0) == 0) return out;
-  const auto run = [&]<int BITS, typename S>() {
+  pairs_types(bits, scales, [&]<int BITS, typename S>() {
     if (xc.size(0) <= pairs_in_place_rows(BITS)) return pairs_product<BITS, S>(xc, q, scales, zeros, group, zero_points, out);
-    const int64_t steps = q.size(1), groups = scales.size(1), q_block = steps * 64, s_block = groups * 16;
-    const uint8_t* qp = q.const_data_ptr<uint8_t>();
-    const S* sp = scales.const_data_ptr<S>();
-    const S* zp = zeros.numel() ? zeros.const_data_ptr<S>() : nullptr;
-    const auto with_mode = [&]<int MODE>() {
-      dequantized_product(xc, q.size(0), [&](int64_t b, int64_t n, at::BFloat16* panel) {
-        pairs_dequantize_blocks<BITS, MODE, S>(qp + b * q_block, sp + b * s_block, zp ? zp + b * s_block : nullptr, n,
-                                               steps, groups, group, panel);
-      }, out);
-    };
-    if (zp == nullptr)
-      with_mode.template operator()<0>();
-    else if (!zero_points)
-      with_mode.template operator()<1>();
-    else
-      with_mode.template operator()<2>();
-  };
-  const bool half = scales.scalar_type() == at::kHalf;
-  if (bits == 4 && half)
-    run.template operator()<4, at::Half>();
-  else if (bits == 4)
-    run.template operator()<4, float>();
-  else if (half)
-    run.template operator()<8, at::Half>();
-  else
-    run.template operator()<8, float>();
+    dequantized_product(xc, q.size(0), [&](int64_t b, int64_t n, at::BFloat16* panel) {
+      pairs_dequantize_range<BITS, S>(q, scales, zeros, group, zero_points, b, n, panel);
+    }, out);
+  });
 #else
   TORCH_CHECK(false, "pairs_gemm: this build has no AVX512-BF16 (pairs_available() is false)");
 #endif
@@ -1856,32 +1870,12 @@ at::Tensor pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor
 at::Tensor pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
                             int64_t bits, bool zero_points) {
   check_pairs(q, scales, zeros, group, bits);
-  const int64_t blocks = q.size(0), steps = q.size(1), groups = scales.size(1);
+  const int64_t blocks = q.size(0), steps = q.size(1);
   at::Tensor w = at::empty({blocks, steps * pairs_step_inputs(bits) / 2, 16, 2}, q.options().dtype(at::kBFloat16));
 #if defined(__AVX512BF16__)
-  const uint8_t* qp = q.const_data_ptr<uint8_t>();
-  at::BFloat16* wp = w.mutable_data_ptr<at::BFloat16>();
-  const auto run = [&]<typename S>() {
-    const S* sp = scales.const_data_ptr<S>();
-    const S* zp = zeros.numel() ? zeros.const_data_ptr<S>() : nullptr;
-    const int mode = zp == nullptr ? 0 : zero_points ? 2 : 1;
-    const auto blocks_of = [&]<int BITS>() {
-      if (mode == 0)
-        pairs_dequantize_blocks<BITS, 0, S>(qp, sp, zp, blocks, steps, groups, group, wp);
-      else if (mode == 1)
-        pairs_dequantize_blocks<BITS, 1, S>(qp, sp, zp, blocks, steps, groups, group, wp);
-      else
-        pairs_dequantize_blocks<BITS, 2, S>(qp, sp, zp, blocks, steps, groups, group, wp);
-    };
-    if (bits == 4)
-      blocks_of.template operator()<4>();
-    else
-      blocks_of.template operator()<8>();
-  };
-  if (scales.scalar_type() == at::kHalf)
-    run.template operator()<at::Half>();
-  else
-    run.template operator()<float>();
+  pairs_types(bits, scales, [&]<int BITS, typename S>() {
+    pairs_dequantize_range<BITS, S>(q, scales, zeros, group, zero_points, 0, blocks, w.mutable_data_ptr<at::BFloat16>());
+  });
 #else
   TORCH_CHECK(false, "pairs_dequantize: this build has no AVX512-BF16 (pairs_available() is false)");
 #endif
