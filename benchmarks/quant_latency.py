@@ -48,10 +48,8 @@ CHECKPOINTS = ("ct-w8a16", "ct-w8a8", "ct-w4a16", "ct-nvfp4a16", "ct-mxfp4a16", 
 KV_CACHE_BYTES = 256 << 20  # each open engine's KV budget: the workload needs 384 tokens
 
 
-def llama_cpp_run(python: str, args: argparse.Namespace) -> Timing:
+def llama_cpp_run(python: str, args: argparse.Namespace, prompt: list[int]) -> Timing:
     """One timed run of the GGUF through llama.cpp (after its warm-up), in its own process."""
-    args.model = None
-    [prompt] = model_workload_prompts(_offline_args(args))
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec.write_text(json.dumps({"gguf": str(embedded_default_gguf()), "prompt": prompt,
@@ -96,13 +94,19 @@ def main() -> None:
         print(f"{name:>15}: opened in {opened[name].startup_s:.1f} s, kernels: {kernels_of(opened[name].llm)}",
               flush=True)
     others = [name for name in opened if name != base] + (["llama.cpp"] if args.llama_cpp_python else [])
+    if args.llama_cpp_python:  # the embedded GGUF's tokens of the workload's prompt, for llama.cpp
+        args.model = None
+        [peer_prompt] = model_workload_prompts(_offline_args(args))
     runs: dict[str, list[Timing]] = {name: [] for name in [base, *others]}
     around: dict[str, list[float]] = {name: [] for name in others}  # the base's TPOT just before and after
     for r in range(args.rounds):
         before = opened[base].run()
         runs[base].append(before)
         for name in others[r % len(others):] + others[: r % len(others)]:
-            timing = llama_cpp_run(args.llama_cpp_python, args) if name == "llama.cpp" else opened[name].run()
+            if name == "llama.cpp":
+                timing = llama_cpp_run(args.llama_cpp_python, args, peer_prompt)
+            else:
+                timing = opened[name].run()
             after = opened[base].run()
             runs[name].append(timing)
             runs[base].append(after)
