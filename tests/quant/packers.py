@@ -148,12 +148,17 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def write_quantized_llama(
     path: Path, quant: dict[str, Any], quantize: Callable[[torch.Tensor, torch.Generator], Quantized],
+    *, modules: tuple[str, ...] = PROJECTIONS,
+    by_module: Callable[[str], Callable[[torch.Tensor, torch.Generator], Quantized] | None] | None = None,
     **config: object,
 ) -> torch.nn.Module:
     """A tiny random Llama (hidden 64, intermediate 112, 4 heads and 2 kv heads of
-    24) whose projections ``quantize`` packs into ``path`` as a quantizing tool
-    saves a checkpoint: one safetensors file, ``quantization_config`` in
-    config.json. Returns transformers' model holding the weights the checkpoint means."""
+    24, vocabulary 96, head untied) whose linear ``modules`` (the decoder's
+    projections; add ``"lm_head"`` for a quantized head) ``quantize`` packs into
+    ``path`` as a quantizing tool saves a checkpoint: one safetensors file,
+    ``quantization_config`` in config.json; ``by_module`` instead gives each linear
+    module's own function from its name (``None``: kept float). Returns transformers'
+    model holding the weights the checkpoint means."""
     hf_model = save_tiny_llama(path, **config)  # config: LlamaConfig fields other than the tiny ones
     for old in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)
@@ -162,10 +167,17 @@ def write_quantized_llama(
     with torch.no_grad():
         for name, param in hf_model.state_dict().items():
             module = name.rpartition(".")[0]
-            if module.rpartition(".")[2] not in PROJECTIONS:
+            if name == "lm_head.weight" and hf_model.config.tie_word_embeddings:
+                continue  # the embedding's tensor: a tied checkpoint holds it once
+            leaf = module.rpartition(".")[2]
+            if by_module is not None:
+                how = by_module(module) if leaf in (*PROJECTIONS, "lm_head") else None
+            else:
+                how = quantize if leaf in modules else None
+            if how is None:
                 tensors[name] = param.contiguous()
                 continue
-            packed = quantize(param, generator)
+            packed = how(param, generator)
             tensors |= {f"{module}.{key}": value for key, value in packed.tensors.items()}
             param.copy_(packed.weight())  # exact in float32
     save_file(tensors, str(path / "model.safetensors"))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from vframe import LLM
-from vframe.errors import ConfigError
+from vframe.errors import ConfigError, ModelLoadError
+from vframe.models.loader.load import weight_bytes
 from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from vframe.plugins import get_registry
 from vframe.quant.compressed_tensors import CompressedTensorsConfig, Fp4Method, NaiveMethod, PackedMethod
@@ -19,7 +20,7 @@ from fp8_blocks import fp8_block_quantize
 from defaults import BF16_INT4
 from packers import (
     cast_to_fp4, ct_fp8_quantize, ct_int_quantize, ct_mxfp4_quantize, ct_nvfp4_quantize, pack_fp4_to_uint8,
-    pack_to_int32, write_quantized_llama,
+    PROJECTIONS, pack_to_int32, write_quantized_llama,
 )
 
 
@@ -299,6 +300,13 @@ def test_layers_map_to_schemes_by_targets_and_ignore() -> None:
     assert bits("model.layers.0.mlp.gate_up_proj") == 4
     assert bits("model.layers.0.mlp.down_proj") is None
     assert bits("lm_head") is None
+    assert not config.quantizes_lm_head()
+    # without lm_head in ignore the class "Linear" takes it, as llm-compressor quantizes an nn.Linear head
+    unignored = quant_config("pack-quantized", weights(4), ignore=[])
+    assert CompressedTensorsConfig.from_config(unignored).quantizes_lm_head()
+    named = quant_config("pack-quantized", weights(4), targets=["re:.*mlp\\..*", "lm_head"], ignore=[])
+    assert CompressedTensorsConfig.from_config(named).quantizes_lm_head()
+    assert not CompressedTensorsConfig.from_config({**named, "ignore": ["re:.*head$"]}).quantizes_lm_head()
 
 
 def test_fused_shards_in_groups_alike_share_a_scheme() -> None:
@@ -382,3 +390,45 @@ def test_an_fp4_llama_generates_what_transformers_does_with_the_dequantized_weig
 
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
     assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
+
+
+def test_a_llama_whose_head_is_quantized_too_generates_what_transformers_does(tmp_path: Path) -> None:
+    """llm-compressor with lm_head not ignored: the head is packed like the projections
+    (an untied head: llm-compressor unties a tied one first) and vframe serves it quantized."""
+    quant = quant_config("pack-quantized", weights(4, "int", "group", 32), ignore=[])
+    hf_model = write_quantized_llama(
+        tmp_path, quant, lambda w, generator: ct_int_quantize(w, bits=4, strategy="group", group_size=32),
+        modules=(*PROJECTIONS, "lm_head"),
+    )
+    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
+    head = llm.llm_engine.model_runner.model.lm_head
+    assert isinstance(head, ReplicatedLinear) and isinstance(head.quant_method, PackedMethod)
+    assert weight_bytes(head) < 96 * 64 * 4 / 4  # 4 bit, its scales and zeros: under a quarter of float32's
+
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
+    assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
+
+
+def test_a_tied_head_stays_the_embedding_s_float_weight(tmp_path: Path) -> None:
+    """A tied model's checkpoint holds no head of its own: targets that would match
+    lm_head leave it tied and unquantized."""
+    quant = quant_config("pack-quantized", weights(4, "int", "group", 32), ignore=[])
+    hf_model = write_quantized_llama(
+        tmp_path, quant, lambda w, generator: ct_int_quantize(w, bits=4, strategy="group", group_size=32),
+        tie_word_embeddings=True,
+    )
+    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
+    model = llm.llm_engine.model_runner.model
+    assert type(model.lm_head.quant_method).__name__ == "UnquantizedLinearMethod"
+    assert_matches_transformers(None, [[1, 2, 3, 4, 5]], hf_model=hf_model, llm=llm, max_tokens=8)
+
+
+def test_a_float_head_that_the_config_says_is_quantized_is_refused_naming_both(tmp_path: Path) -> None:
+    quant = quant_config("pack-quantized", weights(4, "int", "group", 32), ignore=[])
+    write_quantized_llama(
+        tmp_path, quant, lambda w, generator: ct_int_quantize(w, bits=4, strategy="group", group_size=32)
+    )
+    message = (r"checkpoint tensor 'lm_head.weight' has no place in LlamaForCausalLM: its layer 'lm_head' holds "
+               r"weight_packed, weight_scale, weight_shape \(quantization method PackedMethod\)")
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)

@@ -10,12 +10,13 @@ import torch
 
 from vframe import LLM
 from vframe.errors import ConfigError
+from vframe.models.loader.load import weight_bytes
 from vframe.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vframe.plugins import get_registry
 from vframe.quant.gptq import GPTQConfig, GPTQLinearMethod
 from vframe.testing.models import assert_matches_transformers
 from vframe.testing.quant import check_quant_method
-from packers import gptq_quantize, pack_columns, to_int32, write_quantized_llama
+from packers import PROJECTIONS, gptq_quantize, pack_columns, to_int32, write_quantized_llama
 from defaults import BF16_INT4
 
 
@@ -189,8 +190,7 @@ def test_gptq_is_a_builtin_quantizer() -> None:
         ({"bits": 3}, r"quantization_config.bits=3: vframe serves GPTQ with bits 4 or 8"),
         ({"group_size": 0}, r"quantization_config.group_size=0: expected a positive integer or -1"),
         ({"checkpoint_format": "marlin"}, r"checkpoint_format='marlin': vframe reads gptq, gptq_v2"),
-        ({"dynamic": {"-:.*mlp.*": {}}}, r"quantization_config.dynamic .* is not supported yet"),
-        ({"lm_head": True}, r"quantization_config.lm_head=true"),
+        ({"dynamic": [".*mlp.*"]}, r"quantization_config.dynamic=\['.\*mlp.\*'\]: expected an object of regex"),
         ({"pack_dtype": "int16"}, r"quantization_config.pack_dtype='int16': vframe reads GPTQ packed into int32"),
         ({"quant_method": "awq"}, r"quantization='gptq' reads a GPTQ checkpoint; this one is quantized as 'awq'"),
     ],
@@ -227,3 +227,72 @@ def test_a_gptq_llama_generates_what_transformers_does_with_the_dequantized_weig
 
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
     assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
+
+
+def test_lm_head_true_serves_the_head_quantized_like_the_projections(tmp_path: Path) -> None:
+    """GPTQModel / auto-round ``"lm_head": true`` (an untied head): the head's qweight,
+    qzeros, scales and g_idx are loaded and multiplied as a GPTQ layer's."""
+    quant = quant_config(4, 32, desc_act=True, sym=False, lm_head=True)
+    hf_model = write_quantized_llama(
+        tmp_path, quant,
+        lambda w, generator: gptq_quantize(w, bits=4, group_size=32, sym=False, desc_act=True, generator=generator),
+        modules=(*PROJECTIONS, "lm_head"),
+    )
+    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
+    head = llm.llm_engine.model_runner.model.lm_head
+    assert isinstance(head, ReplicatedLinear) and isinstance(head.quant_method, GPTQLinearMethod)
+    assert weight_bytes(head) < 96 * 64 * 4 / 4  # 4 bit, its scales and zeros: under a quarter of float32's
+
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
+    assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
+    assert not GPTQConfig.from_config(quant_config()).quantizes_lm_head()
+
+
+def test_dynamic_rules_set_each_module_s_bits_or_leave_it_float(tmp_path: Path) -> None:
+    """GPTQModel's ``dynamic``: the first matching rule decides; ``-:`` leaves modules
+    float, ``+:`` overrides the settings (here 8 bit in groups of 16 for the MLP's
+    gate / up, its down_proj left float, the head in 8 bit per channel)."""
+    rules = {"-:.*down_proj": {}, "+:.*mlp\\..*": {"bits": 8, "group_size": 16, "damp_percent": 0.05},
+             r"+:lm_head": {"bits": 8, "group_size": -1}}
+    quant = quant_config(4, 32, lm_head=True, dynamic=rules)
+
+    def by_module(name: str):
+        if name.endswith("down_proj"):
+            return None
+        bits, group_size = (8, 16) if ".mlp." in name else (8, -1) if name == "lm_head" else (4, 32)
+        return lambda w, generator: gptq_quantize(w, bits=bits, group_size=group_size, sym=True, desc_act=False,
+                                                  generator=generator)
+
+    hf_model = write_quantized_llama(tmp_path, quant, None, by_module=by_module)
+    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
+    model = llm.llm_engine.model_runner.model
+    layer = model.model.layers[0]
+
+    def settings(linear) -> tuple[int, int] | None:
+        method = linear.quant_method
+        return (method.config.bits, method.config.group_size) if isinstance(method, GPTQLinearMethod) else None
+
+    assert settings(layer.self_attn.qkv_proj) == (4, 32) and settings(layer.self_attn.o_proj) == (4, 32)
+    assert settings(layer.mlp.gate_up_proj) == (8, 16)
+    assert settings(layer.mlp.down_proj) is None
+    assert settings(model.lm_head) == (8, -1)
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
+    assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
+
+
+@pytest.mark.parametrize(
+    ("dynamic", "message"),
+    [
+        ({"+:.*q_proj": {"bits": 8}}, r"qkv_proj: vframe fuses .*q_proj, .*k_proj, .*v_proj into one layer, but "
+                                      r"quantization_config.dynamic gives them different settings"),
+        ({"+:.*": {"bits": 3}}, r"quantization_config.dynamic\['\+:\.\*'\].bits=3: vframe serves GPTQ with bits 4 or 8"),
+        ({"+:.*": {"format": "marlin"}}, r"dynamic\['\+:\.\*'\] sets format: vframe reads bits, group_size"),
+        ({"+:(": {}}, r"dynamic\['\+:\('\]: '\(' is not a regular expression"),
+    ],
+)
+def test_dynamic_rules_vframe_cannot_serve_are_refused_naming_the_rule(dynamic: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        GPTQConfig.from_config(quant_config(dynamic=dynamic)).get_quant_method(
+            QKVParallelLinear(64, 16, 4, 2, prefix="model.layers.0.self_attn.qkv_proj"),
+            "model.layers.0.self_attn.qkv_proj",
+        )

@@ -83,10 +83,13 @@ SCHEMES = {
     "ct-w8a8": "llm-compressor SmoothQuantModifier + GPTQModifier W8A8 (int8 channel weights, dynamic int8 tokens)",
     "ct-w8a16": "llm-compressor GPTQModifier W8A16 (int8, groups of 64)",
     "ct-w4a16": "llm-compressor GPTQModifier W4A16 (int4, groups of 64)",
+    "ct-w4a16-head": "llm-compressor GPTQModifier W4A16 (int4, groups of 64), lm_head not ignored: quantized too",
     "ct-nvfp4a16": "llm-compressor QuantizationModifier NVFP4A16 (float4 weights, e4m3 scales per 16, global scale)",
     "ct-mxfp4a16": "llm-compressor QuantizationModifier MXFP4A16 (float4 weights, e8m0 scales per 32)",
     "autoround-gptq": "auto-round 4 bit symmetric, groups of 64, exported as auto_gptq",
     "autoround-awq": "auto-round 4 bit with zero points, groups of 64, round to nearest (iters=0), as auto_awq",
+    "autoround-gptq-head": "auto-round 4 bit symmetric, groups of 64, round to nearest (iters=0), lm_head "
+                           "quantized (quant_lm_head; the head untied first), as auto_gptq",
 }
 # The presets W4A16 / W8A16 take groups of 128, which llm-compressor refuses for
 # SmolLM2's 576 inputs (columns % group_size must be 0): the same schemes with groups of 64.
@@ -97,10 +100,13 @@ CT_PRESETS = {
     "ct-w8a8": ("gptq", "W8A8"),
     "ct-w8a16": ("gptq", 8),
     "ct-w4a16": ("gptq", 4),
+    "ct-w4a16-head": ("gptq", 4),
     "ct-nvfp4a16": ("quantization", "NVFP4A16"),
     "ct-mxfp4a16": ("quantization", "MXFP4A16"),
 }
-AUTOROUND_FORMATS = {"autoround-gptq": "auto_gptq", "autoround-awq": "auto_awq"}
+AUTOROUND_FORMATS = {"autoround-gptq": "auto_gptq", "autoround-awq": "auto_awq", "autoround-gptq-head": "auto_gptq"}
+# schemes that quantize the LM head too (llm-compressor unties SmolLM2's tied head itself)
+HEAD_QUANTIZED = {"ct-w4a16-head", "autoround-gptq-head"}
 
 
 def _load(dense: Path):
@@ -113,19 +119,31 @@ def _load(dense: Path):
 def _save_reference(model: torch.nn.Module, dense: Path, out: Path,
                     replaced: dict[str, torch.Tensor] | None = None) -> None:
     """The model's float weights (those named in ``replaced`` from there) under the
-    dense checkpoint's names, config and tokenizer."""
+    dense checkpoint's names, config and tokenizer; a head the tool untied (to quantize
+    it) as ``lm_head.weight``, with ``tie_word_embeddings`` false."""
+    _save_reference_state(model.config, model.state_dict() | (replaced or {}), dense, out)
+
+
+def _save_reference_state(config: object, state: dict[str, torch.Tensor], dense: Path, out: Path) -> None:
+    import json
+
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     with safe_open(str(dense / "model.safetensors"), framework="pt") as f:
         names = list(f.keys())
-    state = model.state_dict()
-    weights = {name: (replaced or {}).get(name, state[name]).detach().to(torch.float32).contiguous() for name in names}
+    untied = not config.tie_word_embeddings
+    if untied and "lm_head.weight" not in names:
+        names.append("lm_head.weight")
+    weights = {name: state[name].detach().to(torch.float32).contiguous() for name in names}
     out.mkdir(parents=True)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     for item in dense.iterdir():
         if item.suffix != ".safetensors":
             shutil.copy(item, out / item.name)
+    config = json.loads((out / "config.json").read_text())
+    if untied and config.get("tie_word_embeddings"):
+        (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=2))
 
 
 def make_llm_compressor(scheme: str, dense: Path, out: Path, reference: Path) -> None:
@@ -142,7 +160,8 @@ def make_llm_compressor(scheme: str, dense: Path, out: Path, reference: Path) ->
         how = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
     else:
         how = {"targets": "Linear", "scheme": preset}
-    recipe = [(GPTQModifier if modifier_kind == "gptq" else QuantizationModifier)(ignore=["lm_head"], **how)]
+    ignore = [] if scheme in HEAD_QUANTIZED else ["lm_head"]
+    recipe = [(GPTQModifier if modifier_kind == "gptq" else QuantizationModifier)(ignore=ignore, **how)]
     if preset == "W8A8":
         # llm-compressor's W8A8 recipe: SmoothQuant first moves SmolLM2's activation outliers into the
         # weights; without it per-token int8 rounds most of an outlier token's inputs to 0
@@ -200,19 +219,24 @@ def make_auto_round(scheme: str, dense: Path, out: Path, reference: Path) -> Non
     from auto_round import AutoRound
 
     model, tokenizer = _load(dense)
+    if scheme in HEAD_QUANTIZED:
+        # auto-round quantizes a head only when untied (it resets quant_lm_head otherwise): its own copy
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
     rounder = AutoRound(
         model,
         tokenizer,
         bits=4,
         group_size=64,
-        sym=scheme == "autoround-gptq",  # AWQ as AutoAWQ writes it: with zero points
+        sym=scheme != "autoround-awq",  # AWQ as AutoAWQ writes it: with zero points
         # auto-round drops texts shorter than seqlen: five sentences a text
         dataset=[" ".join(CALIBRATION[i : i + 5]) for i in range(0, len(CALIBRATION), 5)],
         nsamples=len(CALIBRATION) // 5,
         seqlen=MAX_SEQ_LENGTH,
-        # 20 steps of SignRound for GPTQ; AWQ rounds to nearest (iters=0): tuning in float32
-        # takes about 11 s a layer on an idle 2-core machine, several minutes a layer on a busy one
+        # 20 steps of SignRound for GPTQ; AWQ and the GPTQ with its head round to nearest (iters=0):
+        # tuning in float32 takes about 11 s a layer on an idle 2-core machine, minutes on a busy one
         iters=20 if scheme == "autoround-gptq" else 0,
+        quant_lm_head=scheme in HEAD_QUANTIZED,
         batch_size=4,
         device_map="cpu",
         enable_torch_compile=False,
@@ -221,11 +245,39 @@ def make_auto_round(scheme: str, dense: Path, out: Path, reference: Path) -> Non
         amp=False,
     )
     qdq_model, _ = rounder.quantize()
-    _save_reference(qdq_model, dense, reference)
+    qdq_state = {name: tensor.clone() for name, tensor in qdq_model.state_dict().items()}
     rounder.save_quantized(str(out), format=AUTOROUND_FORMATS[scheme], inplace=True)
     for item in dense.iterdir():
         if item.suffix != ".safetensors" and not (out / item.name).exists():
             shutil.copy(item, out / item.name)
+    exported = {}
+    if scheme in HEAD_QUANTIZED:
+        # rounding to nearest (iters=0) and the head (outside the decoder blocks), auto-round
+        # fake-quantizes with float32 scales and exports them rounded to float16 (up to 4.5e-4 of
+        # a layer's largest weight apart, which moved a logprob by 5e-3): what the export means is
+        # its integers times those float16 scales, as GPTQ v1 defines them
+        from safetensors import safe_open
+
+        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+            modules = [name.removesuffix(".qweight") for name in f.keys() if name.endswith(".qweight")]
+        exported = {f"{module}.weight": _gptq_v1_weight(out, module) for module in modules}
+    _save_reference_state(qdq_model.config, qdq_state | exported, dense, reference)
+
+
+def _gptq_v1_weight(checkpoint: Path, module: str) -> torch.Tensor:
+    """``scales[g] * (q - (z + 1))`` of a 4-bit GPTQ v1 layer, ``[out, in]`` float32:
+    eight values an int32 word, lowest bits first, inputs along qweight's rows and
+    outputs along qzeros' columns; v1 stores each zero point minus one."""
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+        qweight, qzeros, scales, g_idx = (f.get_tensor(f"{module}.{name}")
+                                          for name in ("qweight", "qzeros", "scales", "g_idx"))
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    q = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, qweight.shape[1])  # [in, out]
+    zeros = ((qzeros[:, :, None] >> shifts[None, None, :]) & 15).reshape(qzeros.shape[0], -1) + 1  # [groups, out]
+    g = g_idx.long()
+    return (scales.float()[g] * (q - zeros[g]).float()).T.contiguous()
 
 
 def make(scheme: str, dense: Path, out_dir: Path) -> None:

@@ -6,6 +6,9 @@ llm-compressor and auto-round running in their own environment
 (``make quant-tools``: ``.venv-quant``), once, into
 ``$VFRAME_CACHE_DIR/quant-checkpoints/<scheme>`` (see ``make_checkpoints.py``).
 
+Two schemes quantize SmolLM2's LM head too (``*-head``: the tools untie it from the
+float embedding first); the others keep it in the model's dtype.
+
 The reference is transformers (float32) holding the tool's own dequantized
 weights (``<scheme>-reference``); for W8A8 (left out, see ``INT8_ACTIVATIONS``) each linear layer's input is also
 rounded to int8 per token, in plain PyTorch, as vLLM runs these checkpoints
@@ -63,11 +66,15 @@ SCHEMES = {
     "ct-fp8-block": ("compressed-tensors", "BlockFp8Method", 2e-3),
     "ct-w8a16": ("compressed-tensors", "PackedMethod", 2e-3),
     "ct-w4a16": ("compressed-tensors", "PackedMethod", 2e-3),
+    "ct-w4a16-head": ("compressed-tensors", "PackedMethod", 2e-3),
     "ct-nvfp4a16": ("compressed-tensors", "Fp4Method", 2e-3),
     "ct-mxfp4a16": ("compressed-tensors", "Fp4Method", 2e-3),
     "autoround-gptq": ("gptq", "GPTQLinearMethod", 2e-3),
     "autoround-awq": ("awq", "AWQLinearMethod", 2e-3),
+    "autoround-gptq-head": ("gptq", "GPTQLinearMethod", 2e-3),
 }
+# schemes whose LM head is quantized too (untied from the float embedding), in the layer's method
+HEAD_QUANTIZED = {"ct-w4a16-head", "autoround-gptq-head"}
 # ct-w8a8 (make_checkpoints.py makes it, SmoothQuant + GPTQ) is left out: per-token int8
 # activations make SmolLM2 chaotic, so no implementation meets the criteria above; in
 # transformers alone, computing the activation scale as max |x| * (1 / 127) instead of
@@ -204,6 +211,8 @@ def test_vframe_serves_the_tool_s_checkpoint_like_its_dequantized_weights(
     runner = llm.llm_engine.model_runner
     assert runner.quant_config.get_name() == quant_method
     assert type(runner.model.model.layers[0].self_attn.qkv_proj.quant_method).__name__ == method_class
+    head_method = type(runner.model.lm_head.quant_method).__name__
+    assert head_method == (method_class if scheme in HEAD_QUANTIZED else "UnquantizedLinearMethod"), head_method
     tokenizer = llm.get_tokenizer()
     ids = tokenizer(TEXT).input_ids
     prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
@@ -264,8 +273,10 @@ _PAIRS = pairs_available() is None
 BF16_KERNELS = {
     "ct-w8a16": "int8_pairs" if _PAIRS else "woq_cpu",  # 8 bit, groups of 64
     "ct-w4a16": "int4_pairs" if _PAIRS else "int4_cpu",  # 4 bit, groups of 64
+    "ct-w4a16-head": "int4_pairs" if _PAIRS else "int4_cpu",  # and the head
     "autoround-gptq": "int4_pairs" if _PAIRS else "int4_cpu",
     "autoround-awq": "int4_pairs" if _PAIRS else "int4_cpu",
+    "autoround-gptq-head": "int4_pairs" if _PAIRS else "int4_cpu",
     "ct-w8a8": "int8_dynamic",
     "ct-nvfp4a16": "fp4_pairs" if _PAIRS else "fp4_cpu",
     "ct-mxfp4a16": "fp4_pairs" if _PAIRS else "fp4_cpu",
@@ -304,7 +315,7 @@ def test_bfloat16_kernels_keep_the_perplexity_and_the_checkpoint_s_size(scheme: 
         packed = sum(
             f.get_tensor(name).nbytes
             for name in f.keys()
-            if name.startswith("model.layers.") and name.rpartition(".")[2] in PACKED_TENSORS
+            if name.startswith(("model.layers.", "lm_head.")) and name.rpartition(".")[2] in PACKED_TENSORS
             and not name.endswith(("norm.weight",))
         )
     held = sum(weight_bytes(layer) - (layer.bias.nbytes if getattr(layer, "bias", None) is not None else 0)

@@ -31,7 +31,7 @@ from torch import nn
 from vframe.errors import ModelLoadError
 from vframe.layers.linear import ReplicatedLinear
 from vframe.layers.parallel import all_gather, all_reduce, get_tp_rank, get_tp_size
-from vframe.quant.base import EmbeddingMethodBase
+from vframe.quant.base import EmbeddingMethodBase, QuantizationConfig
 
 
 class VocabEmbedding(nn.Module):
@@ -177,6 +177,36 @@ def unquantized_embedding(num_embeddings: int, embedding_dim: int, *, params_dty
     # An explicit, uninitialised weight skips Embedding's random init.
     weight = torch.empty(num_embeddings, embedding_dim, dtype=params_dtype)
     return nn.Embedding(num_embeddings, embedding_dim, _weight=weight)
+
+
+def lm_head(
+    hidden_size: int,
+    vocab_size: int,
+    *,
+    params_dtype: torch.dtype,
+    embedding: nn.Module,
+    tied: bool,
+    quant_config: QuantizationConfig | None,
+) -> nn.Module:
+    """The LM head beside ``embedding``, as the checkpoint stores it:
+
+    * a quantized embedding (``VocabEmbedding``): tied, through its own tensor
+      (``TiedLMHead``); untied, a linear layer of the same format;
+    * an untied head the quantization config quantizes on its own
+      (``QuantizationConfig.quantizes_lm_head``: compressed-tensors or GPTQ
+      checkpoints that quantize ``lm_head``): a linear layer, whole on every rank;
+    * otherwise ``unquantized_lm_head``."""
+    if isinstance(embedding, VocabEmbedding):
+        if tied:
+            return TiedLMHead(embedding)  # one quantized tensor serves both
+        return ReplicatedLinear(
+            hidden_size, vocab_size, bias=False, quant_config=quant_config, prefix="lm_head", params_dtype=params_dtype
+        )
+    if quant_config is not None and not tied and quant_config.quantizes_lm_head():
+        return ReplicatedLinear(
+            hidden_size, vocab_size, bias=False, quant_config=quant_config, prefix="lm_head", params_dtype=params_dtype
+        )
+    return unquantized_lm_head(hidden_size, vocab_size, params_dtype=params_dtype, embedding=embedding, tied=tied)
 
 
 def unquantized_lm_head(

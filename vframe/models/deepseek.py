@@ -34,7 +34,7 @@ from torch import nn
 from vframe.core.interfaces import AttentionBackend
 from vframe.core.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 from vframe.errors import ModelLoadError
-from vframe.layers.embedding import unquantized_embedding, unquantized_lm_head
+from vframe.layers.embedding import lm_head, unquantized_embedding
 from vframe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from vframe.layers.moe import ExpertWeightLoader, FusedMoE
 from vframe.layers.moe_routing import grouped_topk
@@ -343,9 +343,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.dtype = dtype
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = DeepseekModel(hf_config, self._routing(hf_config), attn_backend, dtype, quant_config)
-        self.lm_head = unquantized_lm_head(
+        self.lm_head = lm_head(
             hf_config.hidden_size, hf_config.vocab_size, params_dtype=dtype,
-            embedding=self.model.embed_tokens, tied=self.tie_word_embeddings,
+            embedding=self.model.embed_tokens, tied=self.tie_word_embeddings, quant_config=quant_config,
         )
         self.rotary_emb = self._rotary_embedding(hf_config)
 

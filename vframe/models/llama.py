@@ -20,8 +20,8 @@ from vframe.core.interfaces import AttentionBackend
 from vframe.core.kv_cache_spec import KVCacheSpec, full_attention_specs
 from vframe.errors import ConfigError
 from vframe.layers import cpu_ops
-from vframe.layers.embedding import TiedLMHead, VocabEmbedding, unquantized_embedding, unquantized_lm_head
-from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from vframe.layers.embedding import VocabEmbedding, lm_head, unquantized_embedding
+from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vframe.layers.parallel import get_tp_size
 from vframe.layers.rotary import rope_frequencies
 from vframe.models.loader.weights import load_named_weights
@@ -426,20 +426,10 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(
             hf_config, attn_backend, dtype, quant_config, attention_cls=self.attention_cls, mlp_cls=self.mlp_cls
         )
-        if not isinstance(self.model.embed_tokens, VocabEmbedding):
-            # The head stays unquantized, as checkpoints of the usual formats keep it.
-            self.lm_head = unquantized_lm_head(
-                hf_config.hidden_size, hf_config.vocab_size, params_dtype=dtype,
-                embedding=self.model.embed_tokens, tied=self.tie_word_embeddings,
-            )
-        elif self.tie_word_embeddings:
-            self.lm_head = TiedLMHead(self.model.embed_tokens)  # one quantized tensor serves both
-        else:
-            # A format that quantizes the embedding (GGUF) quantizes the head too.
-            self.lm_head = ReplicatedLinear(
-                hf_config.hidden_size, hf_config.vocab_size, bias=False, quant_config=quant_config,
-                prefix="lm_head", params_dtype=dtype,
-            )
+        self.lm_head = lm_head(
+            hf_config.hidden_size, hf_config.vocab_size, params_dtype=dtype,
+            embedding=self.model.embed_tokens, tied=self.tie_word_embeddings, quant_config=quant_config,
+        )  # fmt: skip
         self.rotary_emb = RotaryEmbedding(hf_config, get_head_dim(hf_config))
 
     def forward(

@@ -361,6 +361,30 @@ class QuantizationConfig(ABC):
         head stay unquantized."""
         return None
 
+    def quantizes_lm_head(self) -> bool:
+        """Whether the checkpoint holds the LM head quantized beside an unquantized
+        token embedding (compressed-tensors with ``lm_head`` targeted and not
+        ignored, GPTQ's ``lm_head: true``). When ``True`` and the model's config does
+        not tie the head to the embedding, the model builds the head as a linear
+        layer named ``"lm_head"`` and ``get_quant_method(layer, "lm_head")`` gives
+        its method. Default ``False``: the head stays unquantized, as checkpoints of
+        the usual formats keep it (plugin API 1.18)."""
+        return False
+
+
+# vframe's fused linear layers and the checkpoint modules each holds
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checkpoint_modules(prefix: str) -> list[str]:
+    """The checkpoint's module names behind vframe's layer ``prefix``:
+    ``"model.layers.0.self_attn.qkv_proj"`` -> its ``q_proj``, ``k_proj`` and ``v_proj``;
+    an unfused layer is its own name. For formats that set or match per module."""
+    parent, _, leaf = prefix.rpartition(".")
+    if leaf not in FUSED_MODULES:
+        return [prefix]
+    return [f"{parent}.{module}" if parent else module for module in FUSED_MODULES[leaf]]
+
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")

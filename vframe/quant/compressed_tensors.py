@@ -53,7 +53,7 @@ from torch import nn
 
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
-from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight
+from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, checkpoint_modules, register_weight
 from vframe.quant.fp8 import (
     FP8_DTYPE, BlockFp8Method, Fp8KernelMethod, _per_shard_loader, block_structure, over_shard_rows,
 )
@@ -62,8 +62,6 @@ from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
 logger = logging.getLogger(__name__)
 
-# vframe's fused layers and the checkpoint modules they hold (their names in targets / ignore).
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass(frozen=True)
@@ -150,8 +148,7 @@ class CompressedTensorsConfig(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None
-        parent, _, leaf = prefix.rpartition(".")
-        names = [f"{parent}.{m}" if parent else m for m in FUSED[leaf]] if leaf in FUSED else [prefix]
+        names = checkpoint_modules(prefix)  # the names targets and ignore speak of
         found = {name: self._scheme_of(name) for name in names}
         if len(set(found.values())) > 1:
             raise ConfigError(
@@ -168,6 +165,11 @@ class CompressedTensorsConfig(QuantizationConfig):
         if scheme.format == "pack-quantized":
             return PackedMethod(scheme, self.quant_kernel)
         return Int8Method(scheme, self.quant_kernel) if scheme.type == "int" else NaiveMethod(scheme, self.quant_kernel)
+
+    def quantizes_lm_head(self) -> bool:
+        # llm-compressor quantizes the head (an nn.Linear) when a target matches it, the class
+        # "Linear" included, and ignore does not name it; it unties a tied head first
+        return self._scheme_of("lm_head") is not None
 
     def _scheme_of(self, name: str) -> Scheme | None:
         """The scheme of checkpoint module ``name``: ignored first, then the most

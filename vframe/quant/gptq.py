@@ -20,6 +20,11 @@ zeros as they are). AutoGPTQ wrote ``zero - 1`` value by value, the same
 words for every zero point above 0. ``sym`` changes no tensor: a symmetric
 checkpoint stores the zero point ``2**(bits - 1)`` everywhere.
 
+``lm_head: true`` quantizes an untied LM head like the other layers, and GPTQModel's
+``dynamic`` rules set layers apart by name: ``{"-:.*down_proj": {}}`` leaves the
+modules a regex matches float, ``{"+:.*mlp\\..*": {"bits": 8}}`` quantizes them
+with other settings; the first rule whose regex matches decides.
+
 After loading, the weight is an ``IntWeight`` (act order kept as ``g_idx``) and
 runs on a quant kernel (``vframe.quant.kernels``; the checkpoint tensors are
 dropped): on the CPU, torch's int4 kernel (bfloat16) or vframe's weight-only
@@ -29,6 +34,7 @@ kernel (4 and 8 bit, act order by sorting the inputs), else the reference.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -36,7 +42,7 @@ from torch import nn
 
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
-from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight
+from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, checkpoint_modules, register_weight
 from vframe.quant.kernels import IntWeight
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
@@ -50,17 +56,30 @@ class GPTQConfig(QuantizationConfig):
     # lie on another rank, hence twice that. 8 bit stays far below.
     weight_tolerance = 2 / 15
 
-    def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool, checkpoint_format: str) -> None:
+    def __init__(
+        self,
+        bits: int,
+        group_size: int,
+        desc_act: bool,
+        sym: bool,
+        checkpoint_format: str,
+        lm_head: bool = False,
+        dynamic: list[tuple[bool, str, dict[str, Any]]] | None = None,
+    ) -> None:
         self.bits = bits
         self.group_size = group_size
         self.desc_act = desc_act
         self.sym = sym
         self.checkpoint_format = checkpoint_format
+        self.lm_head = lm_head
+        # GPTQModel's per-module rules, in order: (quantized, regex, settings); the first match decides
+        self.dynamic = dynamic or []
 
     def __repr__(self) -> str:
         return (
             f"GPTQConfig(bits={self.bits}, group_size={self.group_size}, desc_act={self.desc_act}, "
-            f"sym={self.sym}, checkpoint_format={self.checkpoint_format!r})"
+            f"sym={self.sym}, checkpoint_format={self.checkpoint_format!r}, lm_head={self.lm_head}"
+            + (f", dynamic={self.dynamic}" if self.dynamic else "") + ")"
         )
 
     @classmethod
@@ -83,14 +102,7 @@ class GPTQConfig(QuantizationConfig):
             raise ConfigError(
                 f"quantization='gptq' reads a GPTQ checkpoint; this one is quantized as {q.get('quant_method')!r}"
             )
-        bits = q.get("bits")
-        if bits not in (4, 8):
-            raise ConfigError(f"quantization_config.bits={bits!r}: vframe serves GPTQ with bits 4 or 8")
-        group_size = q.get("group_size", -1)
-        if not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
-            raise ConfigError(
-                f"quantization_config.group_size={group_size!r}: expected a positive integer or -1 (one group)"
-            )
+        bits, group_size = _bits(q.get("bits"), "bits"), _group_size(q.get("group_size", -1), "group_size")
         checkpoint_format = q.get("checkpoint_format") or "gptq"
         if checkpoint_format not in _FORMATS:
             raise ConfigError(
@@ -101,17 +113,104 @@ class GPTQConfig(QuantizationConfig):
             raise ConfigError(
                 f"quantization_config.pack_dtype={q['pack_dtype']!r}: vframe reads GPTQ packed into int32 words"
             )
-        if q.get("dynamic"):
-            raise ConfigError(
-                "quantization_config.dynamic (per-module GPTQ settings) is not supported yet; "
-                "use a checkpoint quantized with one setting for every layer"
-            )
-        if q.get("lm_head"):
-            raise ConfigError("quantization_config.lm_head=true: vframe keeps the LM head unquantized")
-        return cls(bits, group_size, bool(q.get("desc_act", False)), bool(q.get("sym", True)), checkpoint_format)
+        return cls(
+            bits, group_size, bool(q.get("desc_act", False)), bool(q.get("sym", True)), checkpoint_format,
+            lm_head=bool(q.get("lm_head", False)), dynamic=_dynamic_rules(q.get("dynamic") or {}),
+        )
+
+    def quantizes_lm_head(self) -> bool:
+        # GPTQModel's and auto-round's "lm_head": true (on an untied head), unless a rule excludes it
+        return self.lm_head and self._settings_of("lm_head") is not None
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
-        return GPTQLinearMethod(self) if isinstance(layer, LinearBase) else None
+        if not isinstance(layer, LinearBase):
+            return None
+        names = checkpoint_modules(prefix)
+        found = {name: self._settings_of(name) for name in names}
+        if len(set(found.values())) > 1:
+            raise ConfigError(
+                f"{prefix}: vframe fuses {', '.join(names)} into one layer, but quantization_config.dynamic "
+                f"gives them different settings ({found}); the fused modules must be quantized alike"
+            )
+        settings = found[names[0]]
+        if settings is None:
+            return None
+        if settings == self._settings():
+            return GPTQLinearMethod(self)
+        bits, group_size, desc_act, sym = settings
+        config = GPTQConfig(bits, group_size, desc_act, sym, self.checkpoint_format)
+        config.quant_kernel = self.quant_kernel
+        return GPTQLinearMethod(config)
+
+    def _settings(self) -> tuple[int, int, bool, bool]:
+        return self.bits, self.group_size, self.desc_act, self.sym
+
+    def _settings_of(self, name: str) -> tuple[int, int, bool, bool] | None:
+        """(bits, group_size, desc_act, sym) of checkpoint module ``name``; ``None``:
+        a ``-:`` rule left it unquantized."""
+        for quantized, pattern, overrides in self.dynamic:
+            if re.match(pattern, name):
+                if not quantized:
+                    return None
+                bits, group_size, desc_act, sym = self._settings()
+                return (
+                    overrides.get("bits", bits), overrides.get("group_size", group_size),
+                    overrides.get("desc_act", desc_act), overrides.get("sym", sym),
+                )  # fmt: skip
+        return self._settings()
+
+
+# What a dynamic rule may set that changes the stored layout, and what only steered the
+# quantization (GPTQModel's QuantizeConfig fields; nothing to read back).
+_DYNAMIC_LAYOUT = ("bits", "group_size", "desc_act", "sym")
+_DYNAMIC_QUANTIZE_ONLY = ("damp_percent", "damp_auto_increment", "static_groups", "true_sequential", "mse", "v2",
+                          "v2_alpha", "act_group_aware", "adapter", "hessian")
+
+
+def _bits(value: object, where: str) -> int:
+    if value not in (4, 8):
+        raise ConfigError(f"quantization_config.{where}={value!r}: vframe serves GPTQ with bits 4 or 8")
+    return value  # type: ignore[return-value]
+
+
+def _group_size(value: object, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or (value <= 0 and value != -1):
+        raise ConfigError(f"quantization_config.{where}={value!r}: expected a positive integer or -1 (one group)")
+    return value
+
+
+def _dynamic_rules(dynamic: object) -> list[tuple[bool, str, dict[str, Any]]]:
+    """GPTQModel's ``dynamic``: ``{"-:regex": {}}`` leaves the modules it matches
+    unquantized, ``{"+:regex": {...}}`` (or a bare regex) quantizes them with these
+    settings over the config's; the first rule whose regex matches a module's full name
+    (``re.match``) decides."""
+    if not isinstance(dynamic, dict):
+        raise ConfigError(f"quantization_config.dynamic={dynamic!r}: expected an object of regex -> settings")
+    rules = []
+    for key, overrides in dynamic.items():
+        where = f"dynamic[{key!r}]"
+        quantized = not key.startswith("-:")
+        pattern = key.removeprefix("-:").removeprefix("+:")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(f"quantization_config.{where}: {pattern!r} is not a regular expression ({e})") from None
+        if not isinstance(overrides, dict):
+            raise ConfigError(f"quantization_config.{where}={overrides!r}: expected an object of settings")
+        unknown = sorted(set(overrides) - {*_DYNAMIC_LAYOUT, *_DYNAMIC_QUANTIZE_ONLY})
+        if unknown:
+            raise ConfigError(
+                f"quantization_config.{where} sets {', '.join(unknown)}: vframe reads {', '.join(_DYNAMIC_LAYOUT)} "
+                "per module"
+            )
+        settings = {key: value for key, value in overrides.items() if key in _DYNAMIC_LAYOUT}
+        if "bits" in settings:
+            _bits(settings["bits"], f"{where}.bits")
+        if "group_size" in settings:
+            _group_size(settings["group_size"], f"{where}.group_size")
+        settings |= {flag: bool(settings[flag]) for flag in ("desc_act", "sym") if flag in settings}
+        rules.append((quantized, pattern, settings))
+    return rules
 
 
 class GPTQLinearMethod(IntKernelMethod):

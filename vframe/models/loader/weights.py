@@ -50,7 +50,9 @@ def load_named_weights(
                     "yet (its FP8 KV cache uses scale 1.0: docs/quantization.md, 'FP8 KV cache'); use a checkpoint "
                     "without KV-cache scales"
                 )
-            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r} has no place in {type(model).__name__}{_why(model, target)}"
+            )
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
             if shard_id is None:
@@ -86,6 +88,21 @@ def process_weights_after_loading(model: nn.Module) -> None:
             method.process_weights_after_loading(module)
         elif not plain and callable(getattr(module, "process_weights_after_loading", None)):
             module.process_weights_after_loading()  # a layer that packs its own weights (FusedMoE)
+
+
+def _why(model: nn.Module, target: str) -> str:
+    """What the module ``target`` names holds instead, when it exists: a quantized
+    layer given a float weight (or the reverse) is a checkpoint whose tensors and
+    ``quantization_config`` disagree."""
+    module_name, _, _ = target.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return ""
+    held = ", ".join(name for name, _ in module.named_parameters(recurse=False)) or "no tensors"
+    method = getattr(module, "quant_method", None)
+    how = f" (quantization method {type(method).__name__})" if method is not None else ""
+    return f": its layer {module_name!r} holds {held}{how}"
 
 
 def _target(name: str, stacked_params: StackedParams) -> tuple[str, str | int | None]:
