@@ -82,6 +82,7 @@ SCHEMES = {
     "ct-fp8-block": "llm-compressor QuantizationModifier FP8_BLOCK (128x128 blocks)",
     "ct-w8a8": "llm-compressor SmoothQuantModifier + GPTQModifier W8A8 (int8 channel weights, dynamic int8 tokens)",
     "ct-w8a16": "llm-compressor GPTQModifier W8A16 (int8, groups of 64)",
+    "ct-w8a16-head": "llm-compressor GPTQModifier W8A16 (int8, groups of 64), lm_head not ignored: quantized too",
     "ct-w4a16": "llm-compressor GPTQModifier W4A16 (int4, groups of 64)",
     "ct-w4a16-head": "llm-compressor GPTQModifier W4A16 (int4, groups of 64), lm_head not ignored: quantized too",
     "ct-nvfp4a16": "llm-compressor QuantizationModifier NVFP4A16 (float4 weights, e4m3 scales per 16, global scale)",
@@ -99,6 +100,7 @@ CT_PRESETS = {
     "ct-fp8-block": ("quantization", "FP8_BLOCK"),
     "ct-w8a8": ("gptq", "W8A8"),
     "ct-w8a16": ("gptq", 8),
+    "ct-w8a16-head": ("gptq", 8),
     "ct-w4a16": ("gptq", 4),
     "ct-w4a16-head": ("gptq", 4),
     "ct-nvfp4a16": ("quantization", "NVFP4A16"),
@@ -106,7 +108,7 @@ CT_PRESETS = {
 }
 AUTOROUND_FORMATS = {"autoround-gptq": "auto_gptq", "autoround-awq": "auto_awq", "autoround-gptq-head": "auto_gptq"}
 # schemes that quantize the LM head too (llm-compressor unties SmolLM2's tied head itself)
-HEAD_QUANTIZED = {"ct-w4a16-head", "autoround-gptq-head"}
+HEAD_QUANTIZED = {"ct-w8a16-head", "ct-w4a16-head", "autoround-gptq-head"}
 
 
 def _load(dense: Path):

@@ -65,6 +65,7 @@ SCHEMES = {
     "ct-fp8-dynamic": ("compressed-tensors", "NaiveMethod", 2e-3),
     "ct-fp8-block": ("compressed-tensors", "BlockFp8Method", 2e-3),
     "ct-w8a16": ("compressed-tensors", "PackedMethod", 2e-3),
+    "ct-w8a16-head": ("compressed-tensors", "PackedMethod", 2e-3),
     "ct-w4a16": ("compressed-tensors", "PackedMethod", 2e-3),
     "ct-w4a16-head": ("compressed-tensors", "PackedMethod", 2e-3),
     "ct-nvfp4a16": ("compressed-tensors", "Fp4Method", 2e-3),
@@ -74,7 +75,7 @@ SCHEMES = {
     "autoround-gptq-head": ("gptq", "GPTQLinearMethod", 2e-3),
 }
 # schemes whose LM head is quantized too (untied from the float embedding), in the layer's method
-HEAD_QUANTIZED = {"ct-w4a16-head", "autoround-gptq-head"}
+HEAD_QUANTIZED = {"ct-w8a16-head", "ct-w4a16-head", "autoround-gptq-head"}
 # ct-w8a8 (make_checkpoints.py makes it, SmoothQuant + GPTQ) is left out: per-token int8
 # activations make SmolLM2 chaotic, so no implementation meets the criteria above; in
 # transformers alone, computing the activation scale as max |x| * (1 / 127) instead of
@@ -272,6 +273,7 @@ def test_native_block_fp8_layout_serves_the_same_blocks(checkpoints: Path, tmp_p
 _PAIRS = pairs_available() is None
 BF16_KERNELS = {
     "ct-w8a16": "int8_pairs" if _PAIRS else "woq_cpu",  # 8 bit, groups of 64
+    "ct-w8a16-head": "int8_pairs" if _PAIRS else "woq_cpu",  # and the head
     "ct-w4a16": "int4_pairs" if _PAIRS else "int4_cpu",  # 4 bit, groups of 64
     "ct-w4a16-head": "int4_pairs" if _PAIRS else "int4_cpu",  # and the head
     "autoround-gptq": "int4_pairs" if _PAIRS else "int4_cpu",
