@@ -164,7 +164,7 @@ class GPTQConfig(QuantizationConfig):
 # quantization (GPTQModel's QuantizeConfig fields; nothing to read back).
 _DYNAMIC_LAYOUT = ("bits", "group_size", "desc_act", "sym")
 _DYNAMIC_QUANTIZE_ONLY = ("damp_percent", "damp_auto_increment", "static_groups", "true_sequential", "mse", "v2",
-                          "v2_alpha", "act_group_aware", "adapter", "hessian")
+                          "v2_alpha", "act_group_aware")
 
 
 def _bits(value: object, where: str) -> int:
@@ -203,7 +203,7 @@ def _dynamic_rules(dynamic: object) -> list[tuple[bool, str, dict[str, Any]]]:
                 f"quantization_config.{where} sets {', '.join(unknown)}: vframe reads {', '.join(_DYNAMIC_LAYOUT)} "
                 "per module"
             )
-        settings = {key: value for key, value in overrides.items() if key in _DYNAMIC_LAYOUT}
+        settings = {field: value for field, value in overrides.items() if field in _DYNAMIC_LAYOUT}
         if "bits" in settings:
             _bits(settings["bits"], f"{where}.bits")
         if "group_size" in settings:
