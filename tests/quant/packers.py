@@ -186,6 +186,29 @@ def write_quantized_llama(
     return hf_model
 
 
+def generates_like_transformers(path: Path, hf_model: torch.nn.Module) -> Any:
+    """vframe (float32) serving ``write_quantized_llama``'s checkpoint at ``path``
+    generates transformers' greedy tokens for three prompts; returns the ``LLM``."""
+    from vframe import LLM
+    from vframe.testing.models import assert_matches_transformers
+
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
+    assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
+    return llm
+
+
+def assert_head_quantized(llm: Any, method_class: type) -> None:
+    """The tiny Llama's LM head is a linear layer of ``method_class`` holding 4-bit codes
+    (with their scales and zeros: under a quarter of its float32 bytes)."""
+    from vframe.layers.linear import ReplicatedLinear
+    from vframe.models.loader.load import weight_bytes
+
+    head = llm.llm_engine.model_runner.model.lm_head
+    assert isinstance(head, ReplicatedLinear) and isinstance(head.quant_method, method_class), head
+    assert weight_bytes(head) < 96 * 64 * 4 / 4
+
+
 # --------------------------------------------------------------------------- #
 # compressed-tensors (llm-compressor): calculate_qparams, quantize, pack_to_int32
 # --------------------------------------------------------------------------- #

@@ -10,7 +10,6 @@ import torch
 
 from vframe import LLM
 from vframe.errors import ConfigError, ModelLoadError
-from vframe.models.loader.load import weight_bytes
 from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from vframe.plugins import get_registry
 from vframe.quant.compressed_tensors import CompressedTensorsConfig, Fp4Method, NaiveMethod, PackedMethod
@@ -20,7 +19,7 @@ from fp8_blocks import fp8_block_quantize
 from defaults import BF16_INT4
 from packers import (
     cast_to_fp4, ct_fp8_quantize, ct_int_quantize, ct_mxfp4_quantize, ct_nvfp4_quantize, pack_fp4_to_uint8,
-    PROJECTIONS, pack_to_int32, write_quantized_llama,
+    PROJECTIONS, assert_head_quantized, generates_like_transformers, pack_to_int32, write_quantized_llama,
 )
 
 
@@ -400,13 +399,7 @@ def test_a_llama_whose_head_is_quantized_too_generates_what_transformers_does(tm
         tmp_path, quant, lambda w, generator: ct_int_quantize(w, bits=4, strategy="group", group_size=32),
         modules=(*PROJECTIONS, "lm_head"),
     )
-    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
-    head = llm.llm_engine.model_runner.model.lm_head
-    assert isinstance(head, ReplicatedLinear) and isinstance(head.quant_method, PackedMethod)
-    assert weight_bytes(head) < 96 * 64 * 4 / 4  # 4 bit, its scales and zeros: under a quarter of float32's
-
-    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
-    assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
+    assert_head_quantized(generates_like_transformers(tmp_path, hf_model), PackedMethod)
 
 
 def test_a_tied_head_stays_the_embedding_s_float_weight(tmp_path: Path) -> None:
@@ -417,10 +410,8 @@ def test_a_tied_head_stays_the_embedding_s_float_weight(tmp_path: Path) -> None:
         tmp_path, quant, lambda w, generator: ct_int_quantize(w, bits=4, strategy="group", group_size=32),
         tie_word_embeddings=True,
     )
-    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
-    model = llm.llm_engine.model_runner.model
-    assert type(model.lm_head.quant_method).__name__ == "UnquantizedLinearMethod"
-    assert_matches_transformers(None, [[1, 2, 3, 4, 5]], hf_model=hf_model, llm=llm, max_tokens=8)
+    llm = generates_like_transformers(tmp_path, hf_model)
+    assert type(llm.llm_engine.model_runner.model.lm_head.quant_method).__name__ == "UnquantizedLinearMethod"
 
 
 def test_a_float_head_that_the_config_says_is_quantized_is_refused_naming_both(tmp_path: Path) -> None:

@@ -10,13 +10,15 @@ import torch
 
 from vframe import LLM
 from vframe.errors import ConfigError
-from vframe.models.loader.load import weight_bytes
 from vframe.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vframe.plugins import get_registry
 from vframe.quant.gptq import GPTQConfig, GPTQLinearMethod
 from vframe.testing.models import assert_matches_transformers
 from vframe.testing.quant import check_quant_method
-from packers import PROJECTIONS, gptq_quantize, pack_columns, to_int32, write_quantized_llama
+from packers import (
+    PROJECTIONS, assert_head_quantized, generates_like_transformers, gptq_quantize, pack_columns, to_int32,
+    write_quantized_llama,
+)
 from defaults import BF16_INT4
 
 
@@ -238,13 +240,7 @@ def test_lm_head_true_serves_the_head_quantized_like_the_projections(tmp_path: P
         lambda w, generator: gptq_quantize(w, bits=4, group_size=32, sym=False, desc_act=True, generator=generator),
         modules=(*PROJECTIONS, "lm_head"),
     )
-    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
-    head = llm.llm_engine.model_runner.model.lm_head
-    assert isinstance(head, ReplicatedLinear) and isinstance(head.quant_method, GPTQLinearMethod)
-    assert weight_bytes(head) < 96 * 64 * 4 / 4  # 4 bit, its scales and zeros: under a quarter of float32's
-
-    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
-    assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
+    assert_head_quantized(generates_like_transformers(tmp_path, hf_model), GPTQLinearMethod)
     assert not GPTQConfig.from_config(quant_config()).quantizes_lm_head()
 
 
@@ -264,8 +260,7 @@ def test_dynamic_rules_set_each_module_s_bits_or_leave_it_float(tmp_path: Path) 
                                                   generator=generator)
 
     hf_model = write_quantized_llama(tmp_path, quant, None, by_module=by_module)
-    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
-    model = llm.llm_engine.model_runner.model
+    model = generates_like_transformers(tmp_path, hf_model).llm_engine.model_runner.model
     layer = model.model.layers[0]
 
     def settings(linear) -> tuple[int, int] | None:
@@ -276,15 +271,13 @@ def test_dynamic_rules_set_each_module_s_bits_or_leave_it_float(tmp_path: Path) 
     assert settings(layer.mlp.gate_up_proj) == (8, 16)
     assert settings(layer.mlp.down_proj) is None
     assert settings(model.lm_head) == (8, -1)
-    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
-    assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
 
 
 @pytest.mark.parametrize(
     ("dynamic", "message"),
     [
         ({"+:.*q_proj": {"bits": 8}}, r"qkv_proj: vframe fuses .*q_proj, .*k_proj, .*v_proj into one layer, but "
-                                      r"quantization_config.dynamic gives them different settings"),
+                                      r"quantization_config.dynamic quantizes them differently"),
         ({"+:.*": {"bits": 3}}, r"quantization_config.dynamic\['\+:\.\*'\].bits=3: vframe serves GPTQ with bits 4 or 8"),
         ({"+:.*": {"format": "marlin"}}, r"dynamic\['\+:\.\*'\] sets format: vframe reads bits, group_size"),
         ({"+:(": {}}, r"dynamic\['\+:\('\]: '\(' is not a regular expression"),

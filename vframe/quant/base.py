@@ -47,12 +47,13 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vframe.errors import ConfigError
 from vframe.quant import onednn_packed
 from vframe.quant.native_call import NativeCall, native_call, with_native
 
@@ -372,6 +373,8 @@ class QuantizationConfig(ABC):
         return False
 
 
+T = TypeVar("T")
+
 # vframe's fused linear layers and the checkpoint modules each holds
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -384,6 +387,21 @@ def checkpoint_modules(prefix: str) -> list[str]:
     if leaf not in FUSED_MODULES:
         return [prefix]
     return [f"{parent}.{module}" if parent else module for module in FUSED_MODULES[leaf]]
+
+
+def setting_of_layer(prefix: str, setting_of: Callable[[str], T], source: str) -> T:
+    """``setting_of`` each checkpoint module behind vframe's layer ``prefix``
+    (``checkpoint_modules``), which must agree: one layer is quantized one way.
+    Raises ``ConfigError`` naming the modules, what each got and ``source`` (the
+    config field that set them) when they do not."""
+    names = checkpoint_modules(prefix)
+    found = {name: setting_of(name) for name in names}
+    if len(set(found.values())) > 1:
+        raise ConfigError(
+            f"{prefix}: vframe fuses {', '.join(names)} into one layer, but {source} quantizes them differently "
+            f"({found}); the fused modules must be quantized alike"
+        )
+    return found[names[0]]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

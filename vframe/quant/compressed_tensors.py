@@ -53,7 +53,7 @@ from torch import nn
 
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
-from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, checkpoint_modules, register_weight
+from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight, setting_of_layer
 from vframe.quant.fp8 import (
     FP8_DTYPE, BlockFp8Method, Fp8KernelMethod, _per_shard_loader, block_structure, over_shard_rows,
 )
@@ -148,14 +148,7 @@ class CompressedTensorsConfig(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None
-        names = checkpoint_modules(prefix)  # the names targets and ignore speak of
-        found = {name: self._scheme_of(name) for name in names}
-        if len(set(found.values())) > 1:
-            raise ConfigError(
-                f"{prefix}: vframe fuses {', '.join(names)} into one layer, but the checkpoint quantizes them "
-                f"differently ({found}); compressed-tensors targets and ignore must treat them alike"
-            )
-        scheme = found[names[0]]
+        scheme = setting_of_layer(prefix, self._scheme_of, "quantization_config's targets and ignore")
         if scheme is None:
             return None
         if scheme.strategy == "block":

@@ -42,7 +42,7 @@ from torch import nn
 
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
-from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, checkpoint_modules, register_weight
+from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight, setting_of_layer
 from vframe.quant.kernels import IntWeight
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
@@ -125,14 +125,7 @@ class GPTQConfig(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None
-        names = checkpoint_modules(prefix)
-        found = {name: self._settings_of(name) for name in names}
-        if len(set(found.values())) > 1:
-            raise ConfigError(
-                f"{prefix}: vframe fuses {', '.join(names)} into one layer, but quantization_config.dynamic "
-                f"gives them different settings ({found}); the fused modules must be quantized alike"
-            )
-        settings = found[names[0]]
+        settings = setting_of_layer(prefix, self._settings_of, "quantization_config.dynamic")
         if settings is None:
             return None
         if settings == self._settings():
