@@ -109,6 +109,15 @@ def test_awq_is_a_builtin_quantizer_that_skips_listed_modules() -> None:
     config = get_registry("quantizer").load("awq").from_config(skipping)
     assert config.get_quant_method(ReplicatedLinear(64, 64), "visual.blocks.0.attn.qkv") is None
     assert config.get_quant_method(ReplicatedLinear(64, 64), "model.layers.0.mlp.down_proj") is not None
+    # a fused layer asks for its checkpoint modules: all listed, or none
+    shards = quant_config(64, modules_to_not_convert=["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"])
+    config = AWQConfig.from_config(shards)
+    assert config.get_quant_method(ReplicatedLinear(64, 64), "model.layers.0.mlp.gate_up_proj") is None
+    assert config.get_quant_method(ReplicatedLinear(64, 64), "model.layers.1.mlp.gate_up_proj") is not None
+    with pytest.raises(ConfigError, match=r"model.layers.0.self_attn.qkv_proj: vframe fuses .* into one layer, but "
+                                          r"quantization_config.modules_to_not_convert quantizes them differently"):
+        AWQConfig.from_config(quant_config(64, modules_to_not_convert=["layers.0.self_attn.q_proj"])).get_quant_method(
+            ReplicatedLinear(64, 64), "model.layers.0.self_attn.qkv_proj")
 
 
 @pytest.mark.parametrize(

@@ -147,6 +147,22 @@ def test_what_it_cannot_serve_is_refused_naming_the_field(config: dict, message:
         Fp8Config.from_config(config)
 
 
+def test_ignored_layers_name_the_checkpoint_s_modules_behind_a_fused_layer() -> None:
+    """ignored_layers list checkpoint modules (q_proj, k_proj, v_proj): vframe's qkv_proj
+    stays float when all three are listed, and is refused when only some are."""
+    attention = "model.layers.0.self_attn"
+    config = Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": [
+        f"{attention}.q_proj", f"{attention}.k_proj", f"{attention}.v_proj", "lm_head"]})
+    assert config.get_quant_method(ReplicatedLinear(64, 64), f"{attention}.qkv_proj") is None
+    assert config.get_quant_method(ReplicatedLinear(64, 64), f"{attention}.o_proj") is not None
+    assert config.get_quant_method(ReplicatedLinear(64, 64), "model.layers.1.self_attn.qkv_proj") is not None
+    partly = Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                    "ignored_layers": [f"{attention}.q_proj"]})
+    with pytest.raises(ConfigError, match=rf"{attention}.qkv_proj: vframe fuses .* but "
+                                          r"quantization_config.ignored_layers quantizes them differently"):
+        partly.get_quant_method(ReplicatedLinear(64, 64), f"{attention}.qkv_proj")
+
+
 def test_an_fp8_llama_generates_what_transformers_does_with_the_dequantized_weights(tmp_path: Path) -> None:
     hf_model = save_tiny_llama(tmp_path)
     llm = LLM(model=str(tmp_path), quantization="fp8", skip_tokenizer_init=True, dtype="float32", num_threads=2)

@@ -26,7 +26,7 @@ from torch import nn
 
 from vframe.errors import ConfigError
 from vframe.layers.linear import LinearBase
-from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight
+from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight, setting_of_layer
 from vframe.quant.kernels import IntWeight
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
@@ -88,10 +88,13 @@ class AWQConfig(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None
-        # AutoAWQ's own test: a module stays float when any listed name is part of its name.
-        if any(name in prefix for name in self.modules_to_not_convert):
-            return None
-        return AWQLinearMethod(self)
+        # AutoAWQ's own test: a module stays float when any listed name is part of its name
+        # (the checkpoint's modules, q_proj / k_proj / v_proj behind qkv_proj, each asked).
+        skipped = setting_of_layer(
+            prefix, lambda name: any(listed in name for listed in self.modules_to_not_convert),
+            "quantization_config.modules_to_not_convert",
+        )
+        return None if skipped else AWQLinearMethod(self)
 
 
 class AWQLinearMethod(IntKernelMethod):

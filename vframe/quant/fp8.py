@@ -45,7 +45,9 @@ from torch import nn
 
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
-from vframe.quant.base import BoundApply, LinearMethodBase, QuantizationConfig, bound_apply, register_weight
+from vframe.quant.base import (
+    BoundApply, LinearMethodBase, QuantizationConfig, bound_apply, register_weight, setting_of_layer,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -109,7 +111,13 @@ class Fp8Config(QuantizationConfig):
         return cls(True, scheme, list(ignored), block)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
-        if not isinstance(layer, LinearBase) or any(name in prefix for name in self.ignored_layers):
+        if not isinstance(layer, LinearBase):
+            return None
+        ignored = setting_of_layer(  # each checkpoint module behind a fused layer asked
+            prefix, lambda name: any(listed in name for listed in self.ignored_layers),
+            "quantization_config.ignored_layers",
+        )
+        if ignored:
             return None
         if self.weight_block_size is not None:
             return BlockFp8Method(self.weight_block_size, "weight_scale_inv", self.quant_kernel)
