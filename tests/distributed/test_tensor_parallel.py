@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU: worker processes (gloo) give the tokens one
-process gives, for Llama, Mixtral and DeepSeek (MLA), under prefix caching,
+process gives, for Llama (float, and GPTQ with its head quantized), Mixtral and DeepSeek (MLA), under prefix caching,
 chunked prefill and preemption; bad sizes are refused by name; a killed worker
 fails the engine at once and leaves no process behind."""
 
@@ -70,6 +70,22 @@ def test_mixtral_experts_split_over_two_ranks_match_transformers(tmp_path: Path)
     hf_model.save_pretrained(str(tmp_path))
     prompts = prompts_of_lengths(VOCAB, PROMPT_LENGTHS, shared_prefix=4)
     assert_engine_matches_transformers(tmp_path, hf_model, prompts, num_blocks=14, tensor_parallel_size=2).shutdown()
+
+
+def test_a_gptq_llama_with_a_quantized_head_split_over_two_ranks_matches_transformers(tmp_path: Path) -> None:
+    """4-bit layers cut by rank (groups of 16 whole on each), the 4-bit head whole on every rank."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "quant"))
+    from packers import PROJECTIONS, gptq_quantize, write_quantized_llama
+
+    quant = {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False, "sym": True, "lm_head": True}
+    hf_model = write_quantized_llama(
+        tmp_path, quant, lambda w, generator: gptq_quantize(w, bits=4, group_size=16, sym=True, desc_act=False,
+                                                            generator=generator),
+        modules=(*PROJECTIONS, "lm_head"), intermediate_size=128,
+    )
+    prompts = prompts_of_lengths(96, [5, 23, 37, 12], shared_prefix=4)
+    llm = assert_engine_matches_transformers(tmp_path, hf_model, prompts, num_blocks=14, tensor_parallel_size=2)
+    llm.shutdown()
 
 
 def test_deepseek_v3_mla_split_over_two_ranks_matches_transformers(tmp_path: Path) -> None:
