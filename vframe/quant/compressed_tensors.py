@@ -161,7 +161,10 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     def quantizes_lm_head(self) -> bool:
         # llm-compressor quantizes the head (an nn.Linear) when a target matches it, the class
-        # "Linear" included, and ignore does not name it; it unties a tied head first
+        # "Linear" included, and ignore does not name it (it unties a tied head first); and
+        # compressed-tensors writes every layer of a targeted class it left float into ignore,
+        # so a float head is named there. A checkpoint that breaks this is refused at load,
+        # naming the float lm_head.weight and what the layer holds instead.
         return self._scheme_of("lm_head") is not None
 
     def _scheme_of(self, name: str) -> Scheme | None:
