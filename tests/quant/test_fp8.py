@@ -156,6 +156,9 @@ def test_ignored_layers_name_the_checkpoint_s_modules_behind_a_fused_layer() -> 
     assert config.get_quant_method(ReplicatedLinear(64, 64), f"{attention}.qkv_proj") is None
     assert config.get_quant_method(ReplicatedLinear(64, 64), f"{attention}.o_proj") is not None
     assert config.get_quant_method(ReplicatedLinear(64, 64), "model.layers.1.self_attn.qkv_proj") is not None
+    fused = Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                   "ignored_layers": [f"{attention}.qkv_proj"]})  # vframe's (and vLLM's) fused name
+    assert fused.get_quant_method(ReplicatedLinear(64, 64), f"{attention}.qkv_proj") is None
     partly = Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic",
                                     "ignored_layers": [f"{attention}.q_proj"]})
     with pytest.raises(ConfigError, match=rf"{attention}.qkv_proj: vframe fuses .* but "

@@ -89,12 +89,13 @@ class AWQConfig(QuantizationConfig):
         if not isinstance(layer, LinearBase):
             return None
         # AutoAWQ's own test: a module stays float when any listed name is part of its name
-        # (the checkpoint's modules, q_proj / k_proj / v_proj behind qkv_proj, each asked).
-        skipped = setting_of_layer(
-            prefix, lambda name: any(listed in name for listed in self.modules_to_not_convert),
-            "quantization_config.modules_to_not_convert",
-        )
-        return None if skipped else AWQLinearMethod(self)
+        # (vframe's own name, or each checkpoint module behind it: q_proj / k_proj / v_proj)
+        def listed(name: str) -> bool:
+            return any(entry in name for entry in self.modules_to_not_convert)
+
+        if listed(prefix) or setting_of_layer(prefix, listed, "quantization_config.modules_to_not_convert"):
+            return None
+        return AWQLinearMethod(self)
 
 
 class AWQLinearMethod(IntKernelMethod):

@@ -113,11 +113,10 @@ class Fp8Config(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None
-        ignored = setting_of_layer(  # each checkpoint module behind a fused layer asked
-            prefix, lambda name: any(listed in name for listed in self.ignored_layers),
-            "quantization_config.ignored_layers",
-        )
-        if ignored:
+        def listed(name: str) -> bool:  # vframe's own name (a fused qkv_proj too), or each module behind it
+            return any(entry in name for entry in self.ignored_layers)
+
+        if listed(prefix) or setting_of_layer(prefix, listed, "quantization_config.ignored_layers"):
             return None
         if self.weight_block_size is not None:
             return BlockFp8Method(self.weight_block_size, "weight_scale_inv", self.quant_kernel)
