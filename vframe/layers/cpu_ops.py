@@ -30,9 +30,12 @@ from vframe.utils.native import BuildError, NativeLibrary
 
 logger = logging.getLogger(__name__)
 
+CSRC = Path(__file__).with_name("csrc")
+BF16_TILE = CSRC / "bf16_tile.h"  # bf16_gemm's tile, which the quant kernels' library includes too
 LIBRARY = NativeLibrary(
-    "cpu_ops", (Path(__file__).with_name("csrc") / "cpu_ops.cpp",), "vframe_cpu_ops.so",
+    "cpu_ops", (CSRC / "cpu_ops.cpp",), "vframe_cpu_ops.so",
     "fused RMSNorm, rotary and SwiGLU operators and the decode plan", flags=("-ffp-contract=off",),
+    headers=(BF16_TILE,),
 )
 
 

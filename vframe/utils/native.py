@@ -60,13 +60,16 @@ def _cpu_flags() -> str:
 @dataclass(frozen=True)
 class NativeLibrary:
     """One shared library of torch operators: ``name`` (its cache folder), its
-    C++ ``sources``, the file name it builds to and what it holds (for messages)."""
+    C++ ``sources``, the file name it builds to and what it holds (for messages);
+    ``headers`` it includes from vframe (their folders on the include path, their
+    bytes in the build key, as the sources')."""
 
     name: str
     sources: tuple[Path, ...]
     file_name: str
     what: str
     flags: tuple[str, ...] = ()  # compiler flags of this library's own
+    headers: tuple[Path, ...] = ()
 
     def _compile_command(self, cxx: str, output: Path) -> list[str]:
         from torch.utils import cpp_extension
@@ -77,6 +80,7 @@ class NativeLibrary:
             cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
             *self.flags, *os.environ.get(CXXFLAGS_ENV, "").split(),
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{p}" for p in dict.fromkeys(h.parent for h in self.headers)),
             *(f"-I{p}" for p in cpp_extension.include_paths()),
             *(str(s) for s in self.sources),
             *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs),
@@ -85,7 +89,7 @@ class NativeLibrary:
 
     def _build_key(self, cxx: str) -> str:
         h = hashlib.sha256()
-        for source in self.sources:
+        for source in (*self.sources, *self.headers):
             h.update(source.read_bytes())
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
         command = " ".join(self._compile_command(cxx, Path(self.file_name)))

@@ -57,6 +57,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bf16_tile.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -525,20 +527,7 @@ template <int ROWS, int COLS, bool SILU, bool STREAM>
 inline void bf16_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t w_stride, int64_t pairs,
                       at::BFloat16* out, int64_t out_stride, const char* pf, int64_t pf_stride, int64_t pf_n) {
   __m512 acc[ROWS][COLS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < pairs; ++k) {
-    if (k < pf_n) {  // the panel this thread takes next, into L2 (T0, into L1, measured slower)
-      _mm_prefetch(pf + 64 * k, _MM_HINT_T1);
-      _mm_prefetch(pf + pf_stride + 64 * k, _MM_HINT_T1);
-    }
-    __m512bh wv[COLS];
-    for (int c = 0; c < COLS; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * w_stride + k * 16);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + k]));
-      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
-    }
-  }
+  bf16_tile_sums(acc, x, x_stride, w, w_stride, pairs, pf, pf_stride, pf_n);  // the next panel into L2 meanwhile
   if constexpr (SILU) {
     static_assert(COLS == 2, "a gate block and its up block");
     for (int r = 0; r < ROWS; ++r) {
@@ -550,14 +539,7 @@ inline void bf16_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, in
         store16(out + r * out_stride, y);
     }
   } else {
-    for (int r = 0; r < ROWS; ++r)
-      for (int c = 0; c < COLS; ++c) {
-        auto* o = reinterpret_cast<__m256i*>(out + r * out_stride + c * 16);
-        if constexpr (STREAM)
-          _mm256_stream_si256(o, (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
-        else
-          _mm256_storeu_si256(o, (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
-      }
+    store_tile<ROWS, COLS, STREAM>(acc, out, out_stride);
   }
 }
 

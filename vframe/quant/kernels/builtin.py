@@ -187,11 +187,12 @@ class _Permuted(QuantLinearKernel):
 
 
 def woq_library():  # vframe.utils.native.NativeLibrary
+    from vframe.layers.cpu_ops import BF16_TILE
     from vframe.utils.native import NativeLibrary
 
     source = Path(__file__).with_name("csrc") / "woq_gemm.cpp"
     return NativeLibrary("quant_cpu", (source,), "vframe_quant_cpu.so", "woq_cpu quantized matmul operators",
-                         flags=("-ffp-contract=off",))  # dequantization equal to the PyTorch expression
+                         flags=("-ffp-contract=off",), headers=(BF16_TILE,))  # dequantization equal to PyTorch's
 
 
 @functools.cache

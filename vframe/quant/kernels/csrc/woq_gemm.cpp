@@ -18,6 +18,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bf16_tile.h"  // vframe/layers/csrc: bf16_gemm's tile
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -1443,20 +1445,6 @@ inline __m512i e2m1_bf16_table() {
   return _mm512_load_si512(table);
 }
 
-// A tile's float32 sums as bfloat16, ROWS rows x COLS blocks of 16 outputs (what cpu_ops' bf16_gemm stores);
-// STREAM: past the caches (an output of several MB).
-template <int ROWS, int COLS, bool STREAM = false>
-inline void store_tile(const __m512 (&acc)[ROWS][COLS], at::BFloat16* out, int64_t out_stride) {
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) {
-      auto* o = reinterpret_cast<__m256i*>(out + r * out_stride + c * 16);
-      if constexpr (STREAM)
-        _mm256_stream_si256(o, (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
-      else
-        _mm256_storeu_si256(o, (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
-    }
-}
-
 // xe: each row's bfloat16 input pairs (a step takes 4 at 4 bit, 2 at 8); xsum: each row's sum of inputs
 // per group. One or two rows keep two sums per output block (the planes' halves): vdpbf16ps' latency hidden.
 template <int BITS, int ROWS, int COLS, typename S, bool FP4 = false>
@@ -1767,33 +1755,19 @@ void pairs_types(int64_t bits, const at::Tensor& scales, const F& f) {
 #if defined(__AVX512BF16__)
 namespace {
 
-// bf16_gemm's tile (vframe/layers/csrc/cpu_ops.cpp) on a dequantized panel: ROWS rows of x against
-// COLS blocks of 16 outputs held as bfloat16 pairs at w (block c at w + c * pairs * 16 words), the sums
-// over the pairs in order, one vdpbf16ps a pair, rounded to bfloat16 once: bf16_gemm's bits. STREAM:
-// the output written past the caches (a prefill's of 4 MiB or more, as bf16_gemm writes it).
-template <int ROWS, int COLS, bool STREAM>
-inline void panel_tile(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t pairs, at::BFloat16* out,
-                       int64_t out_stride) {
-  __m512 acc[ROWS][COLS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < pairs; ++k) {
-    __m512bh wv[COLS];
-    for (int c = 0; c < COLS; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * pairs * 16 + k * 16);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + k]));
-      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
-    }
-  }
-  store_tile<ROWS, COLS, STREAM>(acc, out, out_stride);
-}
-
+// All rows of x against a dequantized panel of COLS blocks of 16 outputs held as bfloat16 pairs at w
+// (block c at w + c * pairs * 16 words), in tiles of ROWS rows (then fewer), each bf16_gemm's tile
+// (bf16_tile.h): bf16_gemm's bits. STREAM: the output written past the caches (a prefill's of 4 MiB
+// or more, as bf16_gemm writes it).
 template <int COLS, bool STREAM, int ROWS = 8>
 void panel_rows(const uint32_t* x, int64_t x_stride, int64_t rows, const uint32_t* w, int64_t pairs, at::BFloat16* out,
                 int64_t out_stride) {
   if constexpr (ROWS > 0) {
-    for (; rows >= ROWS; rows -= ROWS, x += ROWS * x_stride, out += ROWS * out_stride)
-      panel_tile<ROWS, COLS, STREAM>(x, x_stride, w, pairs, out, out_stride);
+    for (; rows >= ROWS; rows -= ROWS, x += ROWS * x_stride, out += ROWS * out_stride) {
+      __m512 acc[ROWS][COLS];
+      bf16_tile_sums(acc, x, x_stride, w, pairs * 16, pairs);
+      store_tile<ROWS, COLS, STREAM>(acc, out, out_stride);
+    }
     if (rows) panel_rows<COLS, STREAM, ROWS - 1>(x, x_stride, rows, w, pairs, out, out_stride);
   }
 }
