@@ -204,16 +204,17 @@ def test_safetensors_whose_offsets_do_not_hold_the_shape_are_refused(tmp_path: P
 
 
 @pytest.mark.parametrize("leaf", ["k_scale", "v_scale", "kv_scale"])
-def test_a_checkpoint_s_kv_cache_scales_are_refused_by_name(leaf: str) -> None:
+def test_a_kv_cache_scale_needs_an_attention_layer_on_its_path(leaf: str) -> None:
+    """KV-cache scales go to the attention impl of their layer (tests/backends/test_fp8_kv_scales.py);
+    in a model without one on the name's path they have no place."""
     from vframe.models.loader.weights import load_named_weights
 
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ModelLoadError) as info:
         load_named_weights(model, [(f"model.layers.0.self_attn.{leaf}", torch.tensor(0.5))])
     assert str(info.value) == (
-        f"checkpoint tensor 'model.layers.0.self_attn.{leaf}' is a calibrated FP8 KV-cache scale, which vframe "
-        "does not read yet (its FP8 KV cache uses scale 1.0: docs/quantization.md, 'FP8 KV cache'); use a "
-        "checkpoint without KV-cache scales"
+        f"checkpoint tensor 'model.layers.0.self_attn.{leaf}' is a KV-cache scale with no attention layer on its "
+        "path in Linear"
     )
     with pytest.raises(ModelLoadError, match=r"^checkpoint tensor 'lm_head.scale' has no place in Linear$"):
         load_named_weights(model, [("lm_head.scale", torch.tensor(0.5))])

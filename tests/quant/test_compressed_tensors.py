@@ -39,6 +39,12 @@ NVFP4_INPUTS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "gro
 FP8_GROUP = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "symmetric": True,
              "dynamic": True}  # FP8_BLOCK's activations
 
+# what llm-compressor writes for kv_cache_scheme (its FP8 KV cache: static per-tensor scales)
+FP8_KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
+                 "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax",
+                 "observer_kwargs": {}}
+
+
 
 def fp8_block_weights(block: list[int]) -> dict[str, Any]:
     return {**weights(8, "float", "block", None), "block_structure": block}
@@ -342,13 +348,24 @@ def test_fused_shards_quantized_differently_are_refused() -> None:
         (quant_config("nvfp4-pack-quantized", NVFP4_WEIGHTS, INT8_TOKEN),
          r"with FP4 weights vframe reads float4 ones or none"),
         (quant_config("pack-quantized", {**weights(4), "actorder": "group"}), r"actorder='group'"),
-        (quant_config("pack-quantized", weights(4), kv_cache_scheme={"num_bits": 8}), r"kv_cache_scheme"),
+        (quant_config("pack-quantized", weights(4), kv_cache_scheme={**FP8_KV_SCHEME, "type": "int"}),
+         r"kv_cache_scheme .* is not supported: vframe applies static per-tensor float8 scales"),
+        (quant_config("pack-quantized", weights(4), kv_cache_scheme={**FP8_KV_SCHEME, "strategy": "attn_head"}),
+         r"kv_cache_scheme .*'attn_head'.* is not supported"),
+        (quant_config("pack-quantized", weights(4), kv_cache_scheme={**FP8_KV_SCHEME, "dynamic": True}),
+         r"kv_cache_scheme .* is not supported"),
         ({"quant_method": "gptq", "bits": 4}, r"this one is quantized as 'gptq'"),
     ],
 )
 def test_what_it_cannot_serve_is_refused_naming_the_scheme(q: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         CompressedTensorsConfig.from_config(q)
+
+
+def test_a_static_float8_kv_cache_scheme_is_read_as_the_layers_scales() -> None:
+    # the scales themselves arrive as tensors (tests/backends/test_fp8_kv_scales.py)
+    config = CompressedTensorsConfig.from_config(quant_config("pack-quantized", weights(4), kv_cache_scheme=FP8_KV_SCHEME))
+    assert config.get_name() == "compressed-tensors"
 
 
 # --------------------------------------------------------------------------- #

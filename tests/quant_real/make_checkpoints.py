@@ -80,6 +80,8 @@ SCHEMES = {
     "ct-fp8-tensor": "llm-compressor QuantizationModifier FP8 (per-tensor weights, static activations)",
     "ct-fp8-dynamic": "llm-compressor QuantizationModifier FP8_DYNAMIC (per-channel weights)",
     "ct-fp8-block": "llm-compressor QuantizationModifier FP8_BLOCK (128x128 blocks)",
+    "ct-fp8-kv": "llm-compressor QuantizationModifier FP8_DYNAMIC with kv_cache_scheme (static per-tensor FP8 "
+                 "KV-cache scales: k_scale / v_scale per layer)",
     "ct-w8a8": "llm-compressor SmoothQuantModifier + GPTQModifier W8A8 (int8 channel weights, dynamic int8 tokens)",
     "ct-w8a16": "llm-compressor GPTQModifier W8A16 (int8, groups of 64)",
     "ct-w8a16-head": "llm-compressor GPTQModifier W8A16 (int8, groups of 64), lm_head not ignored: quantized too",
@@ -98,6 +100,7 @@ CT_PRESETS = {
     "ct-fp8-tensor": ("quantization", "FP8"),
     "ct-fp8-dynamic": ("quantization", "FP8_DYNAMIC"),
     "ct-fp8-block": ("quantization", "FP8_BLOCK"),
+    "ct-fp8-kv": ("quantization", "FP8_DYNAMIC"),
     "ct-w8a8": ("gptq", "W8A8"),
     "ct-w8a16": ("gptq", 8),
     "ct-w8a16-head": ("gptq", 8),
@@ -107,6 +110,9 @@ CT_PRESETS = {
     "ct-mxfp4a16": ("quantization", "MXFP4A16"),
 }
 AUTOROUND_FORMATS = {"autoround-gptq": "auto_gptq", "autoround-awq": "auto_awq", "autoround-gptq-head": "auto_gptq"}
+# schemes that calibrate the KV cache too: llm-compressor's FP8 KV cache (what vLLM reads as k_scale / v_scale)
+KV_CACHE_SCHEME = {"ct-fp8-kv": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                 "symmetric": True}}
 # schemes that quantize the LM head too (llm-compressor unties SmolLM2's tied head itself)
 HEAD_QUANTIZED = {"ct-w8a16-head", "ct-w4a16-head", "autoround-gptq-head"}
 
@@ -163,6 +169,8 @@ def make_llm_compressor(scheme: str, dense: Path, out: Path, reference: Path) ->
     else:
         how = {"targets": "Linear", "scheme": preset}
     ignore = [] if scheme in HEAD_QUANTIZED else ["lm_head"]
+    if scheme in KV_CACHE_SCHEME:
+        how["kv_cache_scheme"] = KV_CACHE_SCHEME[scheme]
     recipe = [(GPTQModifier if modifier_kind == "gptq" else QuantizationModifier)(ignore=ignore, **how)]
     if preset == "W8A8":
         # llm-compressor's W8A8 recipe: SmoothQuant first moves SmolLM2's activation outliers into the

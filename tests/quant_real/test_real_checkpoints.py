@@ -6,6 +6,10 @@ llm-compressor and auto-round running in their own environment
 (``make quant-tools``: ``.venv-quant``), once, into
 ``$VFRAME_CACHE_DIR/quant-checkpoints/<scheme>`` (see ``make_checkpoints.py``).
 
+``ct-fp8-kv`` adds llm-compressor's calibrated FP8 KV-cache scales: with a float32 cache they go
+unused (the checks below), with ``kv_cache_dtype="fp8"`` they are applied and checked against
+transformers attending the same float8 rounding (``FP8_KV_ATOL``).
+
 Two schemes quantize SmolLM2's LM head too (``*-head``: the tools untie it from the
 float embedding first); the others keep it in the model's dtype.
 
@@ -64,6 +68,7 @@ SCHEMES = {
     "ct-fp8-tensor": ("compressed-tensors", "NaiveMethod", 2e-3),
     "ct-fp8-dynamic": ("compressed-tensors", "NaiveMethod", 2e-3),
     "ct-fp8-block": ("compressed-tensors", "BlockFp8Method", 2e-3),
+    "ct-fp8-kv": ("compressed-tensors", "NaiveMethod", 2e-3),  # its KV-cache scales unused here (float32 cache)
     "ct-w8a16": ("compressed-tensors", "PackedMethod", 2e-3),
     "ct-w8a16-head": ("compressed-tensors", "PackedMethod", 2e-3),
     "ct-w4a16": ("compressed-tensors", "PackedMethod", 2e-3),
@@ -266,6 +271,99 @@ def test_native_block_fp8_layout_serves_the_same_blocks(checkpoints: Path, tmp_p
     reference = reference_results(checkpoints / "ct-fp8-block-reference", ids, prompt_ids, False)
     worst = float((text_logprobs(llm, ids) - torch.tensor(reference["logprobs"])).abs().max())
     assert worst <= SCHEMES["ct-fp8-block"][2], f"a token's logprob differs by {worst:.2e}"
+
+
+# ct-fp8-kv with kv_cache_dtype="fp8": its calibrated KV-cache scales applied. A float8 cache turns
+# last-bit differences into whole float8 steps (a key near a rounding boundary goes either way), which
+# later layers carry: transformers itself, over the same float8 rounding, moves the text's logprobs by
+# up to 0.094 (mean 0.016) between its sdpa and eager attention (2026-11-29). The bounds are that spread.
+FP8_KV_ATOL, FP8_KV_MEAN_ATOL = 0.25, 0.04
+
+
+def fp8_kv_reference_results(checkpoint: Path, reference_dir: Path, text_ids: list[int],
+                             prompt_ids: list[list[int]]) -> dict:
+    """transformers on the reference weights, its attention over keys and values rounded as a
+    float8 cache with the checkpoint's scales holds them: ``fp8(x / scale) * scale`` (float32,
+    saturating at 448); cached beside them as ``reference_results``'."""
+    import transformers
+    from safetensors import safe_open
+    from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+        scales = {name: float(f.get_tensor(name)) for name in f.keys() if name.endswith(("k_scale", "v_scale"))}
+    inputs = [text_ids, prompt_ids, MAX_TOKENS, sorted(scales.items()), transformers.__version__]
+    cached = reference_dir / f"transformers-fp8-kv-{hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]}.json"
+    if cached.exists():
+        return json.loads(cached.read_text())
+
+    def as_cached(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+    def fp8_kv(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        layer = f"model.layers.{module.layer_idx}.self_attn"
+        return sdpa_attention_forward(module, query, as_cached(key, scales[f"{layer}.k_scale"]),
+                                      as_cached(value, scales[f"{layer}.v_scale"]), attention_mask, **kwargs)
+
+    AttentionInterface.register("vframe_fp8_kv", fp8_kv)
+    AttentionMaskInterface.register("vframe_fp8_kv", sdpa_mask)  # padded batches masked as sdpa's
+    model = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32,
+                                                 attn_implementation="vframe_fp8_kv").eval()
+    results = {"logprobs": hf_text_logprobs(model, text_ids).tolist(), "greedy": hf_greedy(model, prompt_ids)}
+    cached.write_text(json.dumps(results))
+    return results
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu_paged"])
+def test_a_calibrated_float8_kv_cache_gives_the_reference_s_answers(backend: str, checkpoints: Path,
+                                                                   tmp_path: Path) -> None:
+    """llm-compressor's kv_cache_scheme: each layer's k_scale / v_scale applied by a float8 cache
+    (kv_cache_dtype="fp8") on both CPU backends (cpu_paged's decode steps in its C++ plan):
+    logprobs within the float8 cache's spread of transformers' over the same rounding, perplexity
+    within 2%, greedy runs identical; the same cache with the scales dropped (scale 1.0) is
+    measurably worse, so the check can tell."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    make_checkpoint("ct-fp8-kv", checkpoints)
+    source = checkpoints / "ct-fp8-kv"
+    llm = LLM(model=str(source), dtype="float32", kv_cache_dtype="fp8", attention_backend=backend, max_model_len=512,
+              num_threads=2)
+    layers = llm.llm_engine.model_runner.model.model.layers
+    assert all(layer.self_attn.attn.k_scale != 1.0 and layer.self_attn.attn.v_scale != 1.0 for layer in layers)
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer(TEXT).input_ids
+    prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
+    reference = fp8_kv_reference_results(source, checkpoints / "ct-fp8-kv-reference", ids, prompt_ids)
+    ours, ref = text_logprobs(llm, ids), torch.tensor(reference["logprobs"])
+    deltas = (ours - ref).abs()
+    assert float(deltas.max()) <= FP8_KV_ATOL and float(deltas.mean()) <= FP8_KV_MEAN_ATOL, deltas
+    ppl, ref_ppl = perplexity(ours), perplexity(ref)
+    assert abs(ppl - ref_ppl) <= PERPLEXITY_RTOL * ref_ppl, f"perplexity {ppl:.3f}, reference {ref_ppl:.3f}"
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+    identical = [list(o.outputs[0].token_ids) == r for o, r in zip(outputs, reference["greedy"], strict=True)]
+    assert sum(identical) >= MIN_IDENTICAL, f"{sum(identical)} of 12 greedy runs identical: {identical}"
+    print(f"ct-fp8-kv on {backend}: max |dlogprob| {float(deltas.max()):.3f}, mean {float(deltas.mean()):.4f}, "
+          f"perplexity {ppl:.4f} (reference {ref_ppl:.4f}), {sum(identical)}/12 greedy runs identical")
+    del llm
+
+    # the scales dropped: each layer's cache at scale 1.0, where values that small (v_scale ~1e-3:
+    # max |v| ~0.5) fall among float8's subnormals and lose their bits (measured: mean 0.076, perplexity 12.53)
+    if backend == "torch":
+        return
+    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys() if not n.endswith(("k_scale", "v_scale"))}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    for item in source.iterdir():
+        if item.suffix != ".safetensors":
+            (tmp_path / item.name).write_bytes(item.read_bytes())
+    plain = LLM(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp8", max_model_len=512, num_threads=2)
+    worse = text_logprobs(plain, ids)
+    assert float((worse - ref).abs().mean()) > 2 * float(deltas.mean()), "the scales made no difference"
+    print(f"  without its scales: mean |dlogprob| {float((worse - ref).abs().mean()):.4f}, "
+          f"perplexity {perplexity(worse):.4f}")
 
 
 # integer schemes -> the quant kernel their decoder layers take in bfloat16 on the CPU: the pairs

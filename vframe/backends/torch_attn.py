@@ -6,7 +6,9 @@ flattened view ``[num_blocks * block_size, KVH, D]`` is indexed by slot.
 
 The cache holds the model's dtype or, with ``kv_cache_dtype="fp8"``
 (``fp8_e4m3``, ``fp8_e5m2``), float8: keys and values are rounded to it when
-written (scale 1.0, saturating) and upcast to the model's dtype when read.
+written (divided by the checkpoint's calibrated ``k_scale`` / ``v_scale`` where it has them,
+else scale 1.0; saturating) and upcast to the model's dtype when read, the scales folded into
+the softmax scale and the output (``TorchAttentionImpl.kv_cache_domain``).
 
 A step mixes prefills and decodes. Every request with one query token (a
 decode) is served by one batched call: its keys and values are gathered through
@@ -190,6 +192,20 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TorchAttentionImpl(AttentionImpl):
+    supports_kv_cache_scales = True  # plugin API 1.19: calibrated k_scale / v_scale, see kv_cache_domain
+
+    def kv_cache_domain(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """Key, value, softmax scale and output factor in the cache's domain: with a float8
+        cache and calibrated scales, key / k_scale and value / v_scale in float32 (rounded once
+        into float8 when stored), attention over the float8 values with k_scale folded into
+        the softmax scale and v_scale into the output (``output * v_scale``); else as they are
+        (factor 1.0)."""
+        if not is_fp8(kv_cache.dtype) or (self.k_scale == 1.0 and self.v_scale == 1.0):
+            return key, value, self.scale, 1.0
+        return key.float() / self.k_scale, value.float() / self.v_scale, self.scale * self.k_scale, self.v_scale
+
     def forward(
         self,
         query: torch.Tensor,  # [T, H, D]
@@ -206,9 +222,10 @@ class TorchAttentionImpl(AttentionImpl):
             meta = TorchAttentionMetadata.from_common(meta.common, self.sliding_window)
 
         output = torch.zeros_like(query)  # padding rows past n stay zero
+        key, value, scale, factor = self.kv_cache_domain(key, value, kv_cache)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         if meta.prefills:
-            attend_prefills(output, query, key, value, *kv_cache_views(kv_cache), meta.prefills, self.scale)
+            attend_prefills(output, query, key, value, *kv_cache_views(kv_cache), meta.prefills, scale)
 
         group = self.num_heads // self.num_kv_heads
         for dec in meta.decode_groups:
@@ -219,9 +236,9 @@ class TorchAttentionImpl(AttentionImpl):
             q = query.index_select(0, dec.token_idx).view(n, self.num_kv_heads, group, self.head_size)
             k = gather_blocks(kv_cache[0], dec, query.dtype).view(kv_shape).transpose(1, 2)  # [n, KVH, L, D]
             v = gather_blocks(kv_cache[1], dec, query.dtype).view(kv_shape).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=dec.mask, scale=self.scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=dec.mask, scale=scale)
             output.index_copy_(0, dec.token_idx, out.reshape(n, self.num_heads, self.head_size))
-        return output
+        return output if factor == 1.0 else output.mul_(factor)
 
 
 def write_kv_cache(
@@ -299,13 +316,14 @@ def attend_prefills(
     prefills: list[PrefillSpan],
     scale: float,
 ) -> None:
-    """One SDPA call per request with more than one query token."""
+    """One SDPA call per request with more than one query token. ``key`` / ``value`` may be
+    float32 (``kv_cache_domain``'s scaled ones): attended as stored, in the query's dtype."""
     # SDPA gets 4-D [batch, heads, len, D] inputs: on CPU only those take the flash kernel.
     for span in prefills:
         q = query[span.query_start : span.query_end].transpose(0, 1)[None]  # [1, H, Q, D]
         if span.slots is None:
-            k = as_cached(key[span.query_start : span.query_end], key_cache.dtype)
-            v = as_cached(value[span.query_start : span.query_end], value_cache.dtype)
+            k = as_cached(key[span.query_start : span.query_end], key_cache.dtype).to(query.dtype)
+            v = as_cached(value[span.query_start : span.query_end], value_cache.dtype).to(query.dtype)
             k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, KVH, Q, D]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:

@@ -118,7 +118,23 @@ class AttentionImpl(ABC):
     moved to its device, and an ``AttentionImpl`` is no ``nn.Module``: a tensor
     made in ``__init__`` stays on the CPU, so allocate device buffers on first
     use in ``forward``.
+
+    Calibrated FP8 KV-cache scales (plugin API 1.19): a checkpoint may carry a
+    per-layer ``k_scale`` and ``v_scale`` (llm-compressor's ``kv_cache_scheme``,
+    ModelOpt's, vLLM's FP8 checkpoints); the loader sets them on the layer's
+    impl as the floats ``k_scale`` / ``v_scale`` (1.0 where it carries none)
+    before the first ``forward``. With a float8 cache a key is stored as
+    ``fp8(key / k_scale)`` (the division in float32, saturating at the format's
+    largest finite value) and read as ``fp8 * k_scale``, values likewise; with
+    a cache in the model's dtype they mean nothing. A backend that applies them
+    says so with ``supports_kv_cache_scales = True``; an engine with
+    ``kv_cache_dtype="fp8..."`` refuses a checkpoint whose scales are not all 1.0
+    on any other (with ``kv_cache_dtype="auto"`` they go unused).
     """
+
+    supports_kv_cache_scales: ClassVar[bool] = False
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def __init__(
         self,
@@ -175,8 +191,15 @@ class MLAAttentionImpl(ABC):
 
     The model builds one per MLA layer as
     ``Impl(num_heads, kv_lora_rank, qk_rope_head_dim, scale)``; like
-    ``AttentionImpl`` it is built on the CPU and is no ``nn.Module``.
+    ``AttentionImpl`` it is built on the CPU and is no ``nn.Module``, and it has
+    the same ``k_scale`` / ``v_scale`` / ``supports_kv_cache_scales`` (plugin API
+    1.19; the built-in MLA impl applies none: a checkpoint with calibrated scales
+    and an fp8 cache is refused).
     """
+
+    supports_kv_cache_scales: ClassVar[bool] = False
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, scale: float) -> None:
         self.num_heads = num_heads

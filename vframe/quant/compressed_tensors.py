@@ -125,9 +125,10 @@ class CompressedTensorsConfig(QuantizationConfig):
                 "quantization='compressed-tensors' reads a compressed-tensors checkpoint; this one is "
                 f"quantized as {q.get('quant_method')!r}"
             )
-        for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        for key in ("sparsity_config", "transform_config"):
             if q.get(key):
                 raise ConfigError(f"quantization_config.{key} is not supported yet; vframe reads weight schemes only")
+        _check_kv_cache_scheme(q.get("kv_cache_scheme"))
         status = q.get("quantization_status", "compressed")
         if status != "compressed":
             raise ConfigError(
@@ -187,6 +188,23 @@ def _matches(name: str, target: str) -> bool:
     if target.startswith("re:"):
         return re.match(target.removeprefix("re:"), name) is not None
     return target == "Linear" or target == name
+
+
+def _check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
+    """``kv_cache_scheme``: llm-compressor's calibrated KV cache. The one vLLM serves, static
+    per-tensor float8 scales (``type: float``, 8 bits, ``strategy: tensor``), arrives as each
+    attention layer's ``k_scale`` / ``v_scale`` tensors, which the loader hands to the layer's
+    attention impl: with ``kv_cache_dtype="fp8"`` its cache applies them, with ``"auto"`` they go
+    unused (docs/quantization.md, "FP8 KV cache"). Any other scheme is refused naming it."""
+    if not scheme:
+        return
+    wanted = {"type": "float", "num_bits": 8, "strategy": "tensor"}
+    found = {k: scheme.get(k) for k in wanted}
+    if found != wanted or scheme.get("dynamic") not in (None, False) or scheme.get("symmetric") is False:
+        raise ConfigError(
+            f"quantization_config.kv_cache_scheme {scheme} is not supported: vframe applies static per-tensor float8 "
+            "scales (type 'float', num_bits 8, strategy 'tensor', dynamic false, symmetric), as vLLM does"
+        )
 
 
 def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Scheme:

@@ -122,6 +122,7 @@ def check_attention_backend(
     device: str | torch.device = "cpu",
     quick: bool = False,
     kv_cache_dtype: str = "auto",
+    kv_cache_scales: tuple[float, float] | None = None,
 ) -> None:
     """Run the attention conformance cases on ``backend`` (a registry name or
     the class); raise ``AssertionError`` naming the case, the dtype and the
@@ -129,7 +130,12 @@ def check_attention_backend(
 
     ``kv_cache_dtype`` (``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``): the cache
     holds float8 and the reference attends the keys and values rounded to it
-    (saturated, scale 1.0), with ``dtype``'s tolerance.
+    (saturated, scale 1.0), with ``dtype``'s tolerance. ``kv_cache_scales``
+    (``(k_scale, v_scale)``, plugin API 1.19, with a float8 cache): every
+    layer's impl gets them as a checkpoint's calibrated scales, the cache must
+    hold ``fp8(key / k_scale)`` and ``fp8(value / v_scale)`` and the reference
+    attends those times the scales; a backend whose impl does not declare
+    ``supports_kv_cache_scales`` fails.
 
     Every head size in ``HEAD_SIZES`` and block size in ``BLOCK_SIZES`` (or,
     when it accepts none of those, ``LARGE_BLOCK_SIZES``) that
@@ -151,7 +157,14 @@ def check_attention_backend(
             f"dtype={dtype}: no stated tolerance; ATTENTION_TOLERANCES has "
             + ", ".join(str(d) for d in ATTENTION_TOLERANCES)
         )
+    if kv_cache_scales is not None and kv_cache_dtype == "auto":
+        raise ValueError("kv_cache_scales apply to a float8 cache: pass kv_cache_dtype='fp8' (or 'fp8_e5m2')")
     cls = _load(backend)
+    if kv_cache_scales is not None and not cls.get_impl_cls().supports_kv_cache_scales:
+        raise AssertionError(
+            f"attention backend {cls.name!r}: its impl {cls.get_impl_cls().__qualname__} does not declare "
+            "supports_kv_cache_scales, so an engine refuses calibrated FP8 KV-cache scales on it"
+        )
     if reasons := cls.check_available():
         raise unittest.SkipTest(f"attention backend {cls.name!r} is not available here: {'; '.join(reasons)}")
     device = torch.device(device)
@@ -168,7 +181,7 @@ def check_attention_backend(
         for head_size, block_size in configs:
             builder = cls.get_metadata_builder_cls()(_engine_config(cls, dtype, device, block_size), device)
             for case in cases:
-                _run_case(cls, builder, case, head_size, block_size, dtype, device, kv_cache_dtype)
+                _run_case(cls, builder, case, head_size, block_size, dtype, device, kv_cache_dtype, kv_cache_scales)
 
 
 def accepted_configurations(
@@ -248,8 +261,10 @@ class _Layer:
     query: list[torch.Tensor]  # per request [L, H, D], every position it will ever run
     key: list[torch.Tensor]  # per request [L, KVH, D]
     value: list[torch.Tensor]
-    cached_key: list[torch.Tensor]  # key as the cache holds it: rounded to its dtype
+    cached_key: list[torch.Tensor]  # key as the cache holds it: rounded to its dtype (float8: key / k_scale)
     cached_value: list[torch.Tensor]
+    k_scale: float = 1.0  # calibrated FP8 KV-cache scales the impl was given
+    v_scale: float = 1.0
 
 
 def _run_case(
@@ -261,9 +276,13 @@ def _run_case(
     dtype: torch.dtype,
     device: torch.device,
     kv_cache_dtype: str = "auto",
+    kv_cache_scales: tuple[float, float] | None = None,
 ) -> None:
+    k_scale, v_scale = kv_cache_scales or (1.0, 1.0)
     label = (
         f"attention backend {cls.name!r}, case {case.name!r} ({dtype}, {_kv_label(kv_cache_dtype)}"
+        + (f"k_scale={k_scale:g}, v_scale={v_scale:g}, " if kv_cache_scales else "")
+        +
         f"head_size={head_size}, "
         f"block_size={block_size}, H={case.num_heads}, KVH={case.num_kv_heads})"
     )
@@ -286,6 +305,8 @@ def _run_case(
         if case.sliding_window is None:
             raise
         return  # the backend says it has no sliding windows: nothing to check here
+    for impl in impls:
+        impl.k_scale, impl.v_scale = k_scale, v_scale
 
     def rand(n: int, heads: int) -> torch.Tensor:  # [n, heads, D] in dtype, on device
         return torch.randn(n, heads, head_size, generator=gen).to(dtype).to(device)
@@ -303,8 +324,10 @@ def _run_case(
                 query=query,
                 key=key,
                 value=value,
-                cached_key=[_rounded(k, cache_dtype) for k in key],
-                cached_value=[_rounded(v, cache_dtype) for v in value],
+                cached_key=[_rounded(k, cache_dtype, k_scale) for k in key],
+                cached_value=[_rounded(v, cache_dtype, v_scale) for v in value],
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         )
 
@@ -384,9 +407,10 @@ def _reference(
     layer: _Layer, r: int, start: int, end: int, scale: float, sliding_window: int | None
 ) -> torch.Tensor:  # [end - start, H, D] float32, on the CPU
     """Positions ``start .. end-1`` of request ``r`` over its keys ``0 .. end-1``."""
-    return reference_attention(
-        layer.query[r][start:end], layer.cached_key[r][:end], layer.cached_value[r][:end], scale, sliding_window
-    )
+    key, value = layer.cached_key[r][:end], layer.cached_value[r][:end]
+    if layer.k_scale != 1.0 or layer.v_scale != 1.0:  # the stored float8 values times the calibrated scales
+        key, value = key.float() * layer.k_scale, value.float() * layer.v_scale
+    return reference_attention(layer.query[r][start:end], key, value, scale, sliding_window)
 
 
 def _kv_label(kv_cache_dtype: str) -> str:
@@ -394,13 +418,13 @@ def _kv_label(kv_cache_dtype: str) -> str:
     return "" if kv_cache_dtype == "auto" else f"kv_cache_dtype={kv_cache_dtype!r}, "
 
 
-def _rounded(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+def _rounded(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """``x`` as a cache of ``cache_dtype`` holds it, in ``cache_dtype``: float8
-    saturates at its largest finite value (vLLM's cache write, scale 1.0)."""
+    ``x / scale`` (in float32) saturated at its largest finite value (vLLM's cache write)."""
     if not is_fp8(cache_dtype):
         return x.to(cache_dtype)
     limit = torch.finfo(cache_dtype).max
-    return x.float().clamp(-limit, limit).to(cache_dtype)
+    return (x.float() / scale).clamp(-limit, limit).to(cache_dtype)
 
 
 def reference_attention(

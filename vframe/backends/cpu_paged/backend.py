@@ -139,6 +139,7 @@ class CpuPagedAttentionImpl(TorchAttentionImpl):
         output = torch.empty_like(query)  # every token's row is written below (a decode or a prefill)
         if meta.num_actual_tokens < output.shape[0]:
             output[meta.num_actual_tokens :] = 0  # padding rows past the step's tokens stay zero
+        key, value, scale, factor = self.kv_cache_domain(key, value, kv_cache)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         views = self._kv_views
         if views is None or views[0] is not kv_cache:
@@ -152,16 +153,16 @@ class CpuPagedAttentionImpl(TorchAttentionImpl):
         prefills = meta.prefills if window else meta.short_prefills
         if prefills[0].numel():
             prefill(
-                output, query, key_cache, value_cache, meta.block_table, meta.seq_lens, *prefills, self.scale, window,
+                output, query, key_cache, value_cache, meta.block_table, meta.seq_lens, *prefills, scale, window,
             )  # fmt: skip
         if meta.long_prefills and not window:
-            attend_prefills(output, query, key, value, *kv_cache_views(kv_cache), meta.long_prefills, self.scale)
+            attend_prefills(output, query, key, value, *kv_cache_views(kv_cache), meta.long_prefills, scale)
         if meta.decode_req_ids.numel():
             decode(
                 output, query, key_cache, value_cache, meta.block_table, meta.seq_lens,
-                meta.decode_req_ids, meta.decode_rows, self.scale, window,
+                meta.decode_req_ids, meta.decode_rows, scale, window,
             )  # fmt: skip
-        return output
+        return output if factor == 1.0 else output.mul_(factor)
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):

@@ -108,7 +108,9 @@ class DecodePlan:
         handle = torch.classes.vframe_cpu_ops.DecodePlan(num_heads, num_kv_heads, head_dim, scale, eps, cos_sin_cache)
         limits = [sys.maxsize]
         for layer in layers:
-            handle.add_layer(layer.input_norm, layer.post_norm, layer.attention.sliding_window or 0)
+            attention = layer.attention
+            handle.add_layer(layer.input_norm, layer.post_norm, attention.sliding_window or 0, attention.k_scale,
+                             attention.v_scale)
             for linear in layer.linears:
                 call = _native(linear)
                 handle.add_linear(*_call_args(call))

@@ -190,10 +190,37 @@ class TorchModelRunner(ModelRunner):
             hf_overrides=hf_overrides,
         )
         self.model.eval()
+        self._check_kv_cache_scales()
         if self.config.lora.enable_lora:
             self.lora_manager = self._build_lora_manager()
         # One builder per runner: it may keep buffers across steps.
         self.attn_metadata_builder = self.attn_backend.get_metadata_builder_cls()(self.config, self.device)
+
+    def _check_kv_cache_scales(self) -> None:
+        """Calibrated FP8 KV-cache scales the checkpoint gave the attention impls (plugin API
+        1.19): applied by a float8 cache on a backend that says it applies them, refused on any
+        other; unused (and said so) with ``kv_cache_dtype="auto"``."""
+        from vframe.core.interfaces import AttentionImpl, MLAAttentionImpl
+
+        impls = [v for m in self.model.modules() for v in vars(m).values()
+                 if isinstance(v, (AttentionImpl, MLAAttentionImpl))]
+        scaled = [impl for impl in impls if (impl.k_scale, impl.v_scale) != (1.0, 1.0)]
+        if not scaled:
+            return
+        kv_cache_dtype = self.config.cache.kv_cache_dtype
+        if kv_cache_dtype == "auto":
+            logger.info("the checkpoint's calibrated FP8 KV-cache scales (%d layers) go unused: the KV cache holds "
+                        "%s (kv_cache_dtype='auto'); kv_cache_dtype='fp8' applies them", len(scaled), self.dtype)
+            return
+        refused = sorted({type(impl).__qualname__ for impl in scaled if not type(impl).supports_kv_cache_scales})
+        if refused:
+            raise ConfigError(
+                f"the checkpoint carries calibrated FP8 KV-cache scales (k_scale / v_scale, e.g. "
+                f"{scaled[0].k_scale:g} / {scaled[0].v_scale:g}) and attention backend {self.attn_backend.name!r} "
+                f"({', '.join(refused)}) does not apply them to its kv_cache_dtype={kv_cache_dtype!r} cache; use "
+                "kv_cache_dtype='auto' (the scales then go unused), or a backend that applies them (torch, "
+                "cpu_paged; not multi-head latent attention)"
+            )
 
     def _build_lora_manager(self) -> LoRAManager:
         from vframe.lora.manager import LoRAManager

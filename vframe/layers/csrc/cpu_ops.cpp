@@ -773,6 +773,7 @@ struct MoeMlp {
 struct PlanLayer {
   at::Tensor input_norm, post_norm;
   int64_t sliding_window;  // 0: none
+  double k_scale, v_scale;  // calibrated FP8 KV-cache scales (1.0: none), as the layer's attention impl applies them
   std::vector<BoundCall> linears;  // qkv, o, gate_up, down; qkv, o where moe is set
   std::optional<MoeMlp> moe;
   std::optional<at::Tensor> silu_pairs;  // gate_up's weight as bf16 pairs: bf16_gemm_silu in place of linears[2]
@@ -789,8 +790,9 @@ struct DecodePlan : torch::CustomClassHolder {
       : heads(heads), kv_heads(kv_heads), head_dim(head_dim), scale(scale), eps(eps), cos_sin(std::move(cos_sin)),
         attention(find_operator("vframe_cpu::paged_decode_attention", "")) {}
 
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t sliding_window) {
-    layers.push_back(PlanLayer{std::move(input_norm), std::move(post_norm), sliding_window, {}, std::nullopt, std::nullopt});
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t sliding_window, double k_scale, double v_scale) {
+    layers.push_back(PlanLayer{std::move(input_norm), std::move(post_norm), sliding_window, k_scale, v_scale, {}, std::nullopt,
+                               std::nullopt});
   }
 
   static BoundCall bound_call(const std::string& name, const std::string& overload, std::vector<c10::IValue> args,
@@ -851,11 +853,19 @@ struct DecodePlan : torch::CustomClassHolder {
       std::vector<at::Tensor> qkv_heads = qkv.split_with_sizes(sizes, 1);
       const at::Tensor &q = qkv_heads[0], &k = qkv_heads[1], &v = qkv_heads[2];
       rotary_neox_(positions, q, k, cos_sin);
-      store_kv(k, v, kv, slots);
+      // a float8 cache with calibrated scales: K / k_scale and V / v_scale stored (in float32, rounded once),
+      // k_scale folded into the softmax scale and v_scale into the output (TorchAttentionImpl.kv_cache_domain)
+      const bool scaled = (kv.scalar_type() == at::kFloat8_e4m3fn || kv.scalar_type() == at::kFloat8_e5m2) &&
+                          (layer.k_scale != 1.0 || layer.v_scale != 1.0);
+      if (scaled)
+        store_kv(at::div(k.to(at::kFloat), layer.k_scale), at::div(v.to(at::kFloat), layer.v_scale), kv, slots);
+      else
+        store_kv(k, v, kv, slots);
       at::Tensor attended = at::empty_like(q);
       torch::jit::Stack stack{attended, q, kv.select(0, 0), kv.select(0, 1), block_table, seq_lens,
-                              req_ids, query_rows, scale, layer.sliding_window};
+                              req_ids, query_rows, scaled ? scale * layer.k_scale : scale, layer.sliding_window};
       attention.callBoxed(stack);
+      if (scaled) attended.mul_(layer.v_scale);
       at::Tensor h = at::add(x, layer.linears[1](attended.reshape({tokens, heads * head_dim})));
       const at::Tensor normed = rms_norm(h, layer.post_norm, eps);
       at::Tensor mlp;

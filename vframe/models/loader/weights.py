@@ -45,11 +45,8 @@ def load_named_weights(
         param = params.get(target)
         if param is None:
             if name.rpartition(".")[2] in KV_CACHE_SCALES:
-                raise ModelLoadError(
-                    f"checkpoint tensor {name!r} is a calibrated FP8 KV-cache scale, which vframe does not read "
-                    "yet (its FP8 KV cache uses scale 1.0: docs/quantization.md, 'FP8 KV cache'); use a checkpoint "
-                    "without KV-cache scales"
-                )
+                set_kv_cache_scale(model, name, tensor)
+                continue
             raise ModelLoadError(
                 f"checkpoint tensor {name!r} has no place in {type(model).__name__}{_why(model, target)}"
             )
@@ -88,6 +85,44 @@ def process_weights_after_loading(model: nn.Module) -> None:
             method.process_weights_after_loading(module)
         elif not plain and callable(getattr(module, "process_weights_after_loading", None)):
             module.process_weights_after_loading()  # a layer that packs its own weights (FusedMoE)
+
+
+def set_kv_cache_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Give a calibrated FP8 KV-cache scale to its layer's attention impl (plugin API 1.19:
+    ``AttentionImpl.k_scale`` / ``v_scale``; ``kv_scale`` sets both). The names the tools write:
+    ``<attention>.k_scale`` (llm-compressor, vLLM), ``<attention>.k_proj.k_scale`` (ModelOpt),
+    ``<attention>.attn.k_scale``: the nearest module on the name's path that holds one
+    attention impl takes it. One positive finite value per layer."""
+    from vframe.core.interfaces import AttentionImpl, MLAAttentionImpl
+
+    kind = name.rpartition(".")[2]
+    if tensor.numel() != 1:
+        raise ModelLoadError(
+            f"checkpoint tensor {name!r} holds {tensor.numel()} FP8 KV-cache scales (shape {tuple(tensor.shape)}); "
+            "vframe reads one per layer (per-tensor, as vLLM does), not per head or per channel"
+        )
+    value = float(tensor.float().reshape(()))
+    if not (value > 0 and value < float("inf")):
+        raise ModelLoadError(
+            f"checkpoint tensor {name!r} is a KV-cache scale of {value}; a scale must be positive and finite"
+        )
+    parts = name.split(".")[:-1]
+    while parts:
+        try:
+            module = model.get_submodule(".".join(parts))
+        except AttributeError:
+            parts.pop()
+            continue
+        impls = [v for v in vars(module).values() if isinstance(v, (AttentionImpl, MLAAttentionImpl))]
+        if len(impls) == 1:
+            if kind in ("k_scale", "kv_scale"):
+                impls[0].k_scale = value
+            if kind in ("v_scale", "kv_scale"):
+                impls[0].v_scale = value
+            return
+        parts.pop()
+    raise ModelLoadError(f"checkpoint tensor {name!r} is a KV-cache scale with no attention layer on its path in "
+                         f"{type(model).__name__}")
 
 
 def _why(model: nn.Module, target: str) -> str:
