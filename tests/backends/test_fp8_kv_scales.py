@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from vframe import LLM, SamplingParams
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.testing.attention import check_attention_backend
+from vframe.testing.mla import check_mla_backend
 
 LIMIT = 448.0  # float8 e4m3's largest finite value
 GROWTH = 4096.0  # keys and values this many times larger, queries and outputs as much smaller
@@ -41,10 +42,12 @@ def test_backends_store_kv_over_its_scale_and_attend_it_times_the_scale(
                             kv_cache_scales=(0.03125, 4.0))
 
 
-def test_the_kit_refuses_scales_for_a_backend_that_does_not_apply_them() -> None:
+def _plain_backend() -> type:
+    """The torch backend with an impl that does not declare supports_kv_cache_scales (a plugin
+    written before plugin API 1.19)."""
     from vframe.backends.torch_attn import TorchAttentionBackend, TorchAttentionImpl
 
-    class Plain(TorchAttentionImpl):
+    class PlainImpl(TorchAttentionImpl):
         supports_kv_cache_scales = False
 
     class PlainBackend(TorchAttentionBackend):
@@ -52,9 +55,14 @@ def test_the_kit_refuses_scales_for_a_backend_that_does_not_apply_them() -> None
 
         @staticmethod
         def get_impl_cls() -> type[TorchAttentionImpl]:
-            return Plain
+            return PlainImpl
 
-    with pytest.raises(AssertionError, match="^attention backend 'plain': its impl .*Plain does not declare "
+    return PlainBackend
+
+
+def test_the_kit_refuses_scales_for_a_backend_that_does_not_apply_them() -> None:
+    PlainBackend = _plain_backend()
+    with pytest.raises(AssertionError, match="^attention backend 'plain': its impl .*PlainImpl does not declare "
                                              "supports_kv_cache_scales"):
         check_attention_backend(PlainBackend, kv_cache_dtype="fp8", kv_cache_scales=(2.0, 2.0))
     with pytest.raises(ValueError, match="kv_cache_scales apply to a float8 cache"):
@@ -289,6 +297,26 @@ def test_scales_vframe_cannot_apply_are_refused_at_load(grown: tuple[str, dict],
         LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=64)
 
 
+def test_an_engine_refuses_scales_its_backend_does_not_apply(grown: tuple[str, dict],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from vframe.plugins import get_registry
+    from vframe.plugins.registry import RegistryEntry
+
+    registry = get_registry("attention_backend")
+    monkeypatch.setitem(registry._entries, "plain", RegistryEntry("plain", _plain_backend(), "test"))
+    common = dict(model=grown[0], skip_tokenizer_init=True, dtype="float32", attention_backend="plain",
+                  max_model_len=64)
+    with pytest.raises(ConfigError) as info:
+        LLM(kv_cache_dtype="fp8", **common)
+    assert re.fullmatch(
+        r"the checkpoint carries calibrated FP8 KV-cache scales \(k_scale / v_scale, e.g. [0-9.]+ / [0-9.]+\) and "
+        r"attention backend 'plain' \(.*PlainImpl\) does not apply them to its kv_cache_dtype='fp8' cache; use "
+        r"kv_cache_dtype='auto' \(the scales then go unused\), or a backend that applies them \(torch, cpu_paged\)",
+        str(info.value),
+    ), str(info.value)
+    LLM(kv_cache_dtype="auto", **common)  # unused there: it loads
+
+
 def test_a_scale_with_no_attention_layer_is_refused(grown: tuple[str, dict], tmp_path: Path) -> None:
     path = _with_scales(grown[0], tmp_path, {"model.norm.k_scale": torch.tensor(1.0)})
     with pytest.raises(ModelLoadError, match=r"^checkpoint tensor 'model.norm.k_scale' is a KV-cache scale with no "
@@ -296,7 +324,13 @@ def test_a_scale_with_no_attention_layer_is_refused(grown: tuple[str, dict], tmp
         LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=64)
 
 
-def test_multi_head_latent_attention_refuses_calibrated_scales_with_a_float8_cache(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_torch_mla_stores_the_latent_over_k_scale(kv_cache_dtype: str) -> None:
+    check_mla_backend("torch", dtype=torch.float32, kv_cache_dtype=kv_cache_dtype, kv_cache_scale=0.05)
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> str:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
@@ -304,18 +338,47 @@ def test_multi_head_latent_attention_refuses_calibrated_scales_with_a_float8_cac
         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
         num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, intermediate_size=96,
         max_position_embeddings=128, q_lora_rank=48, n_group=2, topk_group=1, first_k_dense_replace=1,
+        initializer_range=0.1,
     )  # fmt: skip
     torch.manual_seed(0)
-    src = tmp_path / "src"
-    DeepseekV3ForCausalLM(config).save_pretrained(src)
-    dst = tmp_path / "scaled"
-    dst.mkdir()
-    path = _with_scales(str(src), dst, {"model.layers.0.self_attn.k_scale": torch.tensor(0.5)})
+    path = tmp_path_factory.mktemp("deepseek")
+    DeepseekV3ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def test_deepseek_s_latent_cache_takes_its_k_scale(tiny_deepseek: str, tmp_path: Path) -> None:
+    """MLA caches one latent (key and value at once): k_scale scales all of it, as in vLLM.
+    A power of two only moves float8's exponent, so 1/64 gives the bytes of scale 1.0 times
+    64 and the same answers; 1/1000 puts the latent (up to ~2) past 448, where it saturates."""
+    prompt = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    common = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128)
+    exact = _prompt_logprobs(LLM(model=tiny_deepseek, kv_cache_dtype="auto", **common), prompt)
+    unscaled = _prompt_logprobs(LLM(model=tiny_deepseek, kv_cache_dtype="fp8", **common), prompt)
+
+    def scaled(k_scale: float, where: Path) -> torch.Tensor:
+        where.mkdir()
+        path = _with_scales(tiny_deepseek, where, {f"model.layers.{i}.self_attn.k_scale": torch.tensor(k_scale)
+                                                   for i in (0, 1)})
+        llm = LLM(model=path, kv_cache_dtype="fp8", **common)
+        assert [layer.self_attn.attn.k_scale for layer in llm.llm_engine.model_runner.model.model.layers] == [
+            pytest.approx(k_scale)] * 2
+        return _prompt_logprobs(llm, prompt)
+
+    # measured: 6.6e-5 from scale 1.0 (float32 sums in another order), which is 0.019 from the float32 cache
+    assert float((scaled(1 / 64, tmp_path / "a") - unscaled).abs().max()) < 1e-3
+    assert float((unscaled - exact).abs().mean()) > 0.005
+    saturated = scaled(1e-3, tmp_path / "b")
+    assert float((saturated - exact).abs().mean()) > 5 * float((unscaled - exact).abs().mean())
+
+
+def test_a_latent_v_scale_other_than_its_k_scale_is_refused(tiny_deepseek: str, tmp_path: Path) -> None:
+    path = _with_scales(tiny_deepseek, tmp_path, {"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+                                                  "model.layers.0.self_attn.v_scale": torch.tensor(0.25)})
     with pytest.raises(ConfigError) as info:
         LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=64)
-    assert str(info.value).startswith(
-        "the checkpoint carries calibrated FP8 KV-cache scales (k_scale / v_scale, e.g. 0.5 / 1) and attention "
-        "backend 'torch' (TorchMLAImpl) does not apply them to its kv_cache_dtype='fp8' cache; use "
+    assert str(info.value) == (
+        "the checkpoint gives a multi-head latent attention layer v_scale=0.25 beside k_scale=0.5; its float8 cache "
+        "holds one latent, scaled by k_scale (as vLLM's), so a different v_scale cannot be applied; use "
         "kv_cache_dtype='auto' (the scales then go unused)"
     )
-    LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="auto", max_model_len=64)  # unused there: it loads
+    LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="auto", max_model_len=64)  # unused there

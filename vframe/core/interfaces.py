@@ -193,8 +193,8 @@ class MLAAttentionImpl(ABC):
     ``Impl(num_heads, kv_lora_rank, qk_rope_head_dim, scale)``; like
     ``AttentionImpl`` it is built on the CPU and is no ``nn.Module``, and it has
     the same ``k_scale`` / ``v_scale`` / ``supports_kv_cache_scales`` (plugin API
-    1.19; the built-in MLA impl applies none: a checkpoint with calibrated scales
-    and an fp8 cache is refused).
+    1.19): the latent is one cache, so ``k_scale`` scales all of it (as in vLLM),
+    and a ``v_scale`` other than 1.0 or ``k_scale`` is refused at load.
     """
 
     supports_kv_cache_scales: ClassVar[bool] = False

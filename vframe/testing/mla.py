@@ -54,14 +54,25 @@ def check_mla_backend(
     device: str | torch.device = "cpu",
     quick: bool = False,
     kv_cache_dtype: str = "auto",
+    kv_cache_scale: float | None = None,
 ) -> None:
     """Run the MLA conformance cases on ``backend``; raise ``AssertionError``
     naming the case and the error at the first wrong output. A backend that
     refuses ``use_mla=True`` in ``validate_configuration`` for every block size
     fails; ``quick``: the tiny latent, the first accepted block size and the
     quick cases only. ``kv_cache_dtype``: as for ``check_attention_backend``,
-    the reference attends the latent rounded to the float8 cache."""
+    the reference attends the latent rounded to the float8 cache.
+    ``kv_cache_scale`` (plugin API 1.19, with a float8 cache): the impl's
+    ``k_scale``, a checkpoint's calibrated scale of the latent; the reference
+    attends ``fp8(latent / k_scale) * k_scale``."""
+    if kv_cache_scale is not None and kv_cache_dtype == "auto":
+        raise ValueError("kv_cache_scale applies to a float8 cache: pass kv_cache_dtype='fp8' (or 'fp8_e5m2')")
     cls = _load(backend)
+    if kv_cache_scale is not None and not cls.get_mla_impl_cls().supports_kv_cache_scales:
+        raise AssertionError(
+            f"attention backend {cls.name!r}: its MLA impl {cls.get_mla_impl_cls().__qualname__} does not declare "
+            "supports_kv_cache_scales, so an engine refuses calibrated FP8 KV-cache scales on it"
+        )
     if reasons := cls.check_available():
         raise unittest.SkipTest(f"attention backend {cls.name!r} is not available here: {'; '.join(reasons)}")
     device = torch.device(device)
@@ -87,7 +98,8 @@ def check_mla_backend(
         for rank, rope, block_size in block_sizes:
             builder = cls.get_metadata_builder_cls()(_engine_config(cls, dtype, device, block_size), device)
             for case in cases:
-                _run_mla_case(cls, builder, case, rank, rope, block_size, dtype, device, kv_cache_dtype)
+                _run_mla_case(cls, builder, case, rank, rope, block_size, dtype, device, kv_cache_dtype,
+                              kv_cache_scale or 1.0)
 
 
 def _run_mla_case(
@@ -100,9 +112,11 @@ def _run_mla_case(
     dtype: torch.dtype,
     device: torch.device,
     kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
 ) -> None:
     label = (
         f"attention backend {cls.name!r}, MLA case {case.name!r} ({dtype}, {_kv_label(kv_cache_dtype)}"
+        + (f"k_scale={k_scale:g}, " if k_scale != 1.0 else "") +
         f"kv_lora_rank={rank}, "
         f"qk_rope_head_dim={rope}, block_size={block_size}, H={case.num_heads})"
     )
@@ -119,9 +133,12 @@ def _run_mla_case(
         cls.get_kv_cache_shape_for_spec(spec, num_blocks), float("nan"), dtype=cache_dtype, device=device
     )
     impl = cls.get_mla_impl_cls()(case.num_heads, rank, rope, scale)
+    impl.k_scale = k_scale
     query = [torch.randn(n, case.num_heads, latent_size, generator=gen).to(dtype).to(device) for n in lengths]
     latent = [torch.randn(n, latent_size, generator=gen).to(dtype).to(device) for n in lengths]
-    cached = [_rounded(c, cache_dtype) for c in latent]  # what the reference attends
+    cached = [_rounded(c, cache_dtype, k_scale) for c in latent]  # as the cache holds it
+    if k_scale != 1.0:
+        cached = [c.float() * k_scale for c in cached]  # what the reference attends
 
     block_ids: list[list[int]] = [[] for _ in lengths]
     num_computed = [0] * len(lengths)

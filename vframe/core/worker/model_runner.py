@@ -212,6 +212,13 @@ class TorchModelRunner(ModelRunner):
             logger.info("the checkpoint's calibrated FP8 KV-cache scales (%d layers) go unused: the KV cache holds "
                         "%s (kv_cache_dtype='auto'); kv_cache_dtype='fp8' applies them", len(scaled), self.dtype)
             return
+        for impl in scaled:  # one latent cache: k_scale is its scale, a different v_scale has nowhere to go
+            if isinstance(impl, MLAAttentionImpl) and impl.v_scale not in (1.0, impl.k_scale):
+                raise ConfigError(
+                    f"the checkpoint gives a multi-head latent attention layer v_scale={impl.v_scale:g} beside "
+                    f"k_scale={impl.k_scale:g}; its float8 cache holds one latent, scaled by k_scale (as vLLM's), so "
+                    "a different v_scale cannot be applied; use kv_cache_dtype='auto' (the scales then go unused)"
+                )
         refused = sorted({type(impl).__qualname__ for impl in scaled if not type(impl).supports_kv_cache_scales})
         if refused:
             raise ConfigError(
@@ -219,7 +226,7 @@ class TorchModelRunner(ModelRunner):
                 f"{scaled[0].k_scale:g} / {scaled[0].v_scale:g}) and attention backend {self.attn_backend.name!r} "
                 f"({', '.join(refused)}) does not apply them to its kv_cache_dtype={kv_cache_dtype!r} cache; use "
                 "kv_cache_dtype='auto' (the scales then go unused), or a backend that applies them (torch, "
-                "cpu_paged; not multi-head latent attention)"
+                "cpu_paged)"
             )
 
     def _build_lora_manager(self) -> LoRAManager:
