@@ -172,6 +172,23 @@ def test_store_kv_rounds_into_a_float8_cache_as_the_pytorch_path(dtype: torch.dt
         [448.0, -448.0, 0.0, -0.0] if cache_dtype == torch.float8_e4m3fn else [1024.0, -57344.0, 0.0, -0.0]
     )
 
+    # calibrated scales (the decode plan's write): the bytes of x.float() / scale through the same rounding
+    k_scale, v_scale = 0.0198, 3.3
+    store_rows(expected[0].view(-1, 3, 64), slots, k[:3].float() / k_scale)
+    store_rows(expected[1].view(-1, 3, 64), slots, v[:3].float() / v_scale)
+    cpu_ops.store_kv(k, v, kv_cache, slots, k_scale, v_scale)
+    assert torch.equal(kv_cache.view(torch.uint8), expected.view(torch.uint8))
+    assert not torch.equal(expected[0].view(-1, 3, 64)[5].view(torch.uint8), store_rows_bytes(k[0], cache_dtype))
+    with pytest.raises(RuntimeError, match="store_kv: k_scale / v_scale apply to a float8 cache only"):
+        cpu_ops.store_kv(k, v, torch.zeros(2, 4, 16, 3, 64, dtype=dtype), slots, k_scale, v_scale)
+
+
+def store_rows_bytes(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` as an unscaled float8 cache holds them, as bytes."""
+    from vframe.backends.torch_attn import to_cache_dtype
+
+    return to_cache_dtype(rows, cache_dtype).view(torch.uint8)
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "inter"), [(1, 1536), (7, 1536), (300, 1536), (5, 37), (3, 24)])

@@ -97,10 +97,14 @@ def stores_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, sl
     )
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> None:
     """Slot ``slots[i]`` of ``kv_cache[0]`` / ``kv_cache[1]`` ([2, num_blocks, block_size,
-    KVH, D]) takes ``key[i]`` / ``value[i]``, for ``i < len(slots)``."""
-    torch.ops.vframe_cpu_ops.store_kv(key, value, kv_cache, slots)
+    KVH, D]) takes ``key[i]`` / ``value[i]``, for ``i < len(slots)``; a float8 cache
+    ``key[i].float() / k_scale`` and ``value[i].float() / v_scale`` (calibrated scales)."""
+    torch.ops.vframe_cpu_ops.store_kv(key, value, kv_cache, slots, k_scale, v_scale)
 
 
 def operator(name: str) -> torch._ops.OpOverload:

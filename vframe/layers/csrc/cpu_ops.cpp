@@ -7,7 +7,8 @@
 //                              rounded to q's dtype as PyTorch's separate operators round them
 //   store_kv(k, v, kv, s)      kv[0] slot s[i] = k[i], kv[1] slot s[i] = v[i] (two index_copy_ calls); a
 //                              float8 cache takes k, v clamped to its largest finite value and rounded
-//                              to nearest even, as x.clamp(-max, max).to(float8) does
+//                              to nearest even, as x.clamp(-max, max).to(float8) does (with calibrated
+//                              scales: k.float() / k_scale, v.float() / v_scale)
 //   silu_and_mul(x)            F.silu(g).mul_(u) for g, u = x.chunk(2, -1), as PyTorch's kernels compute
 //                              it: g / (1 + exp(-g)) with SLEEF's expf (torch's own, 1 ulp) on vectors
 //                              of 8 and std::exp on a row's last values, rounded to x's dtype, times u
@@ -282,26 +283,28 @@ void rotary_neox_(const at::Tensor& positions, const at::Tensor& query, const at
                  at::kFloat, at::kBFloat16, at::kHalf);
 }
 
-// Row `src` of `count` values of S into `dst` of float8 type F, clamped to F's largest finite value.
+// Row `src` of `count` values of S into `dst` of float8 type F: each float(x) / scale (float32, as
+// PyTorch's x.float() / scale; scale 1.0: x as it is), clamped to F's largest finite value.
 template <typename F, typename S>
-void round_row_to_fp8(F* dst, const S* src, int64_t count) {
+void round_row_to_fp8(F* dst, const S* src, int64_t count, float scale) {
   const float limit = static_cast<float>(std::numeric_limits<F>::max());
   for (int64_t j = 0; j < count; ++j) {
-    const float x = static_cast<float>(src[j]);
+    const float x = scale == 1.0f ? static_cast<float>(src[j]) : static_cast<float>(src[j]) / scale;
     dst[j] = F(x > limit ? limit : (x < -limit ? -limit : x));  // NaN stays NaN
   }
 }
 
-// store_kv into a float8 cache: each row rounded on the way.
+// store_kv into a float8 cache: each row rounded on the way, keys over k_scale and values over v_scale.
 template <typename F>
-void store_kv_fp8(const at::Tensor& key, const at::Tensor& value, F* kc, F* vc, const int64_t* sp, int64_t n) {
+void store_kv_fp8(const at::Tensor& key, const at::Tensor& value, F* kc, F* vc, const int64_t* sp, int64_t n,
+                  float k_scale, float v_scale) {
   const int64_t row = key.size(1) * key.size(2);
   AT_DISPATCH_V2(key.scalar_type(), "store_kv", AT_WRAP([&] {
     const auto* kp = key.const_data_ptr<scalar_t>();
     const auto* vp = value.const_data_ptr<scalar_t>();
     for (int64_t i = 0; i < n; ++i) {
-      round_row_to_fp8(kc + sp[i] * row, kp + i * key.stride(0), row);
-      round_row_to_fp8(vc + sp[i] * row, vp + i * value.stride(0), row);
+      round_row_to_fp8(kc + sp[i] * row, kp + i * key.stride(0), row, k_scale);
+      round_row_to_fp8(vc + sp[i] * row, vp + i * value.stride(0), row, v_scale);
     }
   }), at::kFloat, at::kBFloat16, at::kHalf);
 }
@@ -312,11 +315,14 @@ void store_kv_fp8(const at::Tensor& key, const at::Tensor& value, F* kc, F* vc, 
 // layer). key / value [T, KVH, D] with each row's KVH * D values contiguous (a split of
 // the fused qkv output); kv_cache [2, num_blocks, block_size, KVH, D] contiguous, of
 // key's dtype, or float8 (e4m3fn, e5m2) for float32 / bfloat16 / float16 keys, rounded
-// on the way by store_kv_fp8.
-void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache, const at::Tensor& slots) {
+// on the way by store_kv_fp8, divided by the calibrated k_scale / v_scale (plugin API 1.19; 1.0: none,
+// the only value a cache of key's dtype takes).
+void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache, const at::Tensor& slots,
+              double k_scale, double v_scale) {
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "store_kv: slots int64 [n]");
   const int64_t n = slots.size(0);
   const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn || kv_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0), "store_kv: k_scale / v_scale apply to a float8 cache only");
   for (const auto* t : {&key, &value}) {
     TORCH_CHECK(t->dim() == 3 && t->size(0) >= n && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
                     (t->scalar_type() == kv_cache.scalar_type() ||
@@ -339,10 +345,12 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
     auto* base = static_cast<uint8_t*>(kv_cache.data_ptr());
     if (kv_cache.scalar_type() == at::kFloat8_e4m3fn) {
       auto* kc = reinterpret_cast<c10::Float8_e4m3fn*>(base);
-      store_kv_fp8(key, value, kc, kc + num_slots * cache_row, sp, n);
+      store_kv_fp8(key, value, kc, kc + num_slots * cache_row, sp, n, static_cast<float>(k_scale),
+                   static_cast<float>(v_scale));
     } else {
       auto* kc = reinterpret_cast<c10::Float8_e5m2*>(base);
-      store_kv_fp8(key, value, kc, kc + num_slots * cache_row, sp, n);
+      store_kv_fp8(key, value, kc, kc + num_slots * cache_row, sp, n, static_cast<float>(k_scale),
+                   static_cast<float>(v_scale));
     }
     return;
   }
@@ -853,14 +861,12 @@ struct DecodePlan : torch::CustomClassHolder {
       std::vector<at::Tensor> qkv_heads = qkv.split_with_sizes(sizes, 1);
       const at::Tensor &q = qkv_heads[0], &k = qkv_heads[1], &v = qkv_heads[2];
       rotary_neox_(positions, q, k, cos_sin);
-      // a float8 cache with calibrated scales: K / k_scale and V / v_scale stored (in float32, rounded once),
-      // k_scale folded into the softmax scale and v_scale into the output (TorchAttentionImpl.kv_cache_domain)
+      // a float8 cache with calibrated scales: K / k_scale and V / v_scale stored (float32 division, rounded
+      // once: the bits of TorchAttentionImpl.kv_cache_domain's x.float() / scale), k_scale folded into the
+      // softmax scale and v_scale into the output
       const bool scaled = (kv.scalar_type() == at::kFloat8_e4m3fn || kv.scalar_type() == at::kFloat8_e5m2) &&
                           (layer.k_scale != 1.0 || layer.v_scale != 1.0);
-      if (scaled)
-        store_kv(at::div(k.to(at::kFloat), layer.k_scale), at::div(v.to(at::kFloat), layer.v_scale), kv, slots);
-      else
-        store_kv(k, v, kv, slots);
+      store_kv(k, v, kv, slots, scaled ? layer.k_scale : 1.0, scaled ? layer.v_scale : 1.0);
       at::Tensor attended = at::empty_like(q);
       torch::jit::Stack stack{attended, q, kv.select(0, 0), kv.select(0, 1), block_table, seq_lens,
                               req_ids, query_rows, scaled ? scale * layer.k_scale : scale, layer.sliding_window};
@@ -890,7 +896,7 @@ struct DecodePlan : torch::CustomClassHolder {
 TORCH_LIBRARY(vframe_cpu_ops, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_neox_(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache) -> ()");
-  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots) -> ()");
+  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slots, float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("moe_combine(Tensor rows, Tensor token_ids, Tensor weights, int num_tokens) -> Tensor");
