@@ -65,7 +65,7 @@ def test_the_kit_refuses_scales_for_a_backend_that_does_not_apply_them() -> None
     with pytest.raises(AssertionError, match="^attention backend 'plain': its impl .*PlainImpl does not declare "
                                              "supports_kv_cache_scales"):
         check_attention_backend(PlainBackend, kv_cache_dtype="fp8", kv_cache_scales=(2.0, 2.0))
-    with pytest.raises(ValueError, match="kv_cache_scales apply to a float8 cache"):
+    with pytest.raises(ValueError, match="kv_cache_scales is for a float8 cache"):
         check_attention_backend("torch", kv_cache_scales=(2.0, 2.0))
 
 

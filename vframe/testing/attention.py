@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import unittest
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -157,16 +157,8 @@ def check_attention_backend(
             f"dtype={dtype}: no stated tolerance; ATTENTION_TOLERANCES has "
             + ", ".join(str(d) for d in ATTENTION_TOLERANCES)
         )
-    if kv_cache_scales is not None and kv_cache_dtype == "auto":
-        raise ValueError("kv_cache_scales apply to a float8 cache: pass kv_cache_dtype='fp8' (or 'fp8_e5m2')")
-    cls = _load(backend)
-    if kv_cache_scales is not None and not cls.get_impl_cls().supports_kv_cache_scales:
-        raise AssertionError(
-            f"attention backend {cls.name!r}: its impl {cls.get_impl_cls().__qualname__} does not declare "
-            "supports_kv_cache_scales, so an engine refuses calibrated FP8 KV-cache scales on it"
-        )
-    if reasons := cls.check_available():
-        raise unittest.SkipTest(f"attention backend {cls.name!r} is not available here: {'; '.join(reasons)}")
+    cls = _load_for_check(backend, kv_cache_dtype, "kv_cache_scales" if kv_cache_scales is not None else None,
+                          lambda c: c.get_impl_cls(), "impl")
     device = torch.device(device)
     configs, refusals = accepted_configurations(cls, dtype, device, quick, kv_cache_dtype)
     if not configs:
@@ -224,6 +216,29 @@ def _intra_op_threads(num_threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def _load_for_check(
+    backend: str | type[AttentionBackend],
+    kv_cache_dtype: str,
+    scales_option: str | None,
+    impl_of: Callable[[type[AttentionBackend]], type],
+    what: str,
+) -> type[AttentionBackend]:
+    """The backend class a kit checks: refused calibrated scales (``scales_option``, the kit's
+    argument that passed them, or None) without a float8 cache or on an impl (``impl_of``) that
+    does not declare it applies them; skipped where it is not available."""
+    if scales_option is not None and kv_cache_dtype == "auto":
+        raise ValueError(f"{scales_option} is for a float8 cache: pass kv_cache_dtype='fp8' (or 'fp8_e5m2')")
+    cls = _load(backend)
+    if scales_option is not None and not impl_of(cls).supports_kv_cache_scales:
+        raise AssertionError(
+            f"attention backend {cls.name!r}: its {what} {impl_of(cls).__qualname__} does not declare "
+            "supports_kv_cache_scales, so an engine refuses calibrated FP8 KV-cache scales on it"
+        )
+    if reasons := cls.check_available():
+        raise unittest.SkipTest(f"attention backend {cls.name!r} is not available here: {'; '.join(reasons)}")
+    return cls
 
 
 def _load(backend: str | type[AttentionBackend]) -> type[AttentionBackend]:

@@ -18,7 +18,6 @@ the value (``MLAAttentionImpl``'s docstring)::
 
 from __future__ import annotations
 
-import unittest
 import zlib
 
 import torch
@@ -36,7 +35,7 @@ from vframe.testing.attention import (
     _engine_config,
     _intra_op_threads,
     _kv_label,
-    _load,
+    _load_for_check,
     _rounded,
     reference_attention,
 )
@@ -65,16 +64,8 @@ def check_mla_backend(
     ``kv_cache_scale`` (plugin API 1.19, with a float8 cache): the impl's
     ``k_scale``, a checkpoint's calibrated scale of the latent; the reference
     attends ``fp8(latent / k_scale) * k_scale``."""
-    if kv_cache_scale is not None and kv_cache_dtype == "auto":
-        raise ValueError("kv_cache_scale applies to a float8 cache: pass kv_cache_dtype='fp8' (or 'fp8_e5m2')")
-    cls = _load(backend)
-    if kv_cache_scale is not None and not cls.get_mla_impl_cls().supports_kv_cache_scales:
-        raise AssertionError(
-            f"attention backend {cls.name!r}: its MLA impl {cls.get_mla_impl_cls().__qualname__} does not declare "
-            "supports_kv_cache_scales, so an engine refuses calibrated FP8 KV-cache scales on it"
-        )
-    if reasons := cls.check_available():
-        raise unittest.SkipTest(f"attention backend {cls.name!r} is not available here: {'; '.join(reasons)}")
+    cls = _load_for_check(backend, kv_cache_dtype, "kv_cache_scale" if kv_cache_scale is not None else None,
+                          lambda c: c.get_mla_impl_cls(), "MLA impl")
     device = torch.device(device)
     block_sizes = []
     refusals = []
