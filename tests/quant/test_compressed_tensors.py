@@ -372,6 +372,34 @@ def test_a_static_float8_kv_cache_scheme_is_read_as_the_layers_scales() -> None:
 # A whole model: a compressed-tensors tiny Llama == transformers holding the dequantized weights
 # --------------------------------------------------------------------------- #
 
+def test_a_kv_cache_scheme_needs_every_layer_s_scales_for_a_float8_cache(tmp_path: Path) -> None:
+    """kv_cache_scheme says the checkpoint is calibrated: with kv_cache_dtype="fp8" each attention
+    layer's k_scale / v_scale must be there (a missing one is refused, not run at 1.0); with
+    "auto" they are not needed."""
+    from safetensors.torch import load_file, save_file
+
+    quant = quant_config("pack-quantized", weights(4, "int", "group", 32), kv_cache_scheme=FP8_KV_SCHEME)
+    write_quantized_llama(tmp_path, quant, lambda w, generator: ct_int_quantize(w, bits=4, strategy="group",
+                                                                                  group_size=32))
+    common = dict(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=64)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({**tensors, "model.layers.0.self_attn.k_scale": torch.tensor([0.5]),
+               "model.layers.0.self_attn.v_scale": torch.tensor([0.25])}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ConfigError) as info:
+        LLM(kv_cache_dtype="fp8", **common)
+    assert str(info.value) == (
+        "quantization_config.kv_cache_scheme says the checkpoint carries calibrated FP8 KV-cache scales, and it has "
+        "none for 1 of its 2 attention layers (the first: layer 1); a float8 cache would run them at scale 1.0. Use "
+        "kv_cache_dtype='auto', or a checkpoint with every layer's k_scale / v_scale"
+    )
+    LLM(kv_cache_dtype="auto", **common)  # the scales are not needed there
+    save_file({**tensors, **{f"model.layers.{i}.self_attn.{k}": torch.tensor([0.5]) for i in (0, 1)
+                             for k in ("k_scale", "v_scale")}}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    layers = LLM(kv_cache_dtype="fp8", **common).llm_engine.model_runner.model.model.layers
+    assert [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) for layer in layers] == [(0.5, 0.5)] * 2
+
+
 def test_a_w4a16_llama_generates_what_transformers_does_with_the_dequantized_weights(tmp_path: Path) -> None:
     # asymmetric groups of 32 (down_proj's 112 inputs: 4 groups, the last of 16)
     quant = quant_config("pack-quantized", weights(4, "int", "group", 32, symmetric=False))

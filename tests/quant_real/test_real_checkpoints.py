@@ -359,6 +359,9 @@ def test_a_calibrated_float8_kv_cache_gives_the_reference_s_answers(backend: str
     for item in source.iterdir():
         if item.suffix != ".safetensors":
             (tmp_path / item.name).write_bytes(item.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]["kv_cache_scheme"]  # declared without its tensors, it is refused
+    (tmp_path / "config.json").write_text(json.dumps(config))
     plain = LLM(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp8", max_model_len=512, num_threads=2)
     worse = text_logprobs(plain, ids)
     assert float((worse - ref).abs().mean()) > 2 * float(deltas.mean()), "the scales made no difference"

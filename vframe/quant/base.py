@@ -300,6 +300,10 @@ class QuantizationConfig(ABC):
     # The quant_kernel setting (a registry name; None: by priority), set by the engine
     # after from_config; formats whose layers run on quant kernels pass it to them.
     quant_kernel: str | None = None
+    # Whether the checkpoint declares calibrated FP8 KV-cache scales (compressed-tensors'
+    # kv_cache_scheme; plugin API 1.19): with kv_cache_dtype="fp8..." the engine then refuses
+    # a checkpoint that lacks any layer's k_scale / v_scale tensors rather than run it at 1.0.
+    calibrated_kv_cache: bool = False
 
     @classmethod
     @abstractmethod

@@ -144,7 +144,9 @@ class CompressedTensorsConfig(QuantizationConfig):
                 "FP4 W4A4 checkpoint (NVFP4 / MXFP4): vframe multiplies its FP4 weights by activations in the "
                 "model's dtype (input_global_scale is read, not used), as vLLM does on GPUs without FP4 tensor cores"
             )
-        return cls(schemes, list(q.get("ignore") or []))
+        config = cls(schemes, list(q.get("ignore") or []))
+        config.calibrated_kv_cache = bool(q.get("kv_cache_scheme"))
+        return config
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         if not isinstance(layer, LinearBase):

@@ -204,10 +204,21 @@ class TorchModelRunner(ModelRunner):
 
         impls = [v for m in self.model.modules() for v in vars(m).values()
                  if isinstance(v, (AttentionImpl, MLAAttentionImpl))]
+        kv_cache_dtype = self.config.cache.kv_cache_dtype
+        if kv_cache_dtype != "auto" and getattr(self.quant_config, "calibrated_kv_cache", False):
+            # the loader sets a scale on the impl (an instance attribute) only from a checkpoint tensor
+            needed = [("k_scale",) if isinstance(impl, MLAAttentionImpl) else ("k_scale", "v_scale") for impl in impls]
+            missing = [i for i, (impl, names) in enumerate(zip(impls, needed)) if not set(names) <= vars(impl).keys()]
+            if missing:
+                raise ConfigError(
+                    f"quantization_config.kv_cache_scheme says the checkpoint carries calibrated FP8 KV-cache "
+                    f"scales, and it has none for {len(missing)} of its {len(impls)} attention layers (the first: "
+                    f"layer {missing[0]}); a float8 cache would run them at scale 1.0. Use kv_cache_dtype='auto', "
+                    "or a checkpoint with every layer's k_scale / v_scale"
+                )
         scaled = [impl for impl in impls if (impl.k_scale, impl.v_scale) != (1.0, 1.0)]
         if not scaled:
             return
-        kv_cache_dtype = self.config.cache.kv_cache_dtype
         if kv_cache_dtype == "auto":
             logger.info("the checkpoint's calibrated FP8 KV-cache scales (%d layers) go unused: the KV cache holds "
                         "%s (kv_cache_dtype='auto'); kv_cache_dtype='fp8' applies them", len(scaled), self.dtype)
