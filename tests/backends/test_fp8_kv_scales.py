@@ -8,6 +8,7 @@ float8's range at scale 1.0."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -297,13 +298,22 @@ def test_scales_vframe_cannot_apply_are_refused_at_load(grown: tuple[str, dict],
         LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=64)
 
 
-def test_an_engine_refuses_scales_its_backend_does_not_apply(grown: tuple[str, dict],
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from vframe.plugins import get_registry
-    from vframe.plugins.registry import RegistryEntry
+@pytest.fixture
+def plain_backend() -> Iterator[None]:
+    """A throwaway plugin registering ``_plain_backend()`` as ``plain``."""
+    from vframe.plugins import hookimpl, register_plugin, unregister_plugin
 
-    registry = get_registry("attention_backend")
-    monkeypatch.setitem(registry._entries, "plain", RegistryEntry("plain", _plain_backend(), "test"))
+    class Plugin:
+        @hookimpl
+        def vframe_register_attention_backends(self, register):  # noqa: ANN001, ANN202
+            register("plain", _plain_backend())
+
+    register_plugin(Plugin(), "plain-attn")
+    yield
+    unregister_plugin("plain-attn")
+
+
+def test_an_engine_refuses_scales_its_backend_does_not_apply(grown: tuple[str, dict], plain_backend: None) -> None:
     common = dict(model=grown[0], skip_tokenizer_init=True, dtype="float32", attention_backend="plain",
                   max_model_len=64)
     with pytest.raises(ConfigError) as info:
