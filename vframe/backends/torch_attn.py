@@ -266,7 +266,8 @@ def kv_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` rounded to the cache's ``dtype``; a float8 cache saturates at the
-    format's largest finite value, as vLLM's cache kernels do (scale 1.0)."""
+    format's largest finite value, as vLLM's cache kernels do (``x`` already divided by a
+    calibrated scale: ``TorchAttentionImpl.kv_cache_domain``)."""
     if not is_fp8(dtype):
         return x.to(dtype)
     limit = torch.finfo(dtype).max

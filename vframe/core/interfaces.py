@@ -350,7 +350,8 @@ class AttentionBackend(ABC):
           (DeepSeek-V2/V3 MLA): its config has a ``kv_lora_rank``.
         - ``kv_cache_dtype``: ``str``, vLLM's name of what the cache holds:
           ``"auto"`` (``dtype``) or ``"fp8"``/``"fp8_e4m3"``/``"fp8_e5m2"``
-          (float8 K/V, scale 1.0; the spec's ``dtype`` is then a float8 type).
+          (float8 K/V, scale 1.0 or the checkpoint's calibrated ``k_scale`` /
+          ``v_scale``; the spec's ``dtype`` is then a float8 type).
           Passed only when not ``"auto"``: a backend whose method does not take
           it is refused an fp8 cache. This default refuses every fp8 cache.
 

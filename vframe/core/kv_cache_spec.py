@@ -45,8 +45,8 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 
 def is_fp8(dtype: torch.dtype) -> bool:
     """Whether a cache of ``dtype`` stores float8 rows: written saturated to the
-    format's finite range with per-tensor scale 1.0 (vLLM's k_scale = v_scale =
-    1.0 when a checkpoint carries no calibrated scales), read back by upcasting."""
+    format's finite range, divided by the layer's per-tensor ``k_scale`` / ``v_scale``
+    (a checkpoint's calibrated scales, else 1.0, as vLLM), read back by upcasting."""
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
