@@ -26,7 +26,7 @@ from torch import nn
 
 from vframe.errors import ConfigError
 from vframe.layers.linear import LinearBase
-from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight, setting_of_layer
+from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, listed_as_float, register_weight
 from vframe.quant.kernels import IntWeight
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
@@ -89,11 +89,7 @@ class AWQConfig(QuantizationConfig):
         if not isinstance(layer, LinearBase):
             return None
         # AutoAWQ's own test: a module stays float when any listed name is part of its name
-        # (vframe's own name, or each checkpoint module behind it: q_proj / k_proj / v_proj)
-        def listed(name: str) -> bool:
-            return any(entry in name for entry in self.modules_to_not_convert)
-
-        if listed(prefix) or setting_of_layer(prefix, listed, "quantization_config.modules_to_not_convert"):
+        if listed_as_float(prefix, self.modules_to_not_convert, "quantization_config.modules_to_not_convert"):
             return None
         return AWQLinearMethod(self)
 

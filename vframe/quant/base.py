@@ -408,5 +408,16 @@ def setting_of_layer(prefix: str, setting_of: Callable[[str], T], source: str) -
     return found[names[0]]
 
 
+def listed_as_float(prefix: str, entries: list[str], source: str) -> bool:
+    """Whether a skip list (AWQ's ``modules_to_not_convert``, FP8's ``ignored_layers``) keeps
+    vframe's layer ``prefix`` float, as the tools test it: a module is listed when an entry is
+    part of its name. vframe's own name (a fused ``qkv_proj``, as vLLM writes it) or every
+    checkpoint module behind it; some but not all of those is refused naming ``source``."""
+    def listed(name: str) -> bool:
+        return any(entry in name for entry in entries)
+
+    return listed(prefix) or setting_of_layer(prefix, listed, source)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")

@@ -46,7 +46,7 @@ from torch import nn
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant.base import (
-    BoundApply, LinearMethodBase, QuantizationConfig, bound_apply, register_weight, setting_of_layer,
+    BoundApply, LinearMethodBase, QuantizationConfig, bound_apply, listed_as_float, register_weight,
 )
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -113,10 +113,7 @@ class Fp8Config(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None
-        def listed(name: str) -> bool:  # vframe's own name (a fused qkv_proj too), or each module behind it
-            return any(entry in name for entry in self.ignored_layers)
-
-        if listed(prefix) or setting_of_layer(prefix, listed, "quantization_config.ignored_layers"):
+        if listed_as_float(prefix, self.ignored_layers, "quantization_config.ignored_layers"):
             return None
         if self.weight_block_size is not None:
             return BlockFp8Method(self.weight_block_size, "weight_scale_inv", self.quant_kernel)
