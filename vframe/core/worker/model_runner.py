@@ -200,10 +200,10 @@ class TorchModelRunner(ModelRunner):
         """Calibrated FP8 KV-cache scales the checkpoint gave the attention impls (plugin API
         1.19): applied by a float8 cache on a backend that says it applies them, refused on any
         other; unused (and said so) with ``kv_cache_dtype="auto"``."""
-        from vframe.core.interfaces import AttentionImpl, MLAAttentionImpl
+        from vframe.core.interfaces import MLAAttentionImpl
+        from vframe.models.loader.weights import attention_impls
 
-        impls = [v for m in self.model.modules() for v in vars(m).values()
-                 if isinstance(v, (AttentionImpl, MLAAttentionImpl))]
+        impls = [impl for module in self.model.modules() for impl in attention_impls(module)]
         kv_cache_dtype = self.config.cache.kv_cache_dtype
         if kv_cache_dtype != "auto" and getattr(self.quant_config, "calibrated_kv_cache", False):
             # the loader sets a scale on the impl (an instance attribute) only from a checkpoint tensor

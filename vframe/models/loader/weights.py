@@ -87,14 +87,20 @@ def process_weights_after_loading(model: nn.Module) -> None:
             module.process_weights_after_loading()  # a layer that packs its own weights (FusedMoE)
 
 
+def attention_impls(module: nn.Module) -> list:
+    """The attention impls ``module`` itself holds (``AttentionImpl`` / ``MLAAttentionImpl``:
+    plain objects, not submodules), in attribute order."""
+    from vframe.core.interfaces import AttentionImpl, MLAAttentionImpl
+
+    return [v for v in vars(module).values() if isinstance(v, (AttentionImpl, MLAAttentionImpl))]
+
+
 def set_kv_cache_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Give a calibrated FP8 KV-cache scale to its layer's attention impl (plugin API 1.19:
     ``AttentionImpl.k_scale`` / ``v_scale``; ``kv_scale`` sets both). The names the tools write:
     ``<attention>.k_scale`` (llm-compressor, vLLM), ``<attention>.k_proj.k_scale`` (ModelOpt),
     ``<attention>.attn.k_scale``: the nearest module on the name's path that holds one
     attention impl takes it. One positive finite value per layer."""
-    from vframe.core.interfaces import AttentionImpl, MLAAttentionImpl
-
     kind = name.rpartition(".")[2]
     if tensor.numel() != 1:
         raise ModelLoadError(
@@ -113,7 +119,7 @@ def set_kv_cache_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> Non
         except AttributeError:
             parts.pop()
             continue
-        impls = [v for v in vars(module).values() if isinstance(v, (AttentionImpl, MLAAttentionImpl))]
+        impls = attention_impls(module)
         if len(impls) == 1:
             if kind in ("k_scale", "kv_scale"):
                 impls[0].k_scale = value
