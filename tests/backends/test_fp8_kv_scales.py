@@ -182,8 +182,8 @@ def test_a_checkpoint_s_kv_scales_give_transformers_answers_through_a_float8_cac
     grown: tuple[str, dict], backend: str
 ) -> None:
     path, scales = grown
-    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", attention_backend=backend, max_model_len=128,
-              num_threads=2, enable_prefix_caching=False)
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", attention_backend=backend,
+              max_model_len=128, num_threads=2, enable_prefix_caching=False)
     impls = [layer.self_attn.attn for layer in llm.llm_engine.model_runner.model.model.layers]
     assert [(impl.k_scale, impl.v_scale) for impl in impls] == [pytest.approx(scales[i], rel=1e-6) for i in (0, 1)]
     reference = _reference(path, scales)
@@ -200,12 +200,9 @@ def test_without_its_scales_the_same_cache_saturates(grown: tuple[str, dict], tm
     """The test above can fail: the same checkpoint with its scales dropped runs at scale 1.0,
     where its keys and values (up to ~GROWTH) saturate at 448."""
     path, scales = grown
-    for f in Path(path).iterdir():
-        if f.name != "model.safetensors":
-            (tmp_path / f.name).write_bytes(f.read_bytes())
-    tensors = {k: v for k, v in load_file(Path(path) / "model.safetensors").items() if not k.endswith("_scale")}
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=128, num_threads=2)
+    unscaled = _with_scales(path, tmp_path, {})
+    llm = LLM(model=unscaled, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=128,
+              num_threads=2)
     reference = _reference(path, scales)
     deltas = (_prompt_logprobs(llm, PROMPTS[0]) - _reference_logprobs(reference, PROMPTS[0])).abs()
     assert float(deltas.max()) > 0.5  # measured: 3.8
@@ -213,7 +210,8 @@ def test_without_its_scales_the_same_cache_saturates(grown: tuple[str, dict], tm
 
 def test_with_a_cache_in_the_model_s_dtype_the_scales_go_unused(grown: tuple[str, dict]) -> None:
     path, _ = grown
-    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="auto", max_model_len=128, num_threads=2)
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="auto", max_model_len=128,
+              num_threads=2)
     plain = _reference(path, None)
     for prompt in PROMPTS:
         assert float((_prompt_logprobs(llm, prompt) - _reference_logprobs(plain, prompt)).abs().max()) < 1e-4
@@ -256,6 +254,7 @@ def test_the_decode_plan_applies_the_scales_as_the_layers_do(
 
 
 def _with_scales(src: str, dst: Path, scales: dict[str, torch.Tensor]) -> str:
+    """A copy of checkpoint ``src`` in ``dst`` whose KV-cache scales are ``scales`` (none: ``{}``)."""
     for f in Path(src).iterdir():
         if f.name != "model.safetensors":
             (dst / f.name).write_bytes(f.read_bytes())
@@ -277,7 +276,8 @@ def _with_scales(src: str, dst: Path, scales: dict[str, torch.Tensor]) -> str:
 def test_the_names_tools_write_reach_the_layer(grown: tuple[str, dict], tmp_path: Path, names: dict,
                                                expected: tuple[float, float]) -> None:
     path = _with_scales(grown[0], tmp_path, {k: torch.tensor([v]) for k, v in names.items()})
-    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", attention_backend="torch", max_model_len=64)
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", attention_backend="torch",
+              max_model_len=64)
     layers = llm.llm_engine.model_runner.model.model.layers
     assert (layers[0].self_attn.attn.k_scale, layers[0].self_attn.attn.v_scale) == expected
     assert (layers[1].self_attn.attn.k_scale, layers[1].self_attn.attn.v_scale) == (1.0, 1.0)
@@ -294,7 +294,8 @@ def test_the_names_tools_write_reach_the_layer(grown: tuple[str, dict], tmp_path
 def test_scales_vframe_cannot_apply_are_refused_at_load(grown: tuple[str, dict], tmp_path: Path,
                                                         scale: torch.Tensor, message: str) -> None:
     path = _with_scales(grown[0], tmp_path, {"model.layers.1.self_attn.k_scale": scale})
-    with pytest.raises(ModelLoadError, match=re.escape(f"checkpoint tensor 'model.layers.1.self_attn.k_scale' {message}")):
+    expected = f"checkpoint tensor 'model.layers.1.self_attn.k_scale' {message}"
+    with pytest.raises(ModelLoadError, match=re.escape(expected)):
         LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=64)
 
 
