@@ -6,6 +6,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ def _import_triton_interpreted() -> None:
     before any test module can: Triton reads TRITON_INTERPRET once, at import,
     and importing transformers' models imports Triton too. The variable is
     restored afterwards, so everything else sees the backend as a CPU user does
-    (refused); tests/backends/test_triton_attn.py sets it again where it runs
-    the kernels."""
+    (refused); a test that runs the kernels sets it again through the
+    ``interpreted`` fixture."""
     if torch.cuda.is_available() or "triton" in sys.modules or importlib.util.find_spec("triton") is None:
         return
     saved = os.environ.get("TRITON_INTERPRET")
@@ -34,6 +35,20 @@ def _import_triton_interpreted() -> None:
 
 
 _import_triton_interpreted()
+
+
+@pytest.fixture
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """vframe's Triton attention kernels under Triton's interpreter, with
+    ``TRITON_INTERPRET=1`` set for the test (so the backends take the CPU); skipped
+    where Triton was imported for the GPU (a GPU machine runs the ``gpu`` tests)."""
+    pytest.importorskip("triton")
+    from vframe.backends.triton import kernels
+
+    if not kernels.INTERPRETED:
+        pytest.skip("Triton was imported without its interpreter in this process (a GPU machine runs the gpu tests)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return kernels
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """kv_cache_dtype="fp8" (vLLM's FP8 KV cache): K/V (and DeepSeek's latent) stored
 as float8 with scale 1.0 and upcast when attention reads them, on the torch and
-cpu_paged backends; every other backend refuses it by name."""
+cpu_paged backends (triton: tests/backends/test_triton_attn.py); flash_attn and flex
+refuse it by name."""
 
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def test_cpu_paged_refuses_an_fp8_cache_for_float16_models() -> None:
     ]
 
 
-@pytest.mark.parametrize("backend", ["triton", "flash_attn", "flex"])
+@pytest.mark.parametrize("backend", ["flash_attn", "flex"])
 def test_other_backends_refuse_fp8_by_name(backend: str) -> None:
     from vframe.plugins import get_registry
 
@@ -136,7 +137,7 @@ def test_other_backends_refuse_fp8_by_name(backend: str) -> None:
         head_size=64, dtype=torch.bfloat16, device="cpu", block_size=16, kv_cache_dtype="fp8_e5m2"
     )
     assert f"the {backend} backend has no FP8 KV cache (kv_cache_dtype='fp8_e5m2'); use kv_cache_dtype='auto', " \
-        "or attention_backend='torch' which serves it" in reasons
+        "or attention_backend='triton' (NVIDIA GPUs) or 'torch', which serve it" in reasons
 
 
 # --------------------------------------------------------------------------- #

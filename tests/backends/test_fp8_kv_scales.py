@@ -177,10 +177,12 @@ def _decode_against_reference(llm: LLM, reference: torch.nn.Module, n: int = 12)
         assert bool((chosen >= expected.max(-1).values - 5e-3).all()), tokens
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu_paged"])
+@pytest.mark.parametrize("backend", ["torch", "cpu_paged", "triton"])
 def test_a_checkpoint_s_kv_scales_give_transformers_answers_through_a_float8_cache(
-    grown: tuple[str, dict], backend: str
+    grown: tuple[str, dict], backend: str, request: pytest.FixtureRequest
 ) -> None:
+    if backend == "triton":
+        request.getfixturevalue("interpreted")  # its kernels under Triton's interpreter
     path, scales = grown
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", attention_backend=backend,
               max_model_len=128, num_threads=2, enable_prefix_caching=False)
@@ -190,7 +192,7 @@ def test_a_checkpoint_s_kv_scales_give_transformers_answers_through_a_float8_cac
     for prompt in PROMPTS:
         deltas = (_prompt_logprobs(llm, prompt) - _reference_logprobs(reference, prompt)).abs()
         # the same float8 values on both sides, float32 sums in another order: measured max 2.4e-6
-        # (torch) and 1.4e-6 (cpu_paged); 3.8 nats with the scales dropped (the next test)
+        # (torch), 1.4e-6 (cpu_paged and triton); 3.8 nats with the scales dropped (the next test)
         assert float(deltas.max()) < 1e-4, deltas
     # decode: cached keys read back through each backend's own path (cpu_paged: the decode plan's C++)
     _decode_against_reference(llm, reference)
@@ -322,7 +324,7 @@ def test_an_engine_refuses_scales_its_backend_does_not_apply(grown: tuple[str, d
     assert re.fullmatch(
         r"the checkpoint carries calibrated FP8 KV-cache scales \(k_scale / v_scale, e.g. [0-9.]+ / [0-9.]+\) and "
         r"attention backend 'plain' \(.*PlainImpl\) does not apply them to its kv_cache_dtype='fp8' cache; use "
-        r"kv_cache_dtype='auto' \(the scales then go unused\), or a backend that applies them \(torch, cpu_paged\)",
+        r"kv_cache_dtype='auto' \(the scales then go unused\), or a backend that applies them \(torch, cpu_paged, triton\)",
         str(info.value),
     ), str(info.value)
     LLM(kv_cache_dtype="auto", **common)  # unused there: it loads

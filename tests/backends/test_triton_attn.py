@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -32,16 +31,6 @@ from vframe.testing.attention import ATTENTION_TOLERANCES, check_attention_backe
 from vframe.testing.mla import check_mla_backend  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-
-
-@pytest.fixture
-def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    from vframe.backends.triton import kernels
-
-    if not kernels.INTERPRETED:
-        pytest.skip("Triton was imported without its interpreter in this process (a GPU machine runs the gpu tests)")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield kernels
 
 
 @pytest.fixture
@@ -244,6 +233,94 @@ def test_padding_rows_are_zero_interpreted(interpreted: ModuleType) -> None:
 
 
 # --------------------------------------------------------------------------- #
+# A float8 cache (kv_cache_dtype="fp8"), with and without calibrated scales
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "dtype", "scales"),
+    [
+        ("fp8", torch.float32, None),
+        ("fp8", torch.bfloat16, None),
+        ("fp8_e5m2", torch.float16, None),
+        ("fp8", torch.float32, (0.05, 3.0)),
+        ("fp8_e5m2", torch.bfloat16, (4.0, 0.25)),
+    ],
+)
+def test_float8_cache_conforms_quick_interpreted(
+    interpreted: ModuleType, kv_cache_dtype: str, dtype: torch.dtype, scales: tuple[float, float] | None
+) -> None:
+    # the cache's bytes must be torch's fp8(x / scale) exactly; outputs against float32
+    # attention over the stored values times the scales (a dropped scale is off by ~3)
+    check_attention_backend("triton", dtype=dtype, quick=True, kv_cache_dtype=kv_cache_dtype, kv_cache_scales=scales)
+
+
+@pytest.mark.parametrize(("kv_cache_dtype", "dtype", "scale"), [("fp8", torch.float32, None),
+                                                                 ("fp8_e5m2", torch.bfloat16, 0.1)])
+def test_mla_float8_cache_conforms_quick_interpreted(
+    interpreted: ModuleType, kv_cache_dtype: str, dtype: torch.dtype, scale: float | None
+) -> None:
+    check_mla_backend("triton", dtype=dtype, quick=True, kv_cache_dtype=kv_cache_dtype, kv_cache_scale=scale)
+
+
+def _float8_values(cache_dtype: torch.dtype) -> torch.Tensor:
+    """Float32 values that find every rounding case of ``cache_dtype``: each finite value,
+    each midpoint between neighbours (ties go to the even one) and one float32 step to
+    either side of it, past the largest value, infinities, NaN, signed zeros and float32's
+    subnormals, then random values from 1e-12 to 1e6."""
+    finite = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(cache_dtype).float()
+    finite = finite[finite.isfinite()].unique()
+    mids = (finite[:-1] + finite[1:]) / 2
+    step = lambda x, k: (x.view(torch.int32) + k).view(torch.float32)  # noqa: E731
+    limit = torch.finfo(cache_dtype).max
+    special = [0.0, -0.0, limit * 1.01, -limit * 3, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-42]
+    random = torch.randn(20_000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-12, 6, 20_000)
+    return torch.cat([finite, mids, step(mids, 1), step(mids, -1), torch.tensor(special), random])
+
+
+def _check_float8_writes(kernels: ModuleType, cache_dtype: torch.dtype, device: str) -> None:
+    """Every byte ``write_kv`` stores must be torch's clamp(x / scale).to(float8), on the CPU."""
+    from vframe.backends.torch_attn import to_cache_dtype
+
+    values = _float8_values(cache_dtype)
+    rows = -(-values.shape[0] // 64)
+    values = torch.cat([values, torch.zeros(rows * 64 - values.shape[0])]).view(rows, 2, 32)
+    key, value = values * 0.75, values * 2.0  # stored as x / 0.75 and x / 2
+    cache = torch.zeros(2, rows, 1, 2, 32, dtype=cache_dtype, device=device)  # block size 1: token t in block t
+    kernels.write_kv(key.to(device), value.to(device), cache, torch.arange(rows, device=device), k_scale=0.75,
+                     v_scale=2.0)
+    for stored, x, scale in ((cache[0, :, 0], key, 0.75), (cache[1, :, 0], value, 2.0)):
+        expected = to_cache_dtype(x / scale, cache_dtype)
+        assert torch.equal(stored.cpu().view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_writes_round_as_torch_interpreted(interpreted: ModuleType, cache_dtype: torch.dtype) -> None:
+    # the kernel rounds in integers: the interpreter's own float8 conversion gets carries wrong
+    _check_float8_writes(interpreted, cache_dtype, "cpu")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")  # the NaN bytes
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_float8_byte_widens_exactly_interpreted(interpreted: ModuleType, cache_dtype: torch.dtype) -> None:
+    """A request of one token attends only its own value: the output is that slot's V row
+    widened, so each of the 256 bytes (NaN, e5m2's infinities, the subnormals) must come
+    out as torch's own conversion of it."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(4, 64)  # 4 kv-heads of 64
+    cache = torch.zeros(2, 2, 16, 4, 64, dtype=torch.uint8)
+    cache[1, 1, 0] = codes  # V of block 1, slot 0; K stays 0
+    out = torch.empty(1, 4, 64)
+    interpreted.paged_attention(
+        out, torch.randn(1, 4, 64), cache.view(cache_dtype), torch.tensor([[1]], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([0], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), block_q=1, scale=0.125,
+    )  # fmt: skip
+    expected = codes.view(cache_dtype).float()[None]
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out.nan_to_num(), expected.nan_to_num())
+
+
+# --------------------------------------------------------------------------- #
 # Planning
 # --------------------------------------------------------------------------- #
 
@@ -290,18 +367,23 @@ def test_listing_the_backend_imports_no_triton() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def _greedy_tokens(attention_backend: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
+def _greedy_tokens(
+    attention_backend: str, prompts: list[str], max_tokens: int, kv_cache_dtype: str = "auto"
+) -> list[list[int]]:
     from vframe import LLM, SamplingParams
 
-    llm = LLM(attention_backend=attention_backend, dtype="float32", num_threads=2, num_gpu_blocks_override=16)
+    llm = LLM(attention_backend=attention_backend, dtype="float32", num_threads=2, num_gpu_blocks_override=16,
+              kv_cache_dtype=kv_cache_dtype)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_greedy_tokens_equal_the_torch_backend_interpreted(interpreted: ModuleType) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_greedy_tokens_equal_the_torch_backend_interpreted(interpreted: ModuleType, kv_cache_dtype: str) -> None:
     # a prefill of two prompts, then a decode of both: about 3 s a step interpreted
     prompts = ["The capital of France is", "def add(a, b):"]
-    assert _greedy_tokens("triton", prompts, 2) == _greedy_tokens("torch", prompts, 2)
+    expected = _greedy_tokens("torch", prompts, 2, kv_cache_dtype)
+    assert _greedy_tokens("triton", prompts, 2, kv_cache_dtype) == expected
 
 
 @pytest.mark.slow
@@ -339,6 +421,24 @@ def test_split_kv_conforms_on_gpu(compiled: ModuleType, monkeypatch: pytest.Monk
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_float8_cache_conforms_on_gpu(compiled: ModuleType, dtype: torch.dtype, kv_cache_dtype: str) -> None:
+    check_attention_backend("triton", dtype=dtype, device="cuda", kv_cache_dtype=kv_cache_dtype)
+    check_attention_backend("triton", dtype=dtype, device="cuda", quick=True, kv_cache_dtype=kv_cache_dtype,
+                            kv_cache_scales=(0.05, 3.0))
+    check_mla_backend("triton", dtype=dtype, device="cuda", kv_cache_dtype=kv_cache_dtype, kv_cache_scale=0.1)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_writes_round_as_torch_on_gpu(compiled: ModuleType, cache_dtype: torch.dtype) -> None:
+    _check_float8_writes(compiled, cache_dtype, "cuda")
+
+
+@pytest.mark.gpu
+@cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 8])
 def test_long_context_on_gpu(compiled: ModuleType, dtype: torch.dtype, num_splits: int) -> None:
@@ -362,3 +462,18 @@ def test_auto_picks_triton_at_block_size_16_and_matches_torch_on_gpu(compiled: M
     ours = LLM(attention_backend="triton", dtype="float32", device="cuda").generate(prompts, params)
     theirs = LLM(attention_backend="torch", dtype="float32", device="cuda").generate(prompts, params)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+
+
+@pytest.mark.gpu
+@cuda
+def test_auto_picks_triton_for_a_float8_cache_and_matches_torch_on_gpu(compiled: ModuleType) -> None:
+    from vframe import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    common = dict(dtype="bfloat16", device="cuda", kv_cache_dtype="fp8")
+    auto = LLM(**common)  # flash_attn refuses a float8 cache
+    assert auto.llm_engine.model_runner.attn_backend.name == "triton"
+    assert auto.llm_engine.model_runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    theirs = LLM(attention_backend="torch", **common).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in auto.generate(prompts, params)] == [o.outputs[0].token_ids for o in theirs]

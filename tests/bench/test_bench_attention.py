@@ -156,3 +156,29 @@ def test_nothing_chosen_can_run(test_backends: None, tmp_path: Path, capsys: pyt
     assert code == 1
     assert summary["rows"] == []
     assert "no chosen attention backend can run here" in capsys.readouterr().out
+
+
+def test_a_float8_cache_for_every_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: set[torch.dtype] = set()
+    forward = TorchAttentionImpl.forward
+
+    def recording(self, query, key, value, kv_cache, attn_metadata) -> torch.Tensor:  # noqa: ANN001
+        seen.add(kv_cache.dtype)
+        return forward(self, query, key, value, kv_cache, attn_metadata)
+
+    monkeypatch.setattr(TorchAttentionImpl, "forward", recording)
+    code, summary = _run(["--backends", "torch,cpu_paged,flex", "--kv-cache-dtype", "fp8", "--head-size", "64",
+                          "--decode-batch", "3", "--context", "40", "--gqa", "2", "--prefill", "20+9"], tmp_path)
+    assert code == 0
+    assert summary["kv_cache_dtype"] == "fp8"
+    assert seen == {torch.float8_e4m3fn}  # what the torch reference was given
+    rows = {(r["shape"], r["backend"]): r for r in summary["rows"]}
+    assert sorted(rows) == [("decode b3 ctx40 gqa2", "cpu_paged"), ("decode b3 ctx40 gqa2", "torch"),
+                            ("prefill b2 20+q9 gqa2", "cpu_paged"), ("prefill b2 20+q9 gqa2", "torch")]
+    assert all(r["within_tolerance"] for r in rows.values())  # the same rounded keys and values on both
+    assert summary["skipped"] == [{"backend": "flex", "reasons": [
+        "the flex backend has no FP8 KV cache (kv_cache_dtype='fp8'); use kv_cache_dtype='auto', or "
+        "attention_backend='triton' (NVIDIA GPUs) or 'torch', which serve it"]}]
+    assert "cpu, float32, kv_cache_dtype fp8," in capsys.readouterr().out

@@ -158,17 +158,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-@pytest.fixture
-def interpreted(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    pytest.importorskip("triton")
-    from vframe.backends.triton import kernels
-
-    if not kernels.INTERPRETED:
-        pytest.skip("Triton was imported without its interpreter in this process (a GPU machine runs the gpu tests)")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return kernels
-
-
 def test_padded_decode_steps_over_static_buffers_equal_eager_steps_interpreted(
     interpreted: ModuleType, tiny_llama_dir: str
 ) -> None:

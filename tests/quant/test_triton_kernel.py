@@ -9,6 +9,8 @@ embedded SmolLM2 quantized to FP8 on CUDA.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
 import torch
 
@@ -21,15 +23,6 @@ from vframe.testing import check_quant_kernel
 from defaults import BF16_INT4
 
 CUDA = torch.device("cuda")
-
-
-@pytest.fixture
-def interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
-    import triton
-
-    if not triton.knobs.runtime.interpret and torch.cuda.is_available():
-        pytest.skip("Triton was imported for the GPU; the gpu tests run the kernel compiled")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def spec(*, device: torch.device = CUDA, weight_type: str = INT_WEIGHT, bits: int = 4, group_size: int = 128,
@@ -45,7 +38,7 @@ def spec(*, device: torch.device = CUDA, weight_type: str = INT_WEIGHT, bits: in
     "dtype, quick, cases",
     [(torch.float32, False, 45), (torch.bfloat16, False, 45), (torch.float16, True, 20)],
 )
-def test_conforms_interpreted(interpreted: None, dtype: torch.dtype, quick: bool, cases: int) -> None:
+def test_conforms_interpreted(interpreted: ModuleType, dtype: torch.dtype, quick: bool, cases: int) -> None:
     """Every weight-only spec of the kit: 4- and 8-bit integers (groups of 32, 48, 64, per
     channel; offsets; act order, also per fused shard), FP8 per row and block, NVFP4 and
     MXFP4 over all their codes; 1 to 40 tokens, with and without a bias."""

@@ -16,7 +16,10 @@ sees the same keys, values and queries; its block table is a random permutation
 of its own blocks at its own block size. The built-in ``torch`` backend is the
 reference: ``speedup = torch time / time``, ``error = max |out - out_torch|``, and
 the verdict is whether ``|out - out_torch| <= atol + rtol * |out_torch|`` everywhere
-with ``vframe.testing.attention.ATTENTION_TOLERANCES[dtype]``.
+with ``vframe.testing.attention.ATTENTION_TOLERANCES[dtype]``. ``--kv-cache-dtype fp8``
+gives every backend (the reference too) a float8 cache, asked of each through
+``validate_configuration(..., kv_cache_dtype=...)``: they hold the same rounded
+keys and values, so the same tolerance applies.
 """
 
 from __future__ import annotations
@@ -95,6 +98,9 @@ def add_bench_attention_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16,
                         help="tokens per KV block, for each backend that accepts it; others take the first of "
                         + ", ".join(map(str, FALLBACK_BLOCK_SIZES)) + " they accept")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"], default="auto",
+                        help="what the cache holds: the model's dtype (auto) or float8, for every backend (the "
+                        "torch reference too), keys and values at scale 1.0")
     parser.add_argument("--quick", action="store_true", help="the small grid (always the default on CPU)")
     for name, (full, quick, help_text) in GRID_DEFAULTS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=type(full), default=None,
@@ -118,24 +124,28 @@ def run_bench_attention(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     shapes = build_shapes(grid)
 
-    backends, skipped = select_backends(args.backends, args.block_size, grid["head_size"], dtype, device)
+    kv_cache_dtype = args.kv_cache_dtype
+    backends, skipped = select_backends(args.backends, args.block_size, grid["head_size"], dtype, device,
+                                        kv_cache_dtype)
     for name, reasons in skipped.items():
         print(f"skipped {name}: " + "; ".join(reasons))
     if not backends:
         print("no chosen attention backend can run here")
-        _write_json(args.output_json, device, dtype, grid, [], skipped)
+        _write_json(args.output_json, device, dtype, grid, [], skipped, kv_cache_dtype)
         return 1
-    print(f"{device.type}, {str(dtype).removeprefix('torch.')}, warmup {grid['warmup']}, iters {grid['iters']}; "
+    print(f"{device.type}, {str(dtype).removeprefix('torch.')}, kv_cache_dtype {kv_cache_dtype}, "
+          f"warmup {grid['warmup']}, iters {grid['iters']}; "
           + ", ".join(f"{name} block_size {bs}" for name, (_, bs) in backends.items()))
     print(f"{'shape':<30} {'backend':<12} {'block':>5} {'time ms':>10} {'vs torch':>9} {'max err':>9}  verdict")
 
     rows: list[Row] = []
     with torch.inference_mode():  # as the model runner calls the model
         for shape in shapes:
-            rows += bench_shape(shape, backends, dtype, device, grid["warmup"], grid["iters"], args.seed)
+            rows += bench_shape(shape, backends, dtype, device, grid["warmup"], grid["iters"], args.seed,
+                                kv_cache_dtype)
             for row in rows[-len(backends):]:
                 print(format_row(row), flush=True)
-    _write_json(args.output_json, device, dtype, grid, rows, skipped)
+    _write_json(args.output_json, device, dtype, grid, rows, skipped, kv_cache_dtype)
     return 0 if any(r.time_ms is not None for r in rows) else 1
 
 
@@ -174,7 +184,12 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def select_backends(
-    names: str | None, block_size: int, head_size: int, dtype: torch.dtype, device: torch.device
+    names: str | None,
+    block_size: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[dict[str, tuple[type[AttentionBackend], int]], dict[str, list[str]]]:
     """``({name: (class, block_size)}, {name: reasons it is skipped})``, torch first."""
     from vframe.errors import PluginError
@@ -194,7 +209,7 @@ def select_backends(
         if reasons := cls.check_available():
             skipped[name] = reasons
             continue
-        accepted, reasons = pick_block_size(cls, block_size, head_size, dtype, device)
+        accepted, reasons = pick_block_size(cls, block_size, head_size, dtype, device, kv_cache_dtype)
         if accepted is None:
             skipped[name] = reasons
         else:
@@ -207,14 +222,20 @@ def select_backends(
 
 
 def pick_block_size(
-    cls: type[AttentionBackend], block_size: int, head_size: int, dtype: torch.dtype, device: torch.device
+    cls: type[AttentionBackend],
+    block_size: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[int | None, list[str]]:
     """``block_size`` if the backend accepts it, else the first of ``FALLBACK_BLOCK_SIZES``
     it accepts; ``None`` and every reason given for ``block_size`` when it accepts none."""
     first_reasons: list[str] = []
+    options = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # as the runner asks
     for candidate in (block_size, *FALLBACK_BLOCK_SIZES):
         reasons = cls.validate_configuration(
-            head_size=head_size, dtype=dtype, device=device.type, block_size=candidate
+            head_size=head_size, dtype=dtype, device=device.type, block_size=candidate, **options
         )
         if not reasons:
             return candidate, []
@@ -235,6 +256,7 @@ def bench_shape(
     warmup: int,
     iters: int,
     seed: int,
+    kv_cache_dtype: str = "auto",
 ) -> list[Row]:
     """One row per backend; the first backend is the reference."""
     import torch
@@ -253,7 +275,9 @@ def bench_shape(
         row = Row(shape, name, block_size)
         rows.append(row)
         try:
-            out, times = _run_backend(cls, shape, block_size, query, key, value, dtype, device, warmup, iters, seed)
+            out, times = _run_backend(
+                cls, shape, block_size, query, key, value, dtype, device, warmup, iters, seed, kv_cache_dtype
+            )
         except Exception as e:  # noqa: BLE001 (one backend's failure, OOM included, is that row's result)
             row.failure = f"{type(e).__name__}: {e}"
             if device.type == "cuda":
@@ -286,10 +310,12 @@ def _run_backend(
     warmup: int,
     iters: int,
     seed: int,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[torch.Tensor, list[float]]:  # the step's output [T, H, D], milliseconds per timed call
     import torch
 
     from vframe.core.config import EngineConfig
+    from vframe.core.kv_cache_spec import kv_cache_torch_dtype
 
     seq_len = shape.context_len + shape.query_len
     blocks_per_req = -(-seq_len // block_size)
@@ -297,11 +323,13 @@ def _run_backend(
     gen = torch.Generator().manual_seed(seed)
     block_table = torch.randperm(num_blocks, generator=gen).view(shape.num_reqs, blocks_per_req).to(device)
     kv_cache = torch.zeros(
-        cls.get_kv_cache_shape(num_blocks, block_size, shape.num_kv_heads, shape.head_size), dtype=dtype, device=device
+        cls.get_kv_cache_shape(num_blocks, block_size, shape.num_kv_heads, shape.head_size),
+        dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype),
+        device=device,
     )
     config = EngineConfig.from_sources(
         env={}, block_size=block_size, dtype=str(dtype).removeprefix("torch."), device=device.type,
-        attention_backend=cls.name,
+        attention_backend=cls.name, kv_cache_dtype=kv_cache_dtype,
     )
     builder = cls.get_metadata_builder_cls()(config, device)
     impl = cls.get_impl_cls()(shape.num_heads, shape.head_size, shape.head_size**-0.5, shape.num_kv_heads)
@@ -401,6 +429,7 @@ def _write_json(
     grid: dict[str, Any],
     rows: list[Row],
     skipped: dict[str, list[str]],
+    kv_cache_dtype: str = "auto",
 ) -> None:
     if not path:
         return
@@ -409,6 +438,7 @@ def _write_json(
     summary = {
         "device": device.type,
         "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": kv_cache_dtype,
         "tolerance": ATTENTION_TOLERANCES.get(dtype),
         "grid": grid,
         "rows": [r.as_dict() for r in rows],

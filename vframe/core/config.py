@@ -200,7 +200,8 @@ class CacheSection(BaseModel):
     kv_cache_dtype: str = Field(
         "auto",
         description="auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e4m3 or fp8_e5m2: K/V stored as float8, "
-        "with the checkpoint's calibrated k_scale / v_scale (else 1.0), on the torch and cpu_paged attention backends",
+        "with the checkpoint's calibrated k_scale / v_scale (else 1.0), on the torch, triton (NVIDIA GPUs) and "
+        "cpu_paged attention backends",
     )
     cpu_offload_gb: float = Field(0.0, ge=0.0, description="only 0: weights stay on the device")
     prefix_caching_hash_algo: Literal["builtin", "sha256"] = Field(

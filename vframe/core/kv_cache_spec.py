@@ -56,7 +56,7 @@ def refuse_fp8_kv_cache(backend: str, kv_cache_dtype: str) -> list[str]:
         return []
     return [
         f"the {backend} backend has no FP8 KV cache (kv_cache_dtype={kv_cache_dtype!r}); "
-        "use kv_cache_dtype='auto', or attention_backend='torch' which serves it"
+        "use kv_cache_dtype='auto', or attention_backend='triton' (NVIDIA GPUs) or 'torch', which serve it"
     ]
 
 

@@ -3,9 +3,13 @@
 One step is two launches per layer, whatever mixes of prefills and decodes it
 holds: one writes the step's keys and values at ``slot_mapping``, one attends
 every request's new tokens over its cached and new keys (causal, GQA, variable
-lengths). Multi-head latent attention layers (DeepSeek) are ``mla.py``'s. A step of decodes only over long contexts adds a split-KV launch
-(flash-decoding): each request's keys are cut into shares attended in parallel,
-then merged by a third kernel.
+lengths). The cache holds the model's dtype or, with ``kv_cache_dtype="fp8"``
+(``fp8_e4m3``, ``fp8_e5m2``), float8 over a checkpoint's calibrated ``k_scale`` /
+``v_scale`` (else 1.0), as the torch backend stores it, bit for bit.
+Multi-head latent attention layers (DeepSeek) are ``mla.py``'s. A step of
+decodes only over long contexts adds a split-KV launch (flash-decoding): each
+request's keys are cut into shares attended in parallel, then merged by a
+third kernel.
 
 The metadata builder turns the step into a list of programs, each up to
 ``block_q`` query tokens of one request::
@@ -34,7 +38,6 @@ from vframe.core.interfaces import (
     CommonAttentionMetadata,
     MLAAttentionImpl,
 )
-from vframe.core.kv_cache_spec import refuse_fp8_kv_cache
 from vframe.utils import triton_mode
 
 PREFILL_BLOCK_Q = 16  # query tokens per program when some request has more than one
@@ -99,6 +102,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TritonAttentionImpl(AttentionImpl):
+    supports_kv_cache_scales = True  # plugin API 1.19: the kernels write over and read times them
+
     def __init__(
         self,
         num_heads: int,
@@ -129,7 +134,7 @@ class TritonAttentionImpl(AttentionImpl):
         n = meta.num_actual_tokens
         # The kernels index the head dimension with unit stride.
         query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
-        self.kernels.write_kv(key[:n], value[:n], kv_cache, meta.slot_mapping)
+        self.kernels.write_kv(key[:n], value[:n], kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         output = torch.empty_like(query)
         if output.shape[0] > n:
             output[n:].zero_()  # padding rows
@@ -146,6 +151,8 @@ class TritonAttentionImpl(AttentionImpl):
             scale=self.scale,
             sliding_window=self.sliding_window,
             num_splits=self.num_splits(meta),
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return output
 
@@ -187,7 +194,7 @@ class TritonAttentionBackend(AttentionBackend):
         use_mla: bool = False,
         kv_cache_dtype: str = "auto",
     ) -> list[str]:
-        reasons = refuse_fp8_kv_cache("triton", kv_cache_dtype)
+        reasons = []
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             reasons.append(f"the triton backend supports float32, bfloat16 and float16, not {dtype}")
         if use_mla:  # head_size: the latent's kv_lora_rank + qk_rope_head_dim

@@ -12,7 +12,9 @@ BLOCK_H``, head ``m % BLOCK_H`` of the program's head block). Decodes take
 ``BLOCK_Q = 1`` and 16 heads a program (the latent is read once for 16
 heads); prefill chunks 16 tokens of one head. The latent and the rotated part
 are loaded as two tiles, each padded to a power of two, so that DeepSeek's
-512 + 64 pads nothing.
+512 + 64 pads nothing. A float8 cache is read as bytes and widened exactly
+(``kernels.float8_value``), its ``k_scale`` folded into the softmax scale and the
+output.
 
 Imported by the backend when the first MLA layer is built (see ``kernels.py``
 for how ``TRITON_INTERPRET`` is read).
@@ -24,7 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from vframe.backends.triton.kernels import INTERPRETED, MIN_DOT_ROWS, TILE_N, online_softmax_step
+from vframe.backends.triton.kernels import (
+    INTERPRETED,
+    MIN_DOT_ROWS,
+    TILE_N,
+    cache_operand,
+    online_softmax_step,
+    widen_kv,
+)
 
 DECODE_BLOCK_H = 16  # heads per program when each request has one query token
 
@@ -33,13 +42,14 @@ DECODE_BLOCK_H = 16  # heads per program when each request has one query token
 def _mla_attention_kernel(
     out_ptr,  # [T, H, R]
     query_ptr,  # [T, H, R + P]
-    cache_ptr,  # [num_blocks, block_size, R + P]
+    cache_ptr,  # [num_blocks, block_size, R + P]; a float8 cache as uint8
     block_table_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     query_start_loc_ptr,  # [B + 1] int32
     program_req_ptr,  # [P] int32
     program_q_off_ptr,  # [P] int32
-    scale_log2,
+    scale_log2,  # scale * k_scale * log2(e)
+    out_scale,  # a float8 cache's k_scale (the latent is the value), else 1.0
     stride_qt,
     stride_qh,
     stride_ot,
@@ -58,6 +68,7 @@ def _mla_attention_kernel(
     BLOCK_M: tl.constexpr,  # max(16, BLOCK_Q * BLOCK_H)
     TILE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    FP8_MANT: tl.constexpr,  # 0: the cache holds the query's dtype; else kernels.float8_value's format
 ):
     pid = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -97,13 +108,11 @@ def _mla_attention_kernel(
         # Only written positions are loaded: stale slots (NaN) are never read.
         block = tl.load(block_table_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=pos_valid, other=0)
         slot_off = block.to(tl.int64) * stride_c_block + (pos % BLOCK_SIZE) * stride_c_off  # [TILE]
-        c = tl.load(cache_ptr + slot_off[:, None] + r[None, :], mask=pos_valid[:, None] & r_valid[None, :], other=0.0)
+        c = tl.load(cache_ptr + slot_off[:, None] + r[None, :], mask=pos_valid[:, None] & r_valid[None, :], other=0)
         k_pe = tl.load(
-            cache_ptr + slot_off[:, None] + RANK + p_dim[None, :], mask=pos_valid[:, None] & p_valid[None, :], other=0.0
+            cache_ptr + slot_off[:, None] + RANK + p_dim[None, :], mask=pos_valid[:, None] & p_valid[None, :], other=0
         )
-        if UPCAST_DOT:
-            c = c.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
+        c, k_pe = widen_kv(c, k_pe, query_ptr.dtype.element_ty, UPCAST_DOT, FP8_MANT)
         s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
         s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
         s = s * scale_log2  # [BLOCK_M, TILE]
@@ -112,12 +121,14 @@ def _mla_attention_kernel(
 
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         if UPCAST_DOT:
-            p_v = p.to(cache_ptr.dtype.element_ty).to(tl.float32)
+            p_v = p.to(query_ptr.dtype.element_ty).to(tl.float32)
         else:
             p_v = p.to(c.dtype)
         acc = acc * alpha[:, None] + tl.dot(p_v, c, input_precision="ieee")
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if FP8_MANT > 0:
+        out = out * out_scale
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
     o_mask = row_valid[:, None] & r_valid[None, :]
     tl.store(out_ptr + o_rows[:, None] + r[None, :], out.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -136,8 +147,10 @@ def mla_attention(
     block_q: int,
     kv_lora_rank: int,
     scale: float,
+    k_scale: float = 1.0,
 ) -> None:
-    """Causal MLA of every program's query tokens (see the module docstring)."""
+    """Causal MLA of every program's query tokens (see the module docstring); a float8
+    cache holds the latent over ``k_scale``."""
     num_heads = query.shape[1]
     rope = query.shape[2] - kv_lora_rank
     num_programs = program_req.shape[0]
@@ -145,9 +158,10 @@ def mla_attention(
         return
     block_h = min(DECODE_BLOCK_H, triton.next_power_of_2(num_heads)) if block_q == 1 else 1
     grid = (num_programs, triton.cdiv(num_heads, block_h))
+    cache, fp8_mant, _, _ = cache_operand(kv_cache)
     _mla_attention_kernel[grid](
-        out, query, kv_cache, block_table, seq_lens, query_start_loc, program_req, program_q_off,
-        scale * 1.4426950408889634, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        out, query, cache, block_table, seq_lens, query_start_loc, program_req, program_q_off,
+        scale * k_scale * 1.4426950408889634, k_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         NUM_HEADS=num_heads,
         RANK=kv_lora_rank,
@@ -160,4 +174,5 @@ def mla_attention(
         BLOCK_M=max(MIN_DOT_ROWS, block_q * block_h),
         TILE=TILE_N,
         UPCAST_DOT=INTERPRETED and query.dtype == torch.bfloat16,
+        FP8_MANT=fp8_mant,
     )  # fmt: skip

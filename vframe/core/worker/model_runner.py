@@ -237,7 +237,7 @@ class TorchModelRunner(ModelRunner):
                 f"{scaled[0].k_scale:g} / {scaled[0].v_scale:g}) and attention backend {self.attn_backend.name!r} "
                 f"({', '.join(refused)}) does not apply them to its kv_cache_dtype={kv_cache_dtype!r} cache; use "
                 "kv_cache_dtype='auto' (the scales then go unused), or a backend that applies them (torch, "
-                "cpu_paged)"
+                "cpu_paged, triton)"
             )
 
     def _build_lora_manager(self) -> LoRAManager:
