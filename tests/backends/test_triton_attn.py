@@ -57,9 +57,14 @@ def test_conforms_quick_interpreted(interpreted: ModuleType, dtype: torch.dtype)
     check_attention_backend("triton", dtype=dtype, quick=True)
 
 
-def test_split_kv_decodes_conform_interpreted(interpreted: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("kv_cache_dtype", "scales"), [("auto", None), ("fp8", (0.05, 3.0))])
+def test_split_kv_decodes_conform_interpreted(
+    interpreted: ModuleType, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str, scales: tuple[float, float] | None
+) -> None:
+    # fp8: each share's partial result carries v_scale before the shares are merged
     monkeypatch.setattr(TritonAttentionImpl, "num_splits", _decodes_split_in_three)
-    check_attention_backend("triton", dtype=torch.float32, quick=True)
+    check_attention_backend("triton", dtype=torch.float32, quick=True, kv_cache_dtype=kv_cache_dtype,
+                            kv_cache_scales=scales)
 
 
 @pytest.mark.slow
