@@ -1,7 +1,7 @@
 """Make quantized checkpoints of a dense Hugging Face Llama with the real tools.
 
 Runs in the tools' own environment (``make quant-tools``: ``.venv-quant``, with
-llm-compressor and auto-round), not in vframe's, and imports nothing from vframe::
+llm-compressor, auto-round and ModelOpt), not in vframe's, and imports nothing from vframe::
 
     .venv-quant/bin/python tests/quant_real/make_checkpoints.py DENSE_DIR OUT_DIR SCHEME [SCHEME ...]
 
@@ -19,7 +19,9 @@ transformers loads the saved checkpoint through compressed-tensors
 compressed-tensors' unpack and dequantize functions in float32, as its decompression
 would in bfloat16); for auto-round, the
 model right after ``quantize()`` holds its fake-quantized (quantize then
-dequantize) weights, saved before packing.
+dequantize) weights, saved before packing; for NVIDIA ModelOpt (``nvidia-modelopt``,
+which calibrates and exports on the CPU), each exported layer dequantized by its own
+``FP8QTensor`` / ``NVFP4QTensor`` classes (its fake quantization of NVFP4 needs a GPU).
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ SCHEMES = {
     "ct-w4a16-head": "llm-compressor GPTQModifier W4A16 (int4, groups of 64), lm_head not ignored: quantized too",
     "ct-nvfp4a16": "llm-compressor QuantizationModifier NVFP4A16 (float4 weights, e4m3 scales per 16, global scale)",
     "ct-mxfp4a16": "llm-compressor QuantizationModifier MXFP4A16 (float4 weights, e8m0 scales per 32)",
+    "modelopt-fp8": "NVIDIA ModelOpt FP8_DEFAULT_CFG + FP8_KV_CFG (per-tensor FP8 weights, static input scales, "
+                    "FP8 KV-cache scales), export_hf_checkpoint",
+    "modelopt-fp8-channel": "NVIDIA ModelOpt FP8_PER_CHANNEL_PER_TOKEN_CFG (FP8 weights, a scale per output row)",
+    "modelopt-fp8-block": "NVIDIA ModelOpt FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG (FP8 weights, 128x128 block scales)",
+    "modelopt-nvfp4": "NVIDIA ModelOpt NVFP4_DEFAULT_CFG (NVFP4 weights and activations, W4A4)",
     "autoround-gptq": "auto-round 4 bit symmetric, groups of 64, exported as auto_gptq",
     "autoround-awq": "auto-round 4 bit with zero points, groups of 64, round to nearest (iters=0), as auto_awq",
     "autoround-gptq-head": "auto-round 4 bit symmetric, groups of 64, round to nearest (iters=0), lm_head "
@@ -108,6 +115,13 @@ CT_PRESETS = {
     "ct-w4a16-head": ("gptq", 4),
     "ct-nvfp4a16": ("quantization", "NVFP4A16"),
     "ct-mxfp4a16": ("quantization", "MXFP4A16"),
+}
+# scheme -> ModelOpt's config(s), merged in order
+MODELOPT_CONFIGS = {
+    "modelopt-fp8": ("FP8_DEFAULT_CFG", "FP8_KV_CFG"),
+    "modelopt-fp8-channel": ("FP8_PER_CHANNEL_PER_TOKEN_CFG",),
+    "modelopt-fp8-block": ("FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",),
+    "modelopt-nvfp4": ("NVFP4_DEFAULT_CFG",),
 }
 AUTOROUND_FORMATS = {"autoround-gptq": "auto_gptq", "autoround-awq": "auto_awq", "autoround-gptq-head": "auto_gptq"}
 # schemes that calibrate the KV cache too: llm-compressor's FP8 KV cache (what vLLM reads as k_scale / v_scale)
@@ -274,6 +288,66 @@ def make_auto_round(scheme: str, dense: Path, out: Path, reference: Path) -> Non
     _save_reference_state(qdq_model.config, qdq_state | exported, dense, reference)
 
 
+def make_modelopt(scheme: str, dense: Path, out: Path, reference: Path) -> None:
+    """``mtq.quantize`` calibrated on the sentences, then ``export_hf_checkpoint``; the
+    reference is every exported layer dequantized by ModelOpt's own tensor classes."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+
+    model, tokenizer = _load(dense)
+    config = {"quant_cfg": [], "algorithm": "max"}
+    for name in MODELOPT_CONFIGS[scheme]:
+        config["quant_cfg"] = list(config["quant_cfg"]) + list(getattr(mtq, name)["quant_cfg"])
+        config["algorithm"] = getattr(mtq, name).get("algorithm", config["algorithm"])
+
+    def calibrate(m: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for text in CALIBRATION:
+                m(**tokenizer(text, return_tensors="pt", truncation=True, max_length=MAX_SEQ_LENGTH))
+
+    model = mtq.quantize(model, config, calibrate)
+    with torch.inference_mode():
+        export_hf_checkpoint(model, export_dir=str(out))
+    for item in dense.iterdir():
+        if item.suffix != ".safetensors" and not (out / item.name).exists():
+            shutil.copy(item, out / item.name)
+    dense_model, _ = _load(dense)
+    _save_reference(dense_model, dense, reference, _modelopt_float32_weights(out))
+
+
+def _modelopt_float32_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Each quantized layer's weight as ModelOpt's FP8QTensor / NVFP4QTensor dequantize it,
+    in float32. The stored scales in the shapes those take: a row's scale as [out, 1], the
+    blocks of FP8_PB_WO ([out blocks, 1, in blocks, 1] on disk) as [out blocks, in blocks]."""
+    from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
+    from safetensors import safe_open
+
+    weights = {}
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        for name in sorted(names):
+            module = name.removesuffix(".weight_scale")
+            if not name.endswith(".weight_scale") or f"{module}.weight" not in names:
+                continue
+            q, scale = f.get_tensor(f"{module}.weight"), f.get_tensor(name)
+            if q.dtype == torch.uint8:  # NVFP4: two codes a byte
+                shape = torch.Size([q.shape[0], q.shape[1] * 2])
+                w = NVFP4QTensor(shape, torch.float32, q).dequantize(
+                    torch.float32, scale=scale, double_scale=f.get_tensor(f"{module}.weight_scale_2"),
+                    block_sizes={-1: 16},
+                )
+            elif scale.dim() == 4:  # 128 x 128 blocks
+                w = FP8QTensor(q.shape, torch.float32, q).dequantize(
+                    torch.float32, scale=scale.reshape(scale.shape[0], scale.shape[2]), block_sizes={-1: 128, -2: 128}
+                )
+            else:
+                w = FP8QTensor(q.shape, torch.float32, q).dequantize(
+                    torch.float32, scale=scale.reshape(-1, 1) if scale.dim() == 1 else scale
+                )
+            weights[f"{module}.weight"] = w.float()
+    return weights
+
+
 def _gptq_v1_weight(checkpoint: Path, module: str) -> torch.Tensor:
     """``scales[g] * (q - (z + 1))`` of a 4-bit GPTQ v1 layer, ``[out, in]`` float32:
     eight values an int32 word, lowest bits first, inputs along qweight's rows and
@@ -300,7 +374,8 @@ def make(scheme: str, dense: Path, out_dir: Path) -> None:
     for path in (tmp, tmp_ref, final, final_ref):
         shutil.rmtree(path, ignore_errors=True)
     torch.manual_seed(0)
-    maker = make_auto_round if scheme in AUTOROUND_FORMATS else make_llm_compressor
+    maker = (make_auto_round if scheme in AUTOROUND_FORMATS else make_modelopt if scheme in MODELOPT_CONFIGS
+             else make_llm_compressor)
     maker(scheme, dense, tmp, tmp_ref)
     tmp_ref.rename(final_ref)
     tmp.rename(final)

@@ -251,12 +251,30 @@ class ModelConfig:
             raise ModelLoadError(f"{path}: unreadable config ({e})") from e
         if not isinstance(data, dict):
             raise ModelLoadError(f"{path}: expected a JSON object")
+        if "quantization_config" not in data and (path.parent / MODELOPT_QUANT_CONFIG).exists():
+            data["quantization_config"] = _modelopt_quant_config(path.parent / MODELOPT_QUANT_CONFIG)
         if not overrides:
             return cls(data, path)
         return cls(_merged(data, overrides), f"{path} with hf_overrides")
 
     def __repr__(self) -> str:
         return f"ModelConfig({self.__dict__!r})"
+
+
+# NVIDIA ModelOpt's own file beside config.json; older exports describe their quantization only there
+MODELOPT_QUANT_CONFIG = "hf_quant_config.json"
+
+
+def _modelopt_quant_config(path: Path) -> dict[str, Any]:
+    """``hf_quant_config.json`` as the ``quantization_config`` of ``quant_method: modelopt``
+    (what vLLM reads for a config.json without one; vframe.quant.modelopt parses it)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: unreadable ModelOpt quantization config ({e})") from e
+    if not isinstance(data, dict) or not isinstance(data.get("quantization"), dict):
+        raise ModelLoadError(f"{path}: expected a JSON object with a 'quantization' object, as ModelOpt writes it")
+    return {"quant_method": "modelopt", **data}
 
 
 def _merged(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

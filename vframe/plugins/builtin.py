@@ -69,6 +69,7 @@ def vframe_register_quantizers(register: RegisterFn) -> None:
     register("awq", "vframe.quant.awq:AWQConfig")
     register("fp8", "vframe.quant.fp8:Fp8Config")
     register("compressed-tensors", "vframe.quant.compressed_tensors:CompressedTensorsConfig")
+    register("modelopt", "vframe.quant.modelopt:ModelOptConfig")
     register("gguf", "vframe.quant.gguf:GGUFConfig")
 
 
