@@ -353,3 +353,25 @@ def ct_mxfp4_quantize(w: torch.Tensor) -> NVFP4Quantized:
     values = cast_to_fp4(w / scales.repeat_interleave(32, dim=1))
     tensors = {"weight_packed": pack_fp4_to_uint8(values), "weight_scale": exponent}
     return NVFP4Quantized(tensors, values, scales, torch.ones(1), group_size=32)
+
+
+@dataclass
+class MXFP8Quantized:
+    tensors: dict[str, torch.Tensor]  # as compressed-tensors (and ModelOpt) save them
+    values: torch.Tensor  # [out, in] float32, the e4m3 values
+    scales: torch.Tensor  # [out, in / 32] float32 powers of two
+
+    def weight(self) -> torch.Tensor:  # [out, in] float64: what the checkpoint means
+        return (self.values * self.scales.repeat_interleave(32, dim=1)).double()
+
+
+def mxfp8_quantize(w: torch.Tensor) -> MXFP8Quantized:
+    """MXFP8: each group of 32 inputs a power-of-two scale, the smallest that puts the group's
+    ``max |w|`` at or below e4m3's 448, stored as its e8m0 byte (``127 + exponent``); ``weight``
+    e4m3 ``w / scale``."""
+    w = w.float()
+    group_max = w.view(w.shape[0], -1, 32).abs().amax(dim=-1).clamp(min=2.0**-100)  # [out, in / 32]
+    exponent = torch.ceil(torch.log2(group_max / 448)).clamp(-127, 127)
+    scales = torch.exp2(exponent)
+    q = (w / scales.repeat_interleave(32, dim=1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return MXFP8Quantized({"weight": q, "weight_scale": (exponent + 127).to(torch.uint8)}, q.float(), scales)

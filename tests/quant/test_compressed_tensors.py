@@ -12,13 +12,14 @@ from vframe import LLM
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from vframe.plugins import get_registry
-from vframe.quant.compressed_tensors import CompressedTensorsConfig, Fp4Method, NaiveMethod, PackedMethod
+from vframe.quant.compressed_tensors import CompressedTensorsConfig, Fp4Method, Mxfp8Method, NaiveMethod, PackedMethod
 from vframe.testing.models import assert_matches_transformers
 from vframe.testing.quant import check_quant_method
 from fp8_blocks import fp8_block_quantize
 from defaults import BF16_INT4
 from packers import (
-    cast_to_fp4, ct_fp8_quantize, ct_int_quantize, ct_mxfp4_quantize, ct_nvfp4_quantize, pack_fp4_to_uint8,
+    cast_to_fp4, ct_fp8_quantize, ct_int_quantize, ct_mxfp4_quantize, ct_nvfp4_quantize, mxfp8_quantize,
+    pack_fp4_to_uint8,
     PROJECTIONS, assert_head_quantized, generates_like_transformers, pack_to_int32, write_quantized_llama,
 )
 
@@ -34,6 +35,7 @@ FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": T
 FP8_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
 NVFP4_WEIGHTS = {**weights(4, "float", "tensor_group", 16), "scale_dtype": "torch.float8_e4m3fn"}
 MXFP4_WEIGHTS = {**weights(4, "float", "group", 32), "scale_dtype": "torch.uint8"}
+MXFP8_WEIGHTS = {**weights(8, "float", "group", 32), "scale_dtype": "torch.uint8"}
 NVFP4_INPUTS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
                 "dynamic": "local", "observer": "static_minmax"}  # the NVFP4 (W4A4) preset's activations
 FP8_GROUP = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "symmetric": True,
@@ -217,6 +219,36 @@ def test_mxfp4_weight_is_the_e2m1_values_times_each_group_s_power_of_two() -> No
     assert shards[1].tensors["weight_scale"].dtype == torch.uint8 and int(shards[1].tensors["weight_scale"].max()) > 127
 
 
+def test_mxfp8_weight_is_the_e4m3_values_times_each_group_s_power_of_two() -> None:
+    config = CompressedTensorsConfig.from_config(quant_config("mxfp8-quantized", MXFP8_WEIGHTS))
+    layer = MergedColumnParallelLinear(64, [32, 48], bias=False, quant_config=config, prefix="l.gate_up_proj")
+    shards = [mxfp8_quantize(random_weight(n, 64, i) * 2.0**-100**i) for i, n in enumerate((32, 48))]
+    shards[1].tensors["weight_scale"][0, 0] = 0  # 2 ** -127, a subnormal
+    shards[1].scales[0, 0] = 2.0**-127
+    for shard_id, packed in enumerate(shards):
+        load(layer, packed.tensors, shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+
+    assert isinstance(layer.quant_method, Mxfp8Method) and layer.quant_method.kernel.name == "fp8_cpu"
+    expected = torch.cat([p.weight() for p in shards])
+    assert torch.equal(layer.quant_method.dequantize_weight(layer).double(), expected)
+    tensors = [*layer.buffers(), *layer.parameters()]
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}  # each storage once
+    assert sum(held.values()) == 80 * 64 + 80 * 64 // 32 * 4, held  # the e4m3 bytes once, a float32 scale a group
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(layer(x).double(), x.double() @ expected.T, rtol=0, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_an_mxfp8_scale_byte_of_255_is_refused() -> None:
+    config = CompressedTensorsConfig.from_config(quant_config("mxfp8-quantized", MXFP8_WEIGHTS))
+    layer = ReplicatedLinear(64, 32, bias=False, quant_config=config, prefix="model.layers.0.mlp.down_proj")
+    packed = mxfp8_quantize(random_weight(32, 64, 0))
+    packed.tensors["weight_scale"][3, 1] = 0xFF
+    load(layer, packed.tensors)
+    with pytest.raises(ModelLoadError, match="model.layers.0.mlp.down_proj: a scale byte is 0xFF, e8m0's NaN"):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
 def test_an_nvfp4_w4a4_checkpoint_runs_weight_only_and_says_so(caplog) -> None:
     with caplog.at_level("WARNING", logger="vframe.quant.compressed_tensors"):
         config = CompressedTensorsConfig.from_config(quant_config("nvfp4-pack-quantized", NVFP4_WEIGHTS, NVFP4_INPUTS))
@@ -270,6 +302,7 @@ CONFORMANCE = {
                   fp8_block_tensors((32, 64))),
     "NVFP4A16": (quant_config("nvfp4-pack-quantized", NVFP4_WEIGHTS), lambda w: ct_nvfp4_quantize(w).tensors),
     "MXFP4A16": (quant_config("mxfp4-pack-quantized", MXFP4_WEIGHTS), lambda w: ct_mxfp4_quantize(w).tensors),
+    "MXFP8A16": (quant_config("mxfp8-quantized", MXFP8_WEIGHTS), lambda w: mxfp8_quantize(w).tensors),
 }
 
 
@@ -279,7 +312,8 @@ def test_conforms_on_every_layer_kind(scheme: str) -> None:
     check_quant_method("compressed-tensors", hf_quant_config=config, checkpoint_tensors=tensors)
 
 
-@pytest.mark.parametrize("scheme", ["W4A16 group", "W8A8 int8", "FP8 channel", "FP8 block", "NVFP4A16", "MXFP4A16"])  # W4A16: int4 kernel
+@pytest.mark.parametrize("scheme", ["W4A16 group", "W8A8 int8", "FP8 channel", "FP8 block", "NVFP4A16", "MXFP4A16",
+                                    "MXFP8A16"])  # W4A16: int4 kernel
 def test_bfloat16_activations_conform(scheme: str) -> None:
     config, tensors = CONFORMANCE[scheme]
     check_quant_method("compressed-tensors", hf_quant_config=config, checkpoint_tensors=tensors,

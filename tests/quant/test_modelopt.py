@@ -24,7 +24,8 @@ from vframe.testing.models import assert_matches_transformers
 from vframe.testing.quant import check_quant_method
 from fp8_blocks import fp8_block_quantize
 from packers import (
-    CTQuantized, NVFP4Quantized, cast_to_fp4, ct_fp8_quantize, pack_fp4_to_uint8, write_quantized_llama,
+    CTQuantized, NVFP4Quantized, cast_to_fp4, ct_fp8_quantize, mxfp8_quantize, pack_fp4_to_uint8,
+    write_quantized_llama,
 )
 
 
@@ -99,7 +100,7 @@ def random_weight(out_features: int, in_features: int, seed: int) -> torch.Tenso
 
 
 CONFORMANCE = {"FP8": fp8_tensor, "FP8_PER_CHANNEL_PER_TOKEN": fp8_channel, "FP8_PB_WO": fp8_blocks,
-               "NVFP4": nvfp4, "W4A16_NVFP4": nvfp4}
+               "MXFP8": lambda w, generator=None: mxfp8_quantize(w), "NVFP4": nvfp4, "W4A16_NVFP4": nvfp4}
 
 
 def _tensors(algo: str):
@@ -194,8 +195,9 @@ def test_an_nvfp4_scale_2_that_is_no_power_of_two_moves_a_weight_by_a_float32_ro
     ("q", "message"),
     [
         (quant_config("INT4_AWQ"), "quantization_config.quant_algo='INT4_AWQ' is not supported; vframe serves FP8, "
-         "FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4, W4A16_NVFP4 (NVFP4's and FP8's activations in the model's "
+         "FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, MXFP8, NVFP4, W4A16_NVFP4 (weights; activations stay in the model's "
          "dtype)"),
+        (quant_config("MXFP8", group_size=16), "quantization_config.group_size=16: MXFP8 scales groups of 32"),
         (quant_config("NVFP4", group_size=32), "quantization_config.group_size=32: NVFP4 scales groups of 16"),
         (quant_config("FP8", kv_cache_quant_algo="NVFP4"), "quantization_config.kv_cache_quant_algo='NVFP4' is not "
          "supported; vframe applies ModelOpt's FP8 KV-cache scales (kv_cache_quant_algo 'FP8') with "
@@ -203,7 +205,7 @@ def test_an_nvfp4_scale_2_that_is_no_power_of_two_moves_a_weight_by_a_float32_ro
         ({"quant_method": "gptq", "bits": 4}, "quantization='modelopt' reads a ModelOpt checkpoint; this one is "
          "quantized as 'gptq'"),
     ],
-    ids=["algo", "group", "kv", "method"],
+    ids=["algo", "mxfp8-group", "group", "kv", "method"],
 )
 def test_what_it_cannot_serve_is_refused_naming_it(q: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -240,7 +242,7 @@ def test_exclude_modules_are_names_subtrees_and_patterns() -> None:
         partly.get_quant_method(QKVParallelLinear(64, 16, 2, 1, bias=False), "model.layers.0.self_attn.qkv_proj")
 
 
-@pytest.mark.parametrize("algo", ["FP8", "NVFP4"])
+@pytest.mark.parametrize("algo", ["FP8", "MXFP8", "NVFP4"])
 def test_a_llama_generates_what_transformers_does_with_the_dequantized_weights(tmp_path: Path, algo: str) -> None:
     hf_model = write_quantized_llama(tmp_path, quant_config(algo), CONFORMANCE[algo], intermediate_size=128)
     llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)

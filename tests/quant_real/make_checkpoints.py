@@ -91,11 +91,13 @@ SCHEMES = {
     "ct-w4a16-head": "llm-compressor GPTQModifier W4A16 (int4, groups of 64), lm_head not ignored: quantized too",
     "ct-nvfp4a16": "llm-compressor QuantizationModifier NVFP4A16 (float4 weights, e4m3 scales per 16, global scale)",
     "ct-mxfp4a16": "llm-compressor QuantizationModifier MXFP4A16 (float4 weights, e8m0 scales per 32)",
+    "ct-mxfp8a16": "llm-compressor QuantizationModifier MXFP8A16 (e4m3 weights, e8m0 scales per 32)",
     "modelopt-fp8": "NVIDIA ModelOpt FP8_DEFAULT_CFG + FP8_KV_CFG (per-tensor FP8 weights, static input scales, "
                     "FP8 KV-cache scales), export_hf_checkpoint",
     "modelopt-fp8-channel": "NVIDIA ModelOpt FP8_PER_CHANNEL_PER_TOKEN_CFG (FP8 weights, a scale per output row)",
     "modelopt-fp8-block": "NVIDIA ModelOpt FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG (FP8 weights, 128x128 block scales)",
     "modelopt-nvfp4": "NVIDIA ModelOpt NVFP4_DEFAULT_CFG (NVFP4 weights and activations, W4A4)",
+    "modelopt-mxfp8": "NVIDIA ModelOpt MXFP8_DEFAULT_CFG (e4m3 weights and activations, e8m0 scales per 32)",
     "autoround-gptq": "auto-round 4 bit symmetric, groups of 64, exported as auto_gptq",
     "autoround-awq": "auto-round 4 bit with zero points, groups of 64, round to nearest (iters=0), as auto_awq",
     "autoround-gptq-head": "auto-round 4 bit symmetric, groups of 64, round to nearest (iters=0), lm_head "
@@ -115,6 +117,7 @@ CT_PRESETS = {
     "ct-w4a16-head": ("gptq", 4),
     "ct-nvfp4a16": ("quantization", "NVFP4A16"),
     "ct-mxfp4a16": ("quantization", "MXFP4A16"),
+    "ct-mxfp8a16": ("quantization", "MXFP8A16"),
 }
 # scheme -> ModelOpt's config(s), merged in order
 MODELOPT_CONFIGS = {
@@ -122,6 +125,7 @@ MODELOPT_CONFIGS = {
     "modelopt-fp8-channel": ("FP8_PER_CHANNEL_PER_TOKEN_CFG",),
     "modelopt-fp8-block": ("FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",),
     "modelopt-nvfp4": ("NVFP4_DEFAULT_CFG",),
+    "modelopt-mxfp8": ("MXFP8_DEFAULT_CFG",),
 }
 AUTOROUND_FORMATS = {"autoround-gptq": "auto_gptq", "autoround-awq": "auto_awq", "autoround-gptq-head": "auto_gptq"}
 # schemes that calibrate the KV cache too: llm-compressor's FP8 KV cache (what vLLM reads as k_scale / v_scale)
@@ -316,10 +320,10 @@ def make_modelopt(scheme: str, dense: Path, out: Path, reference: Path) -> None:
 
 
 def _modelopt_float32_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Each quantized layer's weight as ModelOpt's FP8QTensor / NVFP4QTensor dequantize it,
+    """Each quantized layer's weight as ModelOpt's FP8QTensor / MXFP8QTensor / NVFP4QTensor dequantize it,
     in float32. The stored scales in the shapes those take: a row's scale as [out, 1], the
     blocks of FP8_PB_WO ([out blocks, 1, in blocks, 1] on disk) as [out blocks, in blocks]."""
-    from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
+    from modelopt.torch.quantization.qtensor import FP8QTensor, MXFP8QTensor, NVFP4QTensor
     from safetensors import safe_open
 
     weights = {}
@@ -336,6 +340,8 @@ def _modelopt_float32_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
                     torch.float32, scale=scale, double_scale=f.get_tensor(f"{module}.weight_scale_2"),
                     block_sizes={-1: 16},
                 )
+            elif scale.dtype == torch.uint8:  # MXFP8: e8m0 scales per 32 inputs
+                w = MXFP8QTensor(q.shape, torch.float32, q).dequantize(torch.float32, scale=scale)
             elif scale.dim() == 4:  # 128 x 128 blocks
                 w = FP8QTensor(q.shape, torch.float32, q).dequantize(
                     torch.float32, scale=scale.reshape(scale.shape[0], scale.shape[2]), block_sizes={-1: 128, -2: 128}

@@ -75,10 +75,12 @@ SCHEMES = {
     "ct-w4a16-head": ("compressed-tensors", "PackedMethod", 2e-3),
     "ct-nvfp4a16": ("compressed-tensors", "Fp4Method", 2e-3),
     "ct-mxfp4a16": ("compressed-tensors", "Fp4Method", 2e-3),
+    "ct-mxfp8a16": ("compressed-tensors", "Mxfp8Method", 2e-3),
     "modelopt-fp8": ("modelopt", "NaiveMethod", 2e-3),  # its KV-cache scales unused here (float32 cache)
     "modelopt-fp8-channel": ("modelopt", "ModelOptChannelFp8Method", 2e-3),
     "modelopt-fp8-block": ("modelopt", "ModelOptBlockFp8Method", 2e-3),
     "modelopt-nvfp4": ("modelopt", "ModelOptFp4Method", 2e-3),  # W4A4: activations in float32
+    "modelopt-mxfp8": ("modelopt", "Mxfp8Method", 2e-3),  # MXFP8 activations too: run in float32
     "autoround-gptq": ("gptq", "GPTQLinearMethod", 2e-3),
     "autoround-awq": ("awq", "AWQLinearMethod", 2e-3),
     "autoround-gptq-head": ("gptq", "GPTQLinearMethod", 2e-3),

@@ -32,13 +32,15 @@ value in the lowest bits; signed integers are stored plus ``2**(bits - 1)``)::
     mxfp4-pack-quantized  weight_packed  uint8 [out, in / 2]  as NVFP4's
                      weight_scale         uint8 [out, in / 32]  e8m0: 2 ** (byte - 127)
                      W[o, i] = e2m1(q[o, i]) * 2 ** (scale[o, i // 32] - 127)
+    mxfp8-quantized  weight e4m3 [out, in], weight_scale uint8 [out, in / 32] (e8m0)
+                     W[o, i] = weight[o, i] * 2 ** (scale[o, i // 32] - 127)
 
 Served: W4A16 / W8A16 (pack-quantized, group or channel, symmetric or not), W8A8
 int8 (int-quantized, channel or tensor weights, dynamic per-token int8
 activations), FP8 weights (float-quantized, tensor, channel or block;
-activations stay in the model's dtype) and FP4 weights (NVFP4A16, MXFP4A16; a W4A4
-checkpoint's activations stay in the model's dtype too, with a warning, as FP8's static
-ones do). Everything else is refused naming the group.
+activations stay in the model's dtype), MXFP8 weights (MXFP8A16) and FP4 weights
+(NVFP4A16, MXFP4A16; a W4A4 or MXFP8 checkpoint's activations stay in the model's dtype
+too, with a warning, as FP8's static ones do). Everything else is refused naming the group.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationCon
 from vframe.quant.fp8 import (
     FP8_DTYPE, BlockFp8Method, Fp8KernelMethod, _per_shard_loader, block_structure, over_shard_rows,
 )
-from vframe.quant.kernels import FP4_GROUPS, INT8_PER_TOKEN, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, IntWeight
+from vframe.quant.kernels import (
+    FP4_GROUPS, INT8_PER_TOKEN, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, Fp8Weight, IntWeight, e8m0_to_float32,
+)
 from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
 
 logger = logging.getLogger(__name__)
@@ -75,7 +79,8 @@ class Scheme:
     symmetric: bool
     strategy: str  # tensor | channel | group | block
     group_size: int | None
-    # None (weight-only), "int8-token" (dynamic), "fp8-static", "fp8-dynamic", "nvfp4" / "mxfp4" (served weight-only)
+    # None (weight-only), "int8-token" (dynamic), "fp8-static", "fp8-dynamic", "nvfp4" / "mxfp4" / "mxfp8" (served
+    # weight-only)
     activations: str | None
     block: tuple[int, int] | None = None  # (rows, columns) of a block, strategy "block" only
 
@@ -144,6 +149,8 @@ class CompressedTensorsConfig(QuantizationConfig):
                 "FP4 W4A4 checkpoint (NVFP4 / MXFP4): vframe multiplies its FP4 weights by activations in the "
                 "model's dtype (input_global_scale is read, not used), as vLLM does on GPUs without FP4 tensor cores"
             )
+        if any(s.activations == "mxfp8" for _, s in schemes):
+            logger.warning("MXFP8 checkpoint: vframe multiplies its MXFP8 weights by activations in the model's dtype")
         config = cls(schemes, list(q.get("ignore") or []))
         config.calibrated_kv_cache = bool(q.get("kv_cache_scheme"))
         return config
@@ -158,6 +165,8 @@ class CompressedTensorsConfig(QuantizationConfig):
             return BlockFp8Method(scheme.block, "weight_scale", self.quant_kernel)
         if scheme.format in FP4_FORMATS:
             return Fp4Method(scheme, self.quant_kernel)
+        if scheme.format == MXFP8_FORMAT:
+            return Mxfp8Method(self.quant_kernel)
         if scheme.format == "pack-quantized":
             return PackedMethod(scheme, self.quant_kernel)
         return Int8Method(scheme, self.quant_kernel) if scheme.type == "int" else NaiveMethod(scheme, self.quant_kernel)
@@ -226,6 +235,8 @@ def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Sch
     a = group.get("input_activations")
     if fmt in FP4_FORMATS:
         return _fp4_scheme(name, label, fmt, w, a)
+    if fmt == MXFP8_FORMAT:
+        return _mxfp8_scheme(name, label, w, a)
     if strategy not in ("tensor", "channel", "group", "block"):
         raise ConfigError(
             f"{label}: strategy {strategy!r} is not supported yet; vframe serves tensor, channel, group, block"
@@ -300,6 +311,58 @@ def _fp4_scheme(name: str, label: str, fmt: str, w: dict[str, Any], a: dict[str,
             raise ConfigError(f"{label}: activations {a!r}; with FP4 weights vframe reads float4 ones or none")
         activations = form
     return Scheme(name, fmt, "float", 4, True, strategy, group, activations)
+
+
+MXFP8_FORMAT = "mxfp8-quantized"
+MXFP8_GROUP = 32
+
+
+def _mxfp8_scheme(name: str, label: str, w: dict[str, Any], a: dict[str, Any] | None) -> Scheme:
+    """MXFP8A16 (e4m3 weights, an e8m0 scale per group of 32 inputs); the MXFP8 scheme's
+    dynamic float8 activations served weight-only."""
+    got = (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size"), w.get("symmetric", True))
+    if got != ("float", 8, "group", MXFP8_GROUP, True) or w.get("dynamic"):
+        raise ConfigError(
+            f"{label}: {MXFP8_FORMAT} weights are served as static float8, strategy 'group', group_size "
+            f"{MXFP8_GROUP}, symmetric; got type={got[0]!r}, num_bits={got[1]!r}, strategy={got[2]!r}, "
+            f"group_size={got[3]!r}, symmetric={got[4]!r}"
+        )
+    if a and (a.get("type"), a.get("num_bits")) != ("float", 8):
+        raise ConfigError(f"{label}: activations {a!r}; with MXFP8 weights vframe reads float8 ones or none")
+    return Scheme(name, MXFP8_FORMAT, "float", 8, True, "group", MXFP8_GROUP, "mxfp8" if a else None)
+
+
+class Mxfp8Method(Fp8KernelMethod):
+    """MXFP8 weights (compressed-tensors' ``mxfp8-quantized``, ModelOpt's ``MXFP8``): e4m3
+    ``weight`` and an e8m0 ``weight_scale`` byte per group of 32 inputs, on an FP8 quant kernel
+    as an ``Fp8Weight`` with groups of 32 (``fp8_cpu`` on the CPU reads the e4m3 bytes in place;
+    the scales become float32 there, 4 bytes a group, and the checkpoint's bytes are dropped)."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
+        where = layer.prefix or type(layer).__name__
+        check_divisible(input_size_per_partition, MXFP8_GROUP, f"{where}: the input size per partition",
+                        f"MXFP8 scales groups of {MXFP8_GROUP} inputs")
+        out = sum(output_partition_sizes)
+        register_weight(layer, "weight", torch.empty(out, input_size_per_partition, dtype=FP8_DTYPE),
+                        {"output_dim": 0, "input_dim": 1})  # [out, in] e4m3
+        register_weight(layer, "weight_scale",
+                        torch.empty(out, input_size_per_partition // MXFP8_GROUP, dtype=torch.uint8),
+                        {"output_dim": 0, "input_dim": 1})  # [out, in / 32] e8m0
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if bool((layer.weight_scale == 0xFF).any()):
+            raise ModelLoadError(f"{layer.prefix or 'an MXFP8 layer'}: a scale byte is 0xFF, e8m0's NaN")
+        self.attach_kernel(layer)
+        del layer.weight_scale  # the kernel holds the scales
+
+    def fp8_weight(self, layer: nn.Module) -> Fp8Weight:
+        return Fp8Weight(layer.weight.view(torch.uint8), e8m0_to_float32(layer.weight_scale), MXFP8_GROUP)
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
+        if self.kernel is not None:
+            return self.kernel.dequantize_weight(layer)
+        return self.fp8_weight(layer).dequantize()
 
 
 class PackedMethod(IntKernelMethod):

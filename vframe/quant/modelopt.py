@@ -15,6 +15,9 @@ patterns. Older exports keep it in ``hf_quant_config.json`` only, under
                                dynamic per token (run in the model's dtype)
     FP8_PB_WO                  weight e4m3 [out, in], weight_scale float32
                                [ceil(out / 128), 1, ceil(in / 128), 1]: 128 x 128 blocks, weight-only
+    MXFP8                      weight e4m3 [out, in], weight_scale uint8 [out, in / 32]: e8m0,
+                               W[o, i] = weight[o, i] * 2 ** (scale[o, i // 32] - 127); activations
+                               MXFP8 too (run in the model's dtype)
     NVFP4, W4A16_NVFP4         weight          uint8 [out, in / 2]   two e2m1 codes a byte, the first input low
                                weight_scale    e4m3  [out, in / 16]  one per group of 16 inputs
                                weight_scale_2  float32 []            one per module
@@ -42,7 +45,9 @@ from torch import nn
 from vframe.errors import ConfigError
 from vframe.layers.linear import LinearBase
 from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_weight, setting_of_layer
-from vframe.quant.compressed_tensors import CompressedTensorsConfig, Fp4Method, NaiveMethod, Scheme
+from vframe.quant.compressed_tensors import (
+    MXFP8_FORMAT, MXFP8_GROUP, CompressedTensorsConfig, Fp4Method, Mxfp8Method, NaiveMethod, Scheme,
+)
 from vframe.quant.fp8 import FP8_DTYPE, BlockFp8Method, Fp8Config, _per_shard_loader, over_shard_rows
 from vframe.quant.kernels import NVFP4, Fp4Weight
 
@@ -56,6 +61,7 @@ SERVED = {
     "FP8_PER_CHANNEL_PER_TOKEN": Scheme("modelopt", "float-quantized", "float", 8, True, "channel", None,
                                         "fp8-dynamic"),
     "FP8_PB_WO": "block",
+    "MXFP8": Scheme("modelopt", MXFP8_FORMAT, "float", 8, True, "group", MXFP8_GROUP, "mxfp8"),
     "NVFP4": Scheme("modelopt", "nvfp4-pack-quantized", "float", 4, True, "tensor_group", NVFP4_GROUP, NVFP4),
     "W4A16_NVFP4": Scheme("modelopt", "nvfp4-pack-quantized", "float", 4, True, "tensor_group", NVFP4_GROUP, None),
 }
@@ -105,18 +111,20 @@ class ModelOptConfig(QuantizationConfig):
         if algo not in SERVED:
             raise ConfigError(
                 f"quantization_config.quant_algo={fields.get('quant_algo')!r} is not supported; vframe serves "
-                + ", ".join(SERVED) + " (NVFP4's and FP8's activations in the model's dtype)"
+                + ", ".join(SERVED) + " (weights; activations stay in the model's dtype)"
             )
         group = fields.get("group_size")
         if algo.endswith("NVFP4") and group not in (None, NVFP4_GROUP):
             raise ConfigError(f"quantization_config.group_size={group!r}: NVFP4 scales groups of {NVFP4_GROUP}")
+        if algo == "MXFP8" and group not in (None, MXFP8_GROUP):
+            raise ConfigError(f"quantization_config.group_size={group!r}: MXFP8 scales groups of {MXFP8_GROUP}")
         exclude = fields.get("exclude_modules")
         if exclude is None:
             exclude = q.get("ignore") or []
-        if algo == "NVFP4":
+        if algo in ("NVFP4", "MXFP8"):
             logger.warning(
-                "ModelOpt NVFP4 (W4A4) checkpoint: vframe multiplies its FP4 weights by activations in the model's "
-                "dtype (input_scale is read, not used), as vLLM does on GPUs without FP4 tensor cores"
+                "ModelOpt %s checkpoint: vframe multiplies its weights by activations in the model's dtype (the "
+                "activations are not quantized), as vLLM does on GPUs without %s tensor cores", algo, algo
             )
         return cls(algo, list(exclude), _kv_cache_algo(fields, q))
 
@@ -130,6 +138,8 @@ class ModelOptConfig(QuantizationConfig):
             return ModelOptBlockFp8Method(FP8_BLOCK, "weight_scale", self.quant_kernel)
         if served.format == "nvfp4-pack-quantized":
             return ModelOptFp4Method(served, self.quant_kernel)
+        if served.format == MXFP8_FORMAT:
+            return Mxfp8Method(self.quant_kernel)
         if served.strategy == "channel":
             return ModelOptChannelFp8Method(served, self.quant_kernel)
         return NaiveMethod(served, self.quant_kernel)

@@ -217,9 +217,8 @@ class Fp4Weight:
         return torch.stack([self.q & 0x0F, self.q >> 4], dim=-1).flatten(1)
 
     def group_scales(self) -> torch.Tensor:  # [out, in / group] float32
-        if self.format == MXFP4:  # 2 ** (byte - 127): the byte is the float's exponent (0: 2 ** -127)
-            bits = torch.where(self.scales == 0, 0x00400000, self.scales.to(torch.int32) << 23)
-            scales = bits.to(torch.int32).view(torch.float32)
+        if self.format == MXFP4:
+            scales = e8m0_to_float32(self.scales)
         else:
             scales = self.scales.view(torch.float8_e4m3fn).float()
         return scales / self.global_scale.float()[:, None]
@@ -229,6 +228,13 @@ class Fp4Weight:
         table = torch.tensor(E2M1_VALUES, device=self.q.device)
         values = torch.where(codes >= 8, -table[(codes & 7).long()], table[(codes & 7).long()])
         return values * self.group_scales().repeat_interleave(self.group_size, dim=1)
+
+
+def e8m0_to_float32(scales: torch.Tensor) -> torch.Tensor:
+    """OCP microscaling (MX) e8m0 scale bytes as float32: ``2 ** (byte - 127)``, the byte a
+    float's exponent (0: 2 ** -127, a subnormal; 255, NaN in the format, is not read here)."""
+    bits = torch.where(scales == 0, 0x00400000, scales.to(torch.int32) << 23)
+    return bits.to(torch.int32).view(torch.float32)
 
 
 class QuantLinearKernel(ABC):
