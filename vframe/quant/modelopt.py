@@ -123,8 +123,8 @@ class ModelOptConfig(QuantizationConfig):
             exclude = q.get("ignore") or []
         if algo in ("NVFP4", "MXFP8"):
             logger.warning(
-                "ModelOpt %s checkpoint: vframe multiplies its weights by activations in the model's dtype (the "
-                "activations are not quantized), as vLLM does on GPUs without %s tensor cores", algo, algo
+                "ModelOpt %s checkpoint: vframe multiplies its weights by activations in the model's dtype; the "
+                "checkpoint's activation quantization is not applied", algo
             )
         return cls(algo, list(exclude), _kv_cache_algo(fields, q))
 
