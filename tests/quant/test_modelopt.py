@@ -18,7 +18,8 @@ from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from vframe.plugins import get_registry
 from vframe.quant.compressed_tensors import NaiveMethod
 from vframe.quant.modelopt import (
-    ModelOptBlockFp8Method, ModelOptChannelFp8Method, ModelOptConfig, ModelOptFp4Method,
+    ModelOptBlockFp8Method, ModelOptChannelFp8Method, ModelOptConfig, ModelOptFp4Config, ModelOptFp4Method,
+    ModelOptMxFp8Config,
 )
 from vframe.testing.models import assert_matches_transformers
 from vframe.testing.quant import check_quant_method
@@ -123,8 +124,16 @@ def test_bfloat16_activations_conform(algo: str) -> None:
                        dtype=torch.bfloat16, quick=True)
 
 
-def test_modelopt_is_a_builtin_quantizer() -> None:
-    assert get_registry("quantizer").load("modelopt") is ModelOptConfig
+def test_modelopt_is_a_builtin_quantizer_with_vllm_s_names_for_two_algorithms() -> None:
+    registry = get_registry("quantizer")
+    assert registry.load("modelopt") is ModelOptConfig
+    assert (registry.load("modelopt_fp4"), registry.load("modelopt_mxfp8")) == (ModelOptFp4Config, ModelOptMxFp8Config)
+    assert ModelOptFp4Config.from_config(quant_config("NVFP4")).algo == "NVFP4"
+    assert ModelOptMxFp8Config.from_config(quant_config("MXFP8")).algo == "MXFP8"
+    with pytest.raises(ConfigError) as info:
+        ModelOptFp4Config.from_config(quant_config("FP8"))
+    assert str(info.value) == ("quantization='modelopt_fp4' reads ModelOpt NVFP4 / W4A16_NVFP4 checkpoints; this one "
+                               "is quant_algo 'FP8': use quantization='modelopt', or leave quantization unset")
 
 
 def test_fp8_weight_is_the_e4m3_values_times_each_module_s_scale() -> None:
@@ -242,11 +251,15 @@ def test_exclude_modules_are_names_subtrees_and_patterns() -> None:
         partly.get_quant_method(QKVParallelLinear(64, 16, 2, 1, bias=False), "model.layers.0.self_attn.qkv_proj")
 
 
-@pytest.mark.parametrize("algo", ["FP8", "MXFP8", "NVFP4"])
-def test_a_llama_generates_what_transformers_does_with_the_dequantized_weights(tmp_path: Path, algo: str) -> None:
+@pytest.mark.parametrize(("algo", "quantization"), [("FP8", None), ("MXFP8", "modelopt_mxfp8"),
+                                                    ("NVFP4", "modelopt_fp4")])
+def test_a_llama_generates_what_transformers_does_with_the_dequantized_weights(
+    tmp_path: Path, algo: str, quantization: str | None
+) -> None:
     hf_model = write_quantized_llama(tmp_path, quant_config(algo), CONFORMANCE[algo], intermediate_size=128)
-    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
-    assert llm.llm_engine.model_runner.quant_config.get_name() == "modelopt"
+    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2,
+              quantization=quantization)  # None: config.json's quant_method, "modelopt"
+    assert llm.llm_engine.model_runner.quant_config.get_name() == (quantization or "modelopt")
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
     assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
 

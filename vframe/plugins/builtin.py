@@ -70,6 +70,8 @@ def vframe_register_quantizers(register: RegisterFn) -> None:
     register("fp8", "vframe.quant.fp8:Fp8Config")
     register("compressed-tensors", "vframe.quant.compressed_tensors:CompressedTensorsConfig")
     register("modelopt", "vframe.quant.modelopt:ModelOptConfig")
+    register("modelopt_fp4", "vframe.quant.modelopt:ModelOptFp4Config")  # vLLM's names for two of its algorithms
+    register("modelopt_mxfp8", "vframe.quant.modelopt:ModelOptMxFp8Config")
     register("gguf", "vframe.quant.gguf:GGUFConfig")
 
 

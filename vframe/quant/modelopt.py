@@ -28,7 +28,9 @@ patterns. Older exports keep it in ``hf_quant_config.json`` only, under
 (``self_attn.k_proj.k_scale``, ``self_attn.v_proj.v_scale``), which the loader hands to
 the layer's attention (docs/quantization.md, "FP8 KV cache").
 
-The layers reuse compressed-tensors' and FP8's methods, which hold the same tensors
+``quantization="modelopt"`` (or no setting) reads every algorithm below; vLLM's names
+``"modelopt_fp4"`` and ``"modelopt_mxfp8"`` read NVFP4 and MXFP8 ones only. The layers
+reuse compressed-tensors' and FP8's methods, which hold the same tensors
 under other names: activations stay in the model's dtype, as they do for those formats'
 static and FP4 activation schemes. Every other algorithm is refused naming it.
 """
@@ -156,6 +158,37 @@ class ModelOptConfig(QuantizationConfig):
             name == entry or name.startswith(entry + ".") or fnmatch.fnmatchcase(name, entry)
             for entry in self.exclude_modules
         )
+
+
+class ModelOptFp4Config(ModelOptConfig):
+    """vLLM's name for ModelOpt's NVFP4 checkpoints (``quantization="modelopt_fp4"``): the same
+    reader, refusing another algorithm (``"modelopt"``, or no setting, reads them all)."""
+
+    algos: tuple[str, ...] = ("NVFP4", "W4A16_NVFP4")
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "modelopt_fp4"
+
+    @classmethod
+    def from_config(cls, hf_quant_config: dict[str, Any] | None) -> ModelOptConfig:
+        config = super().from_config(hf_quant_config)
+        if config.algo not in cls.algos:
+            raise ConfigError(
+                f"quantization={cls.get_name()!r} reads ModelOpt {' / '.join(cls.algos)} checkpoints; this one is "
+                f"quant_algo {config.algo!r}: use quantization='modelopt', or leave quantization unset"
+            )
+        return config
+
+
+class ModelOptMxFp8Config(ModelOptFp4Config):
+    """vLLM's name for ModelOpt's MXFP8 checkpoints (``quantization="modelopt_mxfp8"``)."""
+
+    algos = ("MXFP8",)
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "modelopt_mxfp8"
 
 
 def _kv_cache_algo(fields: dict[str, Any], q: dict[str, Any]) -> str | None:
