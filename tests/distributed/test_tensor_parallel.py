@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU: worker processes (gloo) give the tokens one
-process gives, for Llama (float, and GPTQ with its head quantized), Mixtral and DeepSeek (MLA), under prefix caching,
+process gives, for Llama (float, and GPTQ with its head quantized), Mixtral (float, and 4-bit experts) and DeepSeek
+(MLA), under prefix caching,
 chunked prefill and preemption; bad sizes are refused by name; a killed worker
 fails the engine at once and leaves no process behind."""
 
@@ -86,6 +87,18 @@ def test_a_gptq_llama_with_a_quantized_head_split_over_two_ranks_matches_transfo
     prompts = prompts_of_lengths(96, [5, 23, 37, 12], shared_prefix=4)
     llm = assert_engine_matches_transformers(tmp_path, hf_model, prompts, num_blocks=14, tensor_parallel_size=2)
     llm.shutdown()
+
+
+def test_a_mixtral_with_quantized_experts_split_over_two_ranks_matches_transformers(tmp_path: Path) -> None:
+    """Each expert's 4-bit gate / up cut by output rows and down by input columns (groups of 16
+    whole on each rank), the experts' partial sums reduced once per layer."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "quant"))
+    from test_mixtral import PROMPT_LENGTHS, VOCAB, tiny_hf_mixtral
+    from test_quantized_moe import w4a16, write_quantized
+
+    hf_model = write_quantized(tiny_hf_mixtral(), tmp_path, *w4a16(16))
+    prompts = prompts_of_lengths(VOCAB, PROMPT_LENGTHS, shared_prefix=4)
+    assert_engine_matches_transformers(tmp_path, hf_model, prompts, num_blocks=14, tensor_parallel_size=2).shutdown()
 
 
 def test_deepseek_v3_mla_split_over_two_ranks_matches_transformers(tmp_path: Path) -> None:

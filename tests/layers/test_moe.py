@@ -103,13 +103,14 @@ def test_weight_loader_places_gate_up_and_down() -> None:
         layer.w13_weight.weight_loader(layer.w13_weight, torch.zeros(3, 4), expert_id=0, shard_id="w1")
 
 
-def test_quantized_is_refused() -> None:
+def test_fused_moe_holds_float_experts_only() -> None:
     class FakeQuant:
         @classmethod
         def get_name(cls) -> str:
             return "gptq"
 
-    with pytest.raises(ConfigError, match="MoE layers cannot run quantized yet.*gptq"):
+    with pytest.raises(ConfigError, match=r"FusedMoE holds float experts; a quantized checkpoint's experts "
+                       r"\(quantization='gptq'\) are vframe.layers.quantized_moe.QuantizedExperts"):
         FusedMoE(4, 8, 8, params_dtype=torch.float32, quant_config=FakeQuant(), prefix="model.layers.0.mlp.experts")
 
 

@@ -194,15 +194,3 @@ def test_more_experts_per_token_than_experts_is_refused() -> None:
 def test_zero_experts_is_refused_when_read() -> None:
     with pytest.raises(ModelLoadError, match=r"'num_local_experts': 0 \(expected an integer from 1 to 65536\)"):
         ModelConfig({"model_type": "mixtral", **TINY, "num_local_experts": 0})
-
-
-def test_quantizing_the_experts_is_refused_by_name(tmp_path: Path) -> None:
-    from vframe import LLM
-    from vframe.errors import ConfigError
-
-    tiny_hf_mixtral().save_pretrained(str(tmp_path))
-    with pytest.raises(
-        ConfigError,
-        match=r"model\.layers\.0\.mlp\.experts: MoE layers cannot run quantized yet \(quantization='fp8'\)",
-    ):
-        LLM(str(tmp_path), quantization="fp8", skip_tokenizer_init=True)

@@ -87,8 +87,9 @@ class FusedMoE(nn.Module):
         # None is how vframe spells "unquantized" (vframe/models/loader/load.py).
         if quant_config is not None:
             raise ConfigError(
-                f"{prefix or 'FusedMoE'}: MoE layers cannot run quantized yet "
-                f"(quantization={quant_config.get_name()!r}); drop the quantization setting"
+                f"{prefix or 'FusedMoE'}: FusedMoE holds float experts; a quantized checkpoint's experts "
+                f"(quantization={quant_config.get_name()!r}) are vframe.layers.quantized_moe.QuantizedExperts, "
+                "which moe_experts() builds"
             )
         self.num_experts = num_experts
         self.hidden_size = hidden_size
@@ -152,20 +153,13 @@ class FusedMoE(nn.Module):
             # the steps below in one C++ call: the same operators on the same rows, bit for bit
             acc = bound.op(hidden_states, topk_weights.float().contiguous(), topk_ids.contiguous(), *bound.args)
             return all_reduce(acc, self.tp_size).to(hidden_states.dtype)
-        num_tokens, top_k = topk_ids.shape
-        flat_ids = topk_ids.reshape(-1)  # [T*K]
-        # Stable: within an expert, pairs stay in token order.
-        order = torch.argsort(flat_ids, stable=True)  # [T*K]
-        token_ids = order // top_k  # [T*K]: the token of each sorted pair
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)  # [E]
-        x = hidden_states[token_ids]  # [T*K, H], grouped by expert
+        routed = RoutedRows.of(hidden_states, topk_ids, self.num_experts)
         if self.w13_packed is not None:
             mm = _packed_mm if self.layout == LAYOUT_ONEDNN else _pairs_mm
-            out = _grouped_swiglu(x, self.w13_packed, self.w2_packed, counts, mm, self.intermediate_size)  # [T*K, H]
+            out = _grouped_swiglu(routed.x, self.w13_packed, self.w2_packed, routed.counts, mm, self.intermediate_size)
         else:
-            out = _grouped_swiglu(x, self.w13_weight, self.w2_weight, counts, _mm, self.intermediate_size)
-        acc = cpu_ops.moe_combine(out, token_ids, topk_weights.reshape(-1)[order], num_tokens)  # [T, H] float32
-        return all_reduce(acc, self.tp_size).to(hidden_states.dtype)
+            out = _grouped_swiglu(routed.x, self.w13_weight, self.w2_weight, routed.counts, _mm, self.intermediate_size)
+        return routed.combine(out, topk_weights, self.tp_size)  # out: [T*K, H]
 
     def process_weights_after_loading(self) -> None:
         """Each expert's gate/up and down matrices in a packed layout, in place of the stacked
@@ -211,6 +205,31 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         packed = {LAYOUT_ONEDNN: ", oneDNN-packed", LAYOUT_BF16_PAIRS: ", bfloat16 pairs"}.get(self.layout, "")
         return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}{packed}"
+
+
+@dataclass(frozen=True)
+class RoutedRows:
+    """A step's (token, expert) pairs grouped by expert: ``x`` the token rows in that order
+    (pairs sorted stably, so within an expert in token order), ``counts`` each expert's rows."""
+
+    x: torch.Tensor  # [T*K, H]
+    token_ids: torch.Tensor  # [T*K]: the token of each sorted pair
+    order: torch.Tensor  # [T*K]: each sorted pair's index in topk_ids.reshape(-1)
+    counts: torch.Tensor  # [E]
+
+    @classmethod
+    def of(cls, hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> RoutedRows:
+        flat_ids = topk_ids.reshape(-1)  # [T*K]
+        order = torch.argsort(flat_ids, stable=True)  # [T*K]
+        token_ids = order // topk_ids.shape[1]
+        return cls(hidden_states[token_ids], token_ids, order, torch.bincount(flat_ids, minlength=num_experts))
+
+    def combine(self, out: torch.Tensor, topk_weights: torch.Tensor, tp_size: int) -> torch.Tensor:
+        """Each pair's expert output ``out`` [T*K, H] times its router weight, summed per token in
+        float32, reduced over tensor-parallel ranks once, in ``x``'s dtype: [T, H]."""
+        num_tokens = topk_weights.shape[0]
+        acc = cpu_ops.moe_combine(out, self.token_ids, topk_weights.reshape(-1)[self.order], num_tokens)
+        return all_reduce(acc, tp_size).to(self.x.dtype)
 
 
 @dataclass(frozen=True)
@@ -345,9 +364,18 @@ class ExpertWeightLoader:
             "w2_weight": {(e, "w2") for e in range(num_experts)},
         }
         self.seen: dict[str, set[tuple[int, str]]] = {}
+        # A quantized checkpoint's experts (QuantizedExperts) are layers named as its tensors are:
+        # each of its tensors goes to the parameter of the same name, through that layer's loader.
+        self.quantized_projection = re.compile(rf"^(?:.*\.)?experts\.\d+\.(?:{gate}|{down}|{up})\.[^.]+$")
+        self.quantized_loaded: set[str] = set()
 
     def load(self, name: str, tensor: torch.Tensor) -> bool:
         """Load ``name`` if it is an expert tensor; whether it was."""
+        param = self.params.get(name)
+        if param is not None and self.quantized_projection.match(name):
+            param.weight_loader(param, tensor)
+            self.quantized_loaded.add(name)
+            return True
         match = _match(name, self.by_fragment)
         if match is not None:
             self._place(*match, tensor)
@@ -366,7 +394,8 @@ class ExpertWeightLoader:
 
     def loaded(self) -> set[str]:
         """The expert parameters that have all their (expert, shard) tensors."""
-        return {name for name, seen in self.seen.items() if seen >= self.needed[name.rpartition(".")[2]]}
+        stacked = {name for name, seen in self.seen.items() if seen >= self.needed[name.rpartition(".")[2]]}
+        return stacked | self.quantized_loaded
 
     def _place(self, param_name: str, expert_id: int, shard_id: str, tensor: torch.Tensor) -> None:
         param = self.params.get(param_name)

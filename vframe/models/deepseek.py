@@ -13,7 +13,9 @@ expanding every cached token, the model absorbs them (``MLAAttentionImpl``)::
     sum_s p[s] W_UV[h] c_kv[s]        =  W_UV[h] (sum_s p[s] c_kv[s])         backend out [T, H, R]
 
 so the backend attends over the latents directly; ``W_UK`` and ``W_UV`` are
-views into ``kv_b_proj``'s weight, which therefore stays unquantized.
+views into ``kv_b_proj``'s weight, read as a tensor: a float checkpoint's in place, a
+quantized checkpoint's (DeepSeek-V3's own is block FP8) dequantized once, on the first
+forward pass, by the layer's quant method, as vLLM does.
 
 The versions differ in the rotary embedding (V2: float32, pairs ``(x[2i],
 x[2i+1])``; V3: the activation dtype, pairs unless ``rope_interleave=false``)
@@ -36,12 +38,13 @@ from vframe.core.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 from vframe.errors import ModelLoadError
 from vframe.layers.embedding import lm_head, unquantized_embedding
 from vframe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from vframe.layers.moe import ExpertWeightLoader, FusedMoE
+from vframe.layers.moe import ExpertWeightLoader
+from vframe.layers.quantized_moe import moe_experts
 from vframe.layers.moe_routing import grouped_topk
 from vframe.layers.rotary import rope_frequencies, rope_parameters, yarn_get_mscale
 from vframe.models.llama import LlamaMLP, RMSNorm
 from vframe.models.loader.weights import load_named_weights
-from vframe.quant.base import QuantizationConfig
+from vframe.quant.base import QuantizationConfig, UnquantizedLinearMethod
 
 ARCHITECTURES = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]
 
@@ -130,12 +133,13 @@ class DeepseekAttention(nn.Module):
             prefix=f"{prefix}.kv_a_proj_with_mqa", **linear,
         )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS, dtype)
-        # Unquantized: forward reads W_UK and W_UV straight out of its weight.
+        # forward reads W_UK and W_UV out of its weight (kv_b_weight)
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False,
-            prefix=f"{prefix}.kv_b_proj", params_dtype=dtype,
+            prefix=f"{prefix}.kv_b_proj", **linear,
         )
         self.kv_b_proj.needs_plain_weight = True  # absorbed into the query and output below, read as a tensor
+        self._kv_b_dequantized: torch.Tensor | None = None
         self.num_heads = self.kv_b_proj.output_size_per_partition // (self.qk_nope_head_dim + self.v_head_dim)
         self.o_proj = RowParallelLinear(
             total_heads * self.v_head_dim, hidden, bias=bias, prefix=f"{prefix}.o_proj", **linear
@@ -143,6 +147,17 @@ class DeepseekAttention(nn.Module):
         self.attn = attn_backend.get_mla_impl_cls()(
             self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, mla_softmax_scale(hf_config)
         )
+
+    def kv_b_weight(self) -> torch.Tensor:  # [H * (dn + dv), R] in the model's dtype
+        """``kv_b_proj``'s weight as a tensor: its parameter when unquantized, else the quant
+        method's dequantized weight, computed once (after loading, on the first call)."""
+        method = self.kv_b_proj.quant_method
+        if isinstance(method, UnquantizedLinearMethod):
+            return self.kv_b_proj.weight
+        if self._kv_b_dequantized is None:
+            weight = method.dequantize_weight(self.kv_b_proj)
+            self._kv_b_dequantized = weight.to(self.kv_b_proj.params_dtype)
+        return self._kv_b_dequantized
 
     def forward(
         self,
@@ -160,7 +175,7 @@ class DeepseekAttention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe, k_pe = rotary_emb(positions, q_pe, k_pe)
 
-        w_kv = self.kv_b_proj.weight.view(heads, nope + self.v_head_dim, rank)
+        w_kv = self.kv_b_weight().view(heads, nope + self.v_head_dim, rank)
         w_uk, w_uv = w_kv.split([nope, self.v_head_dim], dim=1)  # [H, dn, R], [H, dv, R]
         query = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1)  # [T, H, R + P]
         latent = torch.cat([c_kv, k_pe], dim=-1)  # [T, R + P]: what the cache keeps
@@ -239,7 +254,7 @@ class DeepseekMoE(nn.Module):
         routing.check(num_experts)
         self.routing = routing
         self.gate = DeepseekGate(num_experts, hidden, dtype, with_bias=routing.scoring_func == "sigmoid")
-        self.experts = FusedMoE(
+        self.experts = moe_experts(
             num_experts, hidden, hf_config.moe_intermediate_size,
             params_dtype=dtype, quant_config=quant_config, prefix=f"{prefix}.experts",
         )

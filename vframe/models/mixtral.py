@@ -26,7 +26,8 @@ from torch import nn
 from vframe.core.interfaces import AttentionBackend
 from vframe.errors import ModelLoadError
 from vframe.layers.linear import ReplicatedLinear
-from vframe.layers.moe import ExpertWeightLoader, FusedMoE, PlanMoe, softmax_topk
+from vframe.layers.moe import ExpertWeightLoader, PlanMoe, softmax_topk
+from vframe.layers.quantized_moe import moe_experts
 from vframe.models.llama import LlamaForCausalLM
 from vframe.quant.base import QuantizationConfig
 
@@ -44,13 +45,14 @@ class MixtralSparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(
             hf_config.hidden_size, num_experts, bias=False, prefix=f"{prefix}.gate", params_dtype=dtype
         )
-        self.experts = FusedMoE(
+        self.experts = moe_experts(
             num_experts,
             hf_config.hidden_size,
             hf_config.intermediate_size,
             params_dtype=dtype,
             quant_config=quant_config,
             prefix=f"{prefix}.experts",
+            names=("w1", "w3", "w2"),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
