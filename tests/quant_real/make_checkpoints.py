@@ -98,6 +98,10 @@ SCHEMES = {
     "modelopt-fp8-block": "NVIDIA ModelOpt FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG (FP8 weights, 128x128 block scales)",
     "modelopt-nvfp4": "NVIDIA ModelOpt NVFP4_DEFAULT_CFG (NVFP4 weights and activations, W4A4)",
     "modelopt-mxfp8": "NVIDIA ModelOpt MXFP8_DEFAULT_CFG (e4m3 weights and activations, e8m0 scales per 32)",
+    "ct-fp8-mixtral": "llm-compressor QuantizationModifier FP8_DYNAMIC on a mixture of experts (DENSE_DIR: a Mixtral): "
+                      "every expert's projections, the router left float",
+    "ct-w4a16-mixtral": "llm-compressor QuantizationModifier int4 groups of 32 with zero points (round to nearest) on a "
+                        "Mixtral's attention and experts",
     "autoround-gptq": "auto-round 4 bit symmetric, groups of 64, exported as auto_gptq",
     "autoround-awq": "auto-round 4 bit with zero points, groups of 64, round to nearest (iters=0), as auto_awq",
     "autoround-gptq-head": "auto-round 4 bit symmetric, groups of 64, round to nearest (iters=0), lm_head "
@@ -118,6 +122,11 @@ CT_PRESETS = {
     "ct-nvfp4a16": ("quantization", "NVFP4A16"),
     "ct-mxfp4a16": ("quantization", "MXFP4A16"),
     "ct-mxfp8a16": ("quantization", "MXFP8A16"),
+}
+# schemes made from a mixture-of-experts model: the quantization_config's weights (None: the preset)
+MOE_SCHEMES = {
+    "ct-fp8-mixtral": None,
+    "ct-w4a16-mixtral": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32},
 }
 # scheme -> ModelOpt's config(s), merged in order
 MODELOPT_CONFIGS = {
@@ -292,6 +301,86 @@ def make_auto_round(scheme: str, dense: Path, out: Path, reference: Path) -> Non
     _save_reference_state(qdq_model.config, qdq_state | exported, dense, reference)
 
 
+def make_llm_compressor_moe(scheme: str, dense: Path, out: Path, reference: Path) -> None:
+    """A mixture-of-experts model quantized without calibration data (round to nearest: FP8's
+    channel scales, int4 groups), the routers left float. llm-compressor (on transformers 5)
+    saves each expert's projections as ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``.
+    The reference: every quantized tensor dequantized by compressed-tensors' own functions,
+    under the dense checkpoint's names."""
+    import json
+
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    model, _ = _load(dense)
+    weights = MOE_SCHEMES[scheme]
+    how = ({"targets": "Linear", "scheme": "FP8_DYNAMIC"} if weights is None
+           else {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}})
+    oneshot(model=model, recipe=[QuantizationModifier(ignore=["lm_head", "re:.*mlp.gate$"], **how)],
+            output_dir=str(out), save_compressed=True)
+    for item in dense.iterdir():
+        if item.suffix != ".safetensors" and not (out / item.name).exists():
+            shutil.copy(item, out / item.name)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    _save_dense_names(dense, reference, _ct_float32_weights(out, config))
+
+
+def _ct_float32_weights(checkpoint: Path, config: dict) -> dict[str, torch.Tensor]:
+    """Each quantized module's weight as compressed-tensors unpacks and dequantizes it, in
+    float32, keyed by its module name."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from safetensors import safe_open
+
+    [group] = config["config_groups"].values()
+    args = QuantizationArgs(**group["weights"])
+    weights = {}
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        for name in sorted(names):
+            if not name.endswith(".weight_scale"):
+                continue
+            module = name.removesuffix(".weight_scale")
+            scale = f.get_tensor(name).float()
+            zero = f.get_tensor(f"{module}.weight_zero_point") if f"{module}.weight_zero_point" in names else None
+            if f"{module}.weight_packed" in names:
+                shape = torch.Size(f.get_tensor(f"{module}.weight_shape").tolist())
+                q = unpack_from_int32(f.get_tensor(f"{module}.weight_packed"), args.num_bits, shape)
+                if zero is not None:  # packed along the outputs
+                    zero = unpack_from_int32(zero, args.num_bits, torch.Size([shape[0], scale.shape[1]]), packed_dim=0)
+            else:
+                q = f.get_tensor(f"{module}.weight")
+            weights[module] = dequantize(q.float(), scale, zero, args=args, dtype=torch.float32)
+    return weights
+
+
+def _save_dense_names(dense: Path, out: Path, by_module: dict[str, torch.Tensor]) -> None:
+    """The dense checkpoint with each module in ``by_module`` replaced, the names mapped from
+    llm-compressor's expert names (``gate_proj`` / ``up_proj`` / ``down_proj``) to the dense file's
+    (``w1`` / ``w3`` / ``w2``, Mixtral's) where those are the ones it uses."""
+    import re
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    aliases = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    with safe_open(str(dense / "model.safetensors"), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    for module, weight in by_module.items():
+        name = f"{module}.weight"
+        if name not in tensors:
+            name = re.sub(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.",
+                          lambda m: f".experts.{m[1]}.{aliases[m[2]]}.", name)
+        assert name in tensors, f"{module}: no such weight in {dense}"
+        tensors[name] = weight.contiguous()
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for item in dense.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, out / item.name)
+
+
 def make_modelopt(scheme: str, dense: Path, out: Path, reference: Path) -> None:
     """``mtq.quantize`` calibrated on the sentences, then ``export_hf_checkpoint``; the
     reference is every exported layer dequantized by ModelOpt's own tensor classes."""
@@ -381,7 +470,7 @@ def make(scheme: str, dense: Path, out_dir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     torch.manual_seed(0)
     maker = (make_auto_round if scheme in AUTOROUND_FORMATS else make_modelopt if scheme in MODELOPT_CONFIGS
-             else make_llm_compressor)
+             else make_llm_compressor_moe if scheme in MOE_SCHEMES else make_llm_compressor)
     maker(scheme, dense, tmp, tmp_ref)
     tmp_ref.rename(final_ref)
     tmp.rename(final)

@@ -10,13 +10,16 @@ to 1 and the experts run batched by expert (``vframe/layers/moe.py``)::
 
 Checkpoints name the block ``block_sparse_moe`` and the experts
 ``experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down); transformers >= 5 names
-them ``mlp`` and ``experts.gate_up_proj`` / ``experts.down_proj`` in memory.
-Both load. ``router_jitter_noise`` only applies in training and is ignored.
+them ``mlp`` and ``experts.gate_up_proj`` / ``experts.down_proj`` in memory, and
+llm-compressor (0.14, on transformers 5) saves quantized experts as
+``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``. All load (the last read as
+``w1`` / ``w3`` / ``w2``). ``router_jitter_noise`` only applies in training and is ignored.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -87,11 +90,23 @@ class MixtralForCausalLM(LlamaForCausalLM):
         experts = ExpertWeightLoader(self, self.config.num_local_experts, gate="w1", down="w2", up="w3")
         others = (
             (name, tensor)
-            for name, tensor in ((name.replace(".block_sparse_moe.", ".mlp."), tensor) for name, tensor in weights)
+            for name, tensor in ((_vframe_name(name), tensor) for name, tensor in weights)
             if not experts.load(name, tensor)
         )
         loaded = super().load_weights(others)
         return loaded | experts.loaded()
+
+
+# llm-compressor's names for an expert's projections -> the released checkpoints'
+_EXPERT_PROJECTIONS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_EXPERT_PROJECTION = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.")
+
+
+def _vframe_name(name: str) -> str:
+    """A checkpoint tensor's name as vframe's Mixtral holds it: the block is ``mlp``, an
+    expert's projections ``w1`` / ``w3`` / ``w2``."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return _EXPERT_PROJECTION.sub(lambda m: f".experts.{m[1]}.{_EXPERT_PROJECTIONS[m[2]]}.", name)
 
 
 def check_moe_config(hf_config: Any) -> None:
