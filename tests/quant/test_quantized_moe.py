@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -33,10 +34,12 @@ LINEAR_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3", "gat
 Quantize = Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor] | None]
 
 
-def write_quantized(hf_model: torch.nn.Module, path: Path, quant: dict[str, Any], quantize: Quantize) -> Any:
+def write_quantized(hf_model: torch.nn.Module, path: Path, quant: dict[str, Any], quantize: Quantize,
+                    rename: Callable[[str], str] = lambda name: name) -> Any:
     """``hf_model`` saved as a quantizing tool saves it: each linear module ``quantize`` takes
     replaced by its tensors (per expert, as transformers' save_pretrained names experts), the
-    rest as they are, ``quant`` as config.json's quantization_config. Returns transformers'
+    rest as they are (``rename`` maps a quantized tensor's name), ``quant`` as config.json's
+    quantization_config. Returns transformers'
     model of the weights the checkpoint means (saved beside it, float32)."""
     float_dir, reference_dir = path / "float", path / "reference"
     hf_model.save_pretrained(float_dir)
@@ -50,7 +53,7 @@ def write_quantized(hf_model: torch.nn.Module, path: Path, quant: dict[str, Any]
         if packed is None:
             quantized[name] = meant[name] = tensor
             continue
-        quantized |= {f"{module}.{key}": value for key, value in packed[0].items()}
+        quantized |= {rename(f"{module}.{key}"): value for key, value in packed[0].items()}
         meant[name] = packed[1].float()
     config = json.loads((float_dir / "config.json").read_text())
     for directory, weights, extra in ((path, quantized, {"quantization_config": quant}), (reference_dir, meant, {})):
@@ -102,8 +105,20 @@ def w4a16(group_size: int) -> tuple[dict[str, Any], Quantize]:
     return quant, quantize
 
 
-def test_a_mixtral_whose_experts_are_w4a16_generates_what_transformers_does(tmp_path: Path) -> None:
-    hf_model = write_quantized(tiny_hf_mixtral(), tmp_path, *w4a16(32))  # Mixtral's 64 and 96 inputs
+# llm-compressor (on transformers 5) saves a Mixtral's experts as gate_proj / up_proj / down_proj
+LLM_COMPRESSOR_NAMES = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
+@pytest.mark.parametrize("names", ["w1/w3/w2", "gate_proj/up_proj/down_proj"])
+def test_a_mixtral_whose_experts_are_w4a16_generates_what_transformers_does(tmp_path: Path, names: str) -> None:
+    def rename(name: str) -> str:
+        if names == "w1/w3/w2" or ".experts." not in name:
+            return name
+        for old, new in LLM_COMPRESSOR_NAMES.items():
+            name = name.replace(old, new)
+        return name
+
+    hf_model = write_quantized(tiny_hf_mixtral(), tmp_path, *w4a16(32), rename=rename)  # Mixtral's 64 and 96 inputs
     llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
     layer = llm.llm_engine.model_runner.model.model.layers[0]
     experts = layer.mlp.experts
