@@ -100,8 +100,8 @@ SCHEMES = {
     "modelopt-mxfp8": "NVIDIA ModelOpt MXFP8_DEFAULT_CFG (e4m3 weights and activations, e8m0 scales per 32)",
     "ct-fp8-mixtral": "llm-compressor QuantizationModifier FP8_DYNAMIC on a mixture of experts (DENSE_DIR: a Mixtral): "
                       "every expert's projections, the router left float",
-    "ct-w4a16-mixtral": "llm-compressor QuantizationModifier int4 groups of 32 with zero points (round to nearest) on a "
-                        "Mixtral's attention and experts",
+    "ct-w4a16-mixtral": "llm-compressor QuantizationModifier int4 groups of 32 with zero points (round to "
+                        "nearest) on a Mixtral's attention and experts",
     "autoround-gptq": "auto-round 4 bit symmetric, groups of 64, exported as auto_gptq",
     "autoround-awq": "auto-round 4 bit with zero points, groups of 64, round to nearest (iters=0), as auto_awq",
     "autoround-gptq-head": "auto-round 4 bit symmetric, groups of 64, round to nearest (iters=0), lm_head "
