@@ -222,7 +222,9 @@ def test_mxfp4_weight_is_the_e2m1_values_times_each_group_s_power_of_two() -> No
 def test_mxfp8_weight_is_the_e4m3_values_times_each_group_s_power_of_two() -> None:
     config = CompressedTensorsConfig.from_config(quant_config("mxfp8-quantized", MXFP8_WEIGHTS))
     layer = MergedColumnParallelLinear(64, [32, 48], bias=False, quant_config=config, prefix="l.gate_up_proj")
-    shards = [mxfp8_quantize(random_weight(n, 64, i) * 2.0**-100**i) for i, n in enumerate((32, 48))]
+    # the second shard's scales near e8m0's bottom (2 ** -110 or so)
+    shards = [mxfp8_quantize(random_weight(n, 64, i) * factor)
+              for i, (n, factor) in enumerate(((32, 0.5), (48, 2.0**-100)))]
     shards[1].tensors["weight_scale"][0, 0] = 0  # 2 ** -127, a subnormal
     shards[1].scales[0, 0] = 2.0**-127
     for shard_id, packed in enumerate(shards):
