@@ -98,6 +98,8 @@ SCHEMES = {
     "modelopt-fp8-block": "NVIDIA ModelOpt FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG (FP8 weights, 128x128 block scales)",
     "modelopt-nvfp4": "NVIDIA ModelOpt NVFP4_DEFAULT_CFG (NVFP4 weights and activations, W4A4)",
     "modelopt-mxfp8": "NVIDIA ModelOpt MXFP8_DEFAULT_CFG (e4m3 weights and activations, e8m0 scales per 32)",
+    "modelopt-fp8-mixtral": "NVIDIA ModelOpt FP8_DEFAULT_CFG on a mixture of experts (DENSE_DIR: a Mixtral): every "
+                            "expert's w1 / w2 / w3, per-tensor scales",
     "ct-fp8-mixtral": "llm-compressor QuantizationModifier FP8_DYNAMIC on a mixture of experts (DENSE_DIR: a Mixtral): "
                       "every expert's projections, the router left float",
     "ct-w4a16-mixtral": "llm-compressor QuantizationModifier int4 groups of 32 with zero points (round to "
@@ -135,6 +137,7 @@ MODELOPT_CONFIGS = {
     "modelopt-fp8-block": ("FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",),
     "modelopt-nvfp4": ("NVFP4_DEFAULT_CFG",),
     "modelopt-mxfp8": ("MXFP8_DEFAULT_CFG",),
+    "modelopt-fp8-mixtral": ("FP8_DEFAULT_CFG",),
 }
 AUTOROUND_FORMATS = {"autoround-gptq": "auto_gptq", "autoround-awq": "auto_awq", "autoround-gptq-head": "auto_gptq"}
 # schemes that calibrate the KV cache too: llm-compressor's FP8 KV cache (what vLLM reads as k_scale / v_scale)
@@ -404,8 +407,8 @@ def make_modelopt(scheme: str, dense: Path, out: Path, reference: Path) -> None:
     for item in dense.iterdir():
         if item.suffix != ".safetensors" and not (out / item.name).exists():
             shutil.copy(item, out / item.name)
-    dense_model, _ = _load(dense)
-    _save_reference(dense_model, dense, reference, _modelopt_float32_weights(out))
+    weights = _modelopt_float32_weights(out)
+    _save_dense_names(dense, reference, {name.removesuffix(".weight"): w for name, w in weights.items()})
 
 
 def _modelopt_float32_weights(checkpoint: Path) -> dict[str, torch.Tensor]:

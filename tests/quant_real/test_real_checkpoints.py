@@ -401,14 +401,15 @@ def tiny_mixtral(checkpoints: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("scheme", ["ct-fp8-mixtral", "ct-w4a16-mixtral"])
-def test_llm_compressor_s_mixtral_experts_serve_like_their_dequantized_weights(
+@pytest.mark.parametrize("scheme", ["ct-fp8-mixtral", "ct-w4a16-mixtral", "modelopt-fp8-mixtral"])
+def test_a_tool_s_mixtral_experts_serve_like_their_dequantized_weights(
     scheme: str, checkpoints: Path, tiny_mixtral: Path
 ) -> None:
-    """llm-compressor on a mixture of experts: each expert's projections quantized (saved as
-    ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``), served as vframe's QuantizedExperts;
-    logprobs of random tokens within 1e-4 of transformers on compressed-tensors' dequantized
-    weights (measured 9.5e-7; the quantization moved them by 0.05 (FP8) and 0.09 (int4))."""
+    """llm-compressor and ModelOpt on a mixture of experts: each expert's projections quantized
+    (llm-compressor saves them as ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, ModelOpt
+    as ``w1`` / ``w3`` / ``w2``), served as vframe's QuantizedExperts; logprobs of random tokens
+    within 1e-4 of transformers on the tools' dequantized weights (measured 9.5e-7, 9.5e-7 and
+    1.9e-6; the quantization moved them by 0.05 (FP8), 0.09 (int4) and 0.05)."""
     from transformers import AutoModelForCausalLM
 
     make_checkpoint(scheme, checkpoints, dense=tiny_mixtral)
