@@ -210,10 +210,15 @@ def test_without_its_scales_the_same_cache_saturates(grown: tuple[str, dict], tm
     assert float(deltas.max()) > 0.5  # measured: 3.8
 
 
-def test_with_a_cache_in_the_model_s_dtype_the_scales_go_unused(grown: tuple[str, dict]) -> None:
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_with_a_cache_in_the_model_s_dtype_the_scales_go_unused(
+    grown: tuple[str, dict], backend: str, request: pytest.FixtureRequest
+) -> None:
+    if backend == "triton":
+        request.getfixturevalue("interpreted")  # its kernels under Triton's interpreter
     path, _ = grown
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="auto", max_model_len=128,
-              num_threads=2)
+              num_threads=2, attention_backend=backend)
     plain = _reference(path, None)
     for prompt in PROMPTS:
         assert float((_prompt_logprobs(llm, prompt) - _reference_logprobs(plain, prompt)).abs().max()) < 1e-4

@@ -375,7 +375,8 @@ def paged_attention(
     ``program_req`` / ``program_q_off`` cover each request's new tokens in
     chunks of ``block_q`` (``plan_programs``). ``num_splits > 1`` splits each
     program's keys into that many shares run in parallel, then merged. A float8
-    cache holds keys over ``k_scale`` and values over ``v_scale``."""
+    cache holds keys over ``k_scale`` and values over ``v_scale``; a cache of the
+    query's dtype holds them as they are, and the scales go unused (as ``write_kv``)."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -398,6 +399,8 @@ def paged_attention(
         UPCAST_DOT=INTERPRETED and query.dtype == torch.bfloat16,
     )
     kv_cache, meta["FP8_MANT"], _, _ = cache_operand(kv_cache)
+    if not meta["FP8_MANT"]:
+        k_scale = v_scale = 1.0
     cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
     grid = (num_programs, num_kv_heads, num_splits)
     scale_log2 = scale * k_scale * 1.4426950408889634

@@ -150,7 +150,7 @@ def mla_attention(
     k_scale: float = 1.0,
 ) -> None:
     """Causal MLA of every program's query tokens (see the module docstring); a float8
-    cache holds the latent over ``k_scale``."""
+    cache holds the latent over ``k_scale`` (a cache of the query's dtype: ``k_scale`` unused)."""
     num_heads = query.shape[1]
     rope = query.shape[2] - kv_lora_rank
     num_programs = program_req.shape[0]
@@ -159,6 +159,8 @@ def mla_attention(
     block_h = min(DECODE_BLOCK_H, triton.next_power_of_2(num_heads)) if block_q == 1 else 1
     grid = (num_programs, triton.cdiv(num_heads, block_h))
     cache, fp8_mant, _, _ = cache_operand(kv_cache)
+    if not fp8_mant:
+        k_scale = 1.0
     _mla_attention_kernel[grid](
         out, query, cache, block_table, seq_lens, query_start_loc, program_req, program_q_off,
         scale * k_scale * 1.4426950408889634, k_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
