@@ -48,9 +48,8 @@ class TorchMLAImpl(MLAAttentionImpl):
         rank = self.kv_lora_rank
         n = meta.num_actual_tokens
         slots = kv_cache.view(-1, self.latent_size)  # [num_slots, R + P]
-        scale, factor = self.scale, 1.0
-        if is_fp8(kv_cache.dtype) and self.k_scale != 1.0:  # the cache's domain: fp8(latent / k_scale)
-            latent, scale, factor = latent.float() / self.k_scale, self.scale * self.k_scale, self.k_scale
+        latent, factor = latent_cache_domain(self, latent, kv_cache)
+        scale = self.scale * factor
         store_rows(slots, meta.slot_mapping, latent[:n])
 
         output = query.new_zeros(query.shape[0], self.num_heads, rank)  # padding rows past n stay zero
@@ -76,3 +75,15 @@ class TorchMLAImpl(MLAAttentionImpl):
             out = F.scaled_dot_product_attention(q, k, k[..., :rank], attn_mask=dec.mask, scale=scale)
             output.index_copy_(0, dec.token_idx, out[:, 0])  # [n, H, R]
         return output if factor == 1.0 else output.mul_(factor)
+
+
+def latent_cache_domain(
+    impl: MLAAttentionImpl, latent: torch.Tensor, kv_cache: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """The latent as the cache stores it, and the scale it is stored over: with a float8
+    cache and a calibrated ``k_scale``, ``latent / k_scale`` in float32 (rounded once into
+    float8 when stored) and ``k_scale``, which attention folds into the softmax scale and
+    the output; else the latent as it is and 1.0."""
+    if is_fp8(kv_cache.dtype) and impl.k_scale != 1.0:
+        return latent.float() / impl.k_scale, impl.k_scale
+    return latent, 1.0

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from vframe.backends.torch_attn import store_rows
+from vframe.backends.torch_mla import latent_cache_domain
 from vframe.backends.triton.backend import TritonAttentionMetadata
 from vframe.core.interfaces import MLAAttentionImpl
-from vframe.core.kv_cache_spec import is_fp8
 
 
 class TritonMLAImpl(MLAAttentionImpl):
@@ -39,8 +39,7 @@ class TritonMLAImpl(MLAAttentionImpl):
     ) -> torch.Tensor:  # [T, H, R]
         meta = attn_metadata
         n = meta.num_actual_tokens
-        k_scale = self.k_scale if is_fp8(kv_cache.dtype) else 1.0
-        latent = latent[:n] if k_scale == 1.0 else latent[:n].float() / k_scale
+        latent, k_scale = latent_cache_domain(self, latent[:n], kv_cache)
         store_rows(kv_cache.view(-1, self.latent_size), meta.slot_mapping, latent)
         query = query if query.stride(-1) == 1 else query.contiguous()
         output = query.new_empty(query.shape[0], self.num_heads, self.kv_lora_rank)
