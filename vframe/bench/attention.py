@@ -231,8 +231,10 @@ def pick_block_size(
 ) -> tuple[int | None, list[str]]:
     """``block_size`` if the backend accepts it, else the first of ``FALLBACK_BLOCK_SIZES``
     it accepts; ``None`` and every reason given for ``block_size`` when it accepts none."""
+    from vframe.core.kv_cache_spec import kv_cache_dtype_option
+
     first_reasons: list[str] = []
-    options = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # as the runner asks
+    options = kv_cache_dtype_option(kv_cache_dtype)  # as the runner asks
     for candidate in (block_size, *FALLBACK_BLOCK_SIZES):
         reasons = cls.validate_configuration(
             head_size=head_size, dtype=dtype, device=device.type, block_size=candidate, **options

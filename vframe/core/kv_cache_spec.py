@@ -50,6 +50,12 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def kv_cache_dtype_option(kv_cache_dtype: str) -> dict[str, str]:
+    """What ``validate_configuration`` is passed for ``kv_cache_dtype``: nothing for ``"auto"``
+    (so a backend written before the keyword existed is still asked), else the keyword."""
+    return {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
+
+
 def refuse_fp8_kv_cache(backend: str, kv_cache_dtype: str) -> list[str]:
     """``validate_configuration``'s reason for a backend that stores no float8 cache."""
     if kv_cache_dtype == "auto":

@@ -58,7 +58,7 @@ from vframe.core.interfaces import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from vframe.core.kv_cache_spec import is_fp8, kv_cache_torch_dtype
+from vframe.core.kv_cache_spec import is_fp8, kv_cache_dtype_option, kv_cache_torch_dtype
 
 if TYPE_CHECKING:
     from vframe.core.config import EngineConfig
@@ -187,7 +187,7 @@ def accepted_configurations(
     most one), and the reasons it gave for the others."""
     accepted: list[tuple[int, int]] = []
     refusals: list[str] = []
-    options = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # as the runner asks
+    options = kv_cache_dtype_option(kv_cache_dtype)  # as the runner asks
     for block_sizes in (BLOCK_SIZES, LARGE_BLOCK_SIZES):
         if accepted:
             break

@@ -23,7 +23,7 @@ import zlib
 import torch
 
 from vframe.core.interfaces import AttentionBackend, AttentionMetadataBuilder
-from vframe.core.kv_cache_spec import MLAAttentionSpec, kv_cache_torch_dtype
+from vframe.core.kv_cache_spec import MLAAttentionSpec, kv_cache_dtype_option, kv_cache_torch_dtype
 from vframe.testing.attention import (
     ATTENTION_TOLERANCES,
     BLOCK_SIZES,
@@ -69,7 +69,7 @@ def check_mla_backend(
     device = torch.device(device)
     block_sizes = []
     refusals = []
-    options = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # as the runner asks
+    options = kv_cache_dtype_option(kv_cache_dtype)  # as the runner asks
     for rank, rope in LATENT_SIZES[:1] if quick else LATENT_SIZES:
         for block_size in BLOCK_SIZES:
             reasons = cls.validate_configuration(

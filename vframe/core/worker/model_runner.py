@@ -12,7 +12,7 @@ import math
 import os
 import time
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +22,7 @@ from vframe.core.kv_cache_spec import (
     KVCacheSpec,
     bytes_per_block,
     full_attention_specs,
+    kv_cache_dtype_option,
     kv_cache_torch_dtype,
     refuse_fp8_kv_cache,
 )
@@ -297,12 +298,10 @@ class TorchModelRunner(ModelRunner):
         )
 
     def _attention_refusals(self, backend: type[AttentionBackend]) -> list[str]:
-        options: dict[str, Any] = {}
-        if (kv_cache_dtype := self.config.cache.kv_cache_dtype) != "auto":
-            # A backend written before kv_cache_dtype existed cannot be asked: it stores no fp8.
-            if "kv_cache_dtype" not in inspect.signature(backend.validate_configuration).parameters:
-                return backend.check_available() + refuse_fp8_kv_cache(backend.name, kv_cache_dtype)
-            options["kv_cache_dtype"] = kv_cache_dtype
+        options = kv_cache_dtype_option(kv_cache_dtype := self.config.cache.kv_cache_dtype)
+        # A backend written before kv_cache_dtype existed cannot be asked: it stores no fp8.
+        if options and "kv_cache_dtype" not in inspect.signature(backend.validate_configuration).parameters:
+            return backend.check_available() + refuse_fp8_kv_cache(backend.name, kv_cache_dtype)
         return backend.check_available() + backend.validate_configuration(
             head_size=self.head_size,
             dtype=self.dtype,
