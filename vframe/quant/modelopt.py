@@ -70,6 +70,8 @@ SERVED = {
 
 
 class ModelOptConfig(QuantizationConfig):
+    algos: tuple[str, ...] | None = None  # the quant_algo values this name reads (None: every one served)
+
     def __init__(self, algo: str, exclude_modules: list[str], kv_cache_algo: str | None = None) -> None:
         self.algo = algo
         self.exclude_modules = exclude_modules
@@ -114,6 +116,11 @@ class ModelOptConfig(QuantizationConfig):
             raise ConfigError(
                 f"quantization_config.quant_algo={fields.get('quant_algo')!r} is not supported; vframe serves "
                 + ", ".join(SERVED) + " (weights; activations stay in the model's dtype)"
+            )
+        if cls.algos is not None and algo not in cls.algos:
+            raise ConfigError(
+                f"quantization={cls.get_name()!r} reads ModelOpt {' / '.join(cls.algos)} checkpoints; this one is "
+                f"quant_algo {algo!r}: use quantization='modelopt', or leave quantization unset"
             )
         group = fields.get("group_size")
         if algo.endswith("NVFP4") and group not in (None, NVFP4_GROUP):
@@ -164,24 +171,14 @@ class ModelOptFp4Config(ModelOptConfig):
     """vLLM's name for ModelOpt's NVFP4 checkpoints (``quantization="modelopt_fp4"``): the same
     reader, refusing another algorithm (``"modelopt"``, or no setting, reads them all)."""
 
-    algos: tuple[str, ...] = ("NVFP4", "W4A16_NVFP4")
+    algos = ("NVFP4", "W4A16_NVFP4")
 
     @classmethod
     def get_name(cls) -> str:
         return "modelopt_fp4"
 
-    @classmethod
-    def from_config(cls, hf_quant_config: dict[str, Any] | None) -> ModelOptConfig:
-        config = super().from_config(hf_quant_config)
-        if config.algo not in cls.algos:
-            raise ConfigError(
-                f"quantization={cls.get_name()!r} reads ModelOpt {' / '.join(cls.algos)} checkpoints; this one is "
-                f"quant_algo {config.algo!r}: use quantization='modelopt', or leave quantization unset"
-            )
-        return config
 
-
-class ModelOptMxFp8Config(ModelOptFp4Config):
+class ModelOptMxFp8Config(ModelOptConfig):
     """vLLM's name for ModelOpt's MXFP8 checkpoints (``quantization="modelopt_mxfp8"``)."""
 
     algos = ("MXFP8",)
