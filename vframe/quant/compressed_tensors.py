@@ -429,7 +429,9 @@ class Fp4Method(IntKernelMethod):
     """nvfp4- / mxfp4-pack-quantized weights on an FP4 quant kernel (``fp4_cpu`` on the
     CPU), which reads the checkpoint's packed codes and scale bytes where they lie."""
 
-    checkpoint_params = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
+    # the checkpoint's names of the packed codes, NVFP4's global scale and its input scale
+    packed_name, global_scale_name, input_scale_name = "weight_packed", "weight_global_scale", "input_global_scale"
+    checkpoint_params = (packed_name, "weight_scale", global_scale_name, input_scale_name)
 
     def __init__(self, scheme: Scheme, kernel_name: str | None = None) -> None:
         super().__init__(kernel_name)
@@ -449,23 +451,27 @@ class Fp4Method(IntKernelMethod):
         check_divisible(input_size_per_partition, group, f"{where}: the input size per partition",
                         f"{self.form.upper()} scales groups of {group} inputs")
         out, shards = sum(output_partition_sizes), len(output_partition_sizes)
-        register_weight(layer, "weight_packed", torch.empty(out, input_size_per_partition // 2, dtype=torch.uint8),
+        register_weight(layer, self.packed_name, torch.empty(out, input_size_per_partition // 2, dtype=torch.uint8),
                         {"output_dim": 0, "input_dim": 1})  # [out, in / 2]
         scale_dtype = FP8_DTYPE if self.form == NVFP4 else torch.uint8  # e4m3, or e8m0 exponents
         register_weight(layer, "weight_scale", torch.empty(out, input_size_per_partition // group, dtype=scale_dtype),
                         {"output_dim": 0, "input_dim": 1})  # [out, in / group]
         if self.form == NVFP4:  # one per fused shard, repeated over its rows after loading
-            register_weight(layer, "weight_global_scale", torch.empty(shards, dtype=torch.float32),
+            register_weight(layer, self.global_scale_name, torch.empty(shards, dtype=torch.float32),
                             {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
             if self.scheme.activations:  # read, not used: activations stay in the model's dtype
-                register_weight(layer, "input_global_scale", torch.empty(shards, dtype=torch.float32),
+                register_weight(layer, self.input_scale_name, torch.empty(shards, dtype=torch.float32),
                                 {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
 
     def int_weight(self, layer: nn.Module) -> Fp4Weight:  # the kernel's form of the weight: here FP4's
         scales = layer.weight_scale.view(torch.uint8)
+        packed = getattr(layer, self.packed_name)
         if self.form == MXFP4:
-            return Fp4Weight(layer.weight_packed, scales, torch.ones(scales.shape[0], device=scales.device), MXFP4)
-        return Fp4Weight(layer.weight_packed, scales, over_shard_rows(layer, layer.weight_global_scale), NVFP4)
+            return Fp4Weight(packed, scales, torch.ones(scales.shape[0], device=scales.device), MXFP4)
+        return Fp4Weight(packed, scales, self.global_scale(layer), NVFP4)
+
+    def global_scale(self, layer: nn.Module) -> torch.Tensor:  # [out] float32, dividing each row's scales
+        return over_shard_rows(layer, getattr(layer, self.global_scale_name))
 
 
 class NaiveMethod(Fp8KernelMethod):

@@ -50,8 +50,8 @@ from vframe.quant.base import LinearMethodBase, QuantizationConfig, register_wei
 from vframe.quant.compressed_tensors import (
     MXFP8_FORMAT, MXFP8_GROUP, CompressedTensorsConfig, Fp4Method, Mxfp8Method, NaiveMethod, Scheme,
 )
-from vframe.quant.fp8 import FP8_DTYPE, BlockFp8Method, Fp8Config, _per_shard_loader, over_shard_rows
-from vframe.quant.kernels import NVFP4, Fp4Weight
+from vframe.quant.fp8 import BlockFp8Method, Fp8Config, over_shard_rows
+from vframe.quant.kernels import NVFP4
 
 logger = logging.getLogger(__name__)
 
@@ -240,26 +240,10 @@ class ModelOptFp4Method(Fp4Method):
     """NVFP4 / W4A16_NVFP4: compressed-tensors' NVFP4 tensors under ModelOpt's names, the
     global scale a multiplier (``weight_scale_2``) rather than a divisor."""
 
-    checkpoint_params = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+    packed_name, global_scale_name, input_scale_name = "weight", "weight_scale_2", "input_scale"
+    checkpoint_params = (packed_name, "weight_scale", global_scale_name, input_scale_name)
 
-    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
-                       input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
-        where, group = layer.prefix or type(layer).__name__, self.scheme.group_size
-        if input_size_per_partition % group:
-            raise ConfigError(f"{where}: {input_size_per_partition} inputs per partition do not fill whole NVFP4 "
-                              f"groups of {group}")
-        out, shards = sum(output_partition_sizes), len(output_partition_sizes)
-        register_weight(layer, "weight", torch.empty(out, input_size_per_partition // 2, dtype=torch.uint8),
-                        {"output_dim": 0, "input_dim": 1})  # [out, in / 2]
-        register_weight(layer, "weight_scale", torch.empty(out, input_size_per_partition // group, dtype=FP8_DTYPE),
-                        {"output_dim": 0, "input_dim": 1})  # [out, in / 16]
-        names = ["weight_scale_2"] + (["input_scale"] if self.scheme.activations else [])
-        for name in names:  # one per fused shard
-            register_weight(layer, name, torch.empty(shards, dtype=torch.float32),
-                            {"output_dim": None, "weight_loader": _per_shard_loader(layer)})
-
-    def int_weight(self, layer: nn.Module) -> Fp4Weight:
+    def global_scale(self, layer: nn.Module) -> torch.Tensor:
         # The kernels divide by a global scale: ModelOpt's multiplier inverted (in float64, then
         # rounded once), which moves a weight by at most a float32 rounding.
-        global_scale = (1.0 / over_shard_rows(layer, layer.weight_scale_2).double()).float()
-        return Fp4Weight(layer.weight, layer.weight_scale.view(torch.uint8), global_scale, NVFP4)
+        return (1.0 / over_shard_rows(layer, layer.weight_scale_2).double()).float()
