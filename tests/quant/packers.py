@@ -375,3 +375,17 @@ def mxfp8_quantize(w: torch.Tensor) -> MXFP8Quantized:
     scales = torch.exp2(exponent)
     q = (w / scales.repeat_interleave(32, dim=1)).clamp(-448, 448).to(torch.float8_e4m3fn)
     return MXFP8Quantized({"weight": q, "weight_scale": (exponent + 127).to(torch.uint8)}, q.float(), scales)
+
+
+def random_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) / in_features**0.5
+    w[0] = w[0].abs()  # row 0 all positive: asymmetric zero points at q_min
+    return w
+
+
+def load_tensors(layer: torch.nn.Module, tensors: dict[str, torch.Tensor], shard_id: Any = None) -> None:
+    """Checkpoint ``tensors`` into ``layer``'s parameters of those names, as the model loader
+    hands them (through each parameter's ``weight_loader``; ``shard_id``: a fused layer's shard)."""
+    for name, tensor in tensors.items():
+        param = getattr(layer, name)
+        param.weight_loader(param, tensor) if shard_id is None else param.weight_loader(param, tensor, shard_id)

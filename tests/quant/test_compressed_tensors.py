@@ -18,8 +18,8 @@ from vframe.testing.quant import check_quant_method
 from fp8_blocks import fp8_block_quantize
 from defaults import BF16_INT4
 from packers import (
-    cast_to_fp4, ct_fp8_quantize, ct_int_quantize, ct_mxfp4_quantize, ct_nvfp4_quantize, mxfp8_quantize,
-    pack_fp4_to_uint8,
+    cast_to_fp4, ct_fp8_quantize, ct_int_quantize, ct_mxfp4_quantize, ct_nvfp4_quantize, load_tensors, mxfp8_quantize,
+    pack_fp4_to_uint8, random_weight,
     PROJECTIONS, assert_head_quantized, generates_like_transformers, pack_to_int32, write_quantized_llama,
 )
 
@@ -70,18 +70,6 @@ def quant_config(fmt: str, w: dict, activations: dict | None = None, ignore: lis
             "kv_cache_scheme": None, "sparsity_config": {}, **more}
 
 
-def random_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
-    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) / in_features**0.5
-    w[0] = w[0].abs()  # row 0 all positive: asymmetric zero points at q_min
-    return w
-
-
-def load(layer: torch.nn.Module, tensors: dict[str, torch.Tensor], shard_id: Any = None) -> None:
-    for name, tensor in tensors.items():
-        param = getattr(layer, name)
-        param.weight_loader(param, tensor) if shard_id is None else param.weight_loader(param, tensor, shard_id)
-
-
 def test_signed_values_are_stored_plus_the_offset_lowest_bits_first() -> None:
     # -8, -7, 0, 1, 2, 3, 4, 7 stored as 0, 1, 8, 9, 10, 11, 12, 15: value j of a word in bits 4j .. 4j+3
     words = pack_to_int32(torch.tensor([[-8, -7, 0, 1, 2, 3, 4, 7]]), 4)
@@ -108,7 +96,7 @@ def test_packed_weight_is_the_unpacked_integers_times_the_scales(
         quant_config("pack-quantized", weights(bits, "int", strategy, group_size, symmetric))
     )
     layer = ReplicatedLinear(in_features, out_features, bias=False, quant_config=config, prefix="x.down_proj")
-    load(layer, packed.tensors)
+    load_tensors(layer, packed.tensors)
     assert isinstance(layer.quant_method, PackedMethod)
     assert tuple(layer.weight_packed.shape) == (out_features, in_features * bits // 32)
     if not symmetric:
@@ -130,7 +118,7 @@ def test_bfloat16_on_cpu_takes_the_4_bit_kernel(strategy: str, group_size: int |
         quant_config("pack-quantized", weights(4, "int", strategy, group_size, symmetric))
     )
     layer = ReplicatedLinear(in_features, out_features, bias=False, quant_config=config, params_dtype=torch.bfloat16)
-    load(layer, packed.tensors)
+    load_tensors(layer, packed.tensors)
     layer.quant_method.process_weights_after_loading(layer)
     x = torch.randn(9, in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
 
@@ -149,7 +137,7 @@ def test_fp8_weight_is_the_e4m3_values_times_the_scales(fmt: str, strategy: str)
     shards = {s: ct_fp8_quantize(random_weight(n, 64, i), strategy=strategy, static_input=True)
               for i, (s, n) in enumerate((("q", 32), ("k", 16), ("v", 16)))}
     for shard_id, packed in shards.items():
-        load(layer, packed.tensors, shard_id)
+        load_tensors(layer, packed.tensors, shard_id)
     layer.quant_method.process_weights_after_loading(layer)
 
     assert isinstance(layer.quant_method, NaiveMethod) and layer.weight.dtype == torch.float8_e4m3fn
@@ -165,7 +153,7 @@ def test_fp8_block_weight_keeps_each_shard_s_partial_blocks() -> None:
     layer = MergedColumnParallelLinear(576, [1536, 1536], bias=False, quant_config=config, prefix="l.gate_up_proj")
     packed = [fp8_block_quantize(random_weight(1536, 576, seed), (128, 128)) for seed in (0, 1)]
     for shard_id, (q, scales, _) in enumerate(packed):
-        load(layer, {"weight": q, "weight_scale": scales}, shard_id)
+        load_tensors(layer, {"weight": q, "weight_scale": scales}, shard_id)
     layer.quant_method.process_weights_after_loading(layer)
 
     assert layer.weight.dtype == torch.float8_e4m3fn and tuple(layer.weight_scale.shape) == (24, 5)
@@ -188,7 +176,7 @@ def test_nvfp4_weight_is_the_e2m1_values_times_each_group_scale_over_its_shard_s
               for i, (s, n) in enumerate((("q", 32), ("k", 16), ("v", 16)))}
     assert len({float(p.global_scale) for p in shards.values()}) == 3
     for shard_id, packed in shards.items():
-        load(layer, packed.tensors, shard_id)
+        load_tensors(layer, packed.tensors, shard_id)
     layer.quant_method.process_weights_after_loading(layer)
 
     assert isinstance(layer.quant_method, Fp4Method) and layer.quant_method.kernel.name == "fp4_cpu"
@@ -208,7 +196,7 @@ def test_mxfp4_weight_is_the_e2m1_values_times_each_group_s_power_of_two() -> No
     shards[0].tensors["weight_scale"][0, 0] = 0  # 2 ** -127, a subnormal
     shards[0].scales[0, 0] = 2.0**-127
     for shard_id, packed in enumerate(shards):
-        load(layer, packed.tensors, shard_id)
+        load_tensors(layer, packed.tensors, shard_id)
     layer.quant_method.process_weights_after_loading(layer)
 
     assert layer.quant_method.kernel.name == "fp4_cpu"
@@ -228,7 +216,7 @@ def test_mxfp8_weight_is_the_e4m3_values_times_each_group_s_power_of_two() -> No
     shards[1].tensors["weight_scale"][0, 0] = 0  # 2 ** -127, a subnormal
     shards[1].scales[0, 0] = 2.0**-127
     for shard_id, packed in enumerate(shards):
-        load(layer, packed.tensors, shard_id)
+        load_tensors(layer, packed.tensors, shard_id)
     layer.quant_method.process_weights_after_loading(layer)
 
     assert isinstance(layer.quant_method, Mxfp8Method) and layer.quant_method.kernel.name == "fp8_cpu"
@@ -246,7 +234,7 @@ def test_an_mxfp8_scale_byte_of_255_is_refused() -> None:
     layer = ReplicatedLinear(64, 32, bias=False, quant_config=config, prefix="model.layers.0.mlp.down_proj")
     packed = mxfp8_quantize(random_weight(32, 64, 0))
     packed.tensors["weight_scale"][3, 1] = 0xFF
-    load(layer, packed.tensors)
+    load_tensors(layer, packed.tensors)
     with pytest.raises(ModelLoadError, match="model.layers.0.mlp.down_proj: a scale byte is 0xFF, e8m0's NaN"):
         layer.quant_method.process_weights_after_loading(layer)
 
@@ -257,7 +245,7 @@ def test_an_nvfp4_w4a4_checkpoint_runs_weight_only_and_says_so(caplog) -> None:
     assert "activations in the model's dtype" in caplog.text
     layer = ReplicatedLinear(64, 32, bias=False, quant_config=config, prefix="o_proj")
     packed = ct_nvfp4_quantize(random_weight(32, 64, 0), input_global_scale=True)
-    load(layer, packed.tensors)
+    load_tensors(layer, packed.tensors)
     layer.quant_method.process_weights_after_loading(layer)
 
     assert not hasattr(layer, "input_global_scale") and not hasattr(layer, "weight_packed")
@@ -271,7 +259,7 @@ def test_w8a8_quantizes_each_token_to_int8() -> None:
     )
     layer = ReplicatedLinear(64, 32, bias=False, quant_config=config, prefix="o_proj")
     packed = ct_int_quantize(random_weight(32, 64, 0), bits=8, strategy="channel", packed=False)
-    load(layer, packed.tensors)
+    load_tensors(layer, packed.tensors)
     layer.quant_method.process_weights_after_loading(layer)
     x = torch.tensor([[1.0, -0.5] * 32, [127.0] + [1.0] * 63])  # token 1's step is 1: its ones stay exact
 

@@ -25,8 +25,8 @@ from vframe.testing.models import assert_matches_transformers
 from vframe.testing.quant import check_quant_method
 from fp8_blocks import fp8_block_quantize
 from packers import (
-    CTQuantized, NVFP4Quantized, cast_to_fp4, ct_fp8_quantize, mxfp8_quantize, pack_fp4_to_uint8,
-    write_quantized_llama,
+    CTQuantized, NVFP4Quantized, cast_to_fp4, ct_fp8_quantize, load_tensors, mxfp8_quantize, pack_fp4_to_uint8,
+    random_weight, write_quantized_llama,
 )
 
 
@@ -90,16 +90,6 @@ def dequantized_nvfp4(packed: NVFP4Quantized) -> torch.Tensor:  # [out, in] floa
     return packed.values.double() * (packed.scales.double() * scale_2).repeat_interleave(16, dim=1)
 
 
-def load(layer: torch.nn.Module, tensors: dict[str, torch.Tensor], shard_id: Any = None) -> None:
-    for name, tensor in tensors.items():
-        param = getattr(layer, name)
-        param.weight_loader(param, tensor) if shard_id is None else param.weight_loader(param, tensor, shard_id)
-
-
-def random_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
-    return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) / in_features**0.5
-
-
 CONFORMANCE = {"FP8": fp8_tensor, "FP8_PER_CHANNEL_PER_TOKEN": fp8_channel, "FP8_PB_WO": fp8_blocks,
                "MXFP8": lambda w, generator=None: mxfp8_quantize(w), "NVFP4": nvfp4, "W4A16_NVFP4": nvfp4}
 
@@ -143,7 +133,7 @@ def test_fp8_weight_is_the_e4m3_values_times_each_module_s_scale() -> None:
               for i, (s, n) in enumerate((("q", 32), ("k", 16), ("v", 16)))}
     for shard_id, packed in shards.items():
         assert packed.tensors["weight_scale"].shape == ()  # ModelOpt's scalars
-        load(layer, packed.tensors, shard_id)
+        load_tensors(layer, packed.tensors, shard_id)
     layer.quant_method.process_weights_after_loading(layer)
 
     assert isinstance(layer.quant_method, NaiveMethod) and layer.quant_method.kernel.name == "fp8_cpu"
@@ -161,7 +151,7 @@ def test_channel_and_block_fp8_read_their_scale_shapes() -> None:
         layer = MergedColumnParallelLinear(576, [1536, 1536], bias=False, quant_config=config, prefix="l.gate_up_proj")
         packed = [make(random_weight(1536, 576, seed)) for seed in (0, 1)]
         for shard_id, p in enumerate(packed):
-            load(layer, p.tensors, shard_id)
+            load_tensors(layer, p.tensors, shard_id)
         layer.quant_method.process_weights_after_loading(layer)
         assert isinstance(layer.quant_method, method) and layer.quant_method.kernel.name == "fp8_cpu"
         expected = torch.cat([p.weight() for p in packed])
@@ -175,7 +165,7 @@ def test_nvfp4_weight_is_the_e2m1_values_times_each_group_scale_times_its_module
     shards = {s: nvfp4(random_weight(n, 64, i) * 10**i) for i, (s, n) in enumerate((("q", 32), ("k", 16), ("v", 16)))}
     assert len({float(p.tensors["weight_scale_2"]) for p in shards.values()}) == 3
     for shard_id, packed in shards.items():
-        load(layer, {k: v for k, v in packed.tensors.items() if k != "input_scale"}, shard_id)
+        load_tensors(layer, {k: v for k, v in packed.tensors.items() if k != "input_scale"}, shard_id)
     layer.quant_method.process_weights_after_loading(layer)
 
     assert isinstance(layer.quant_method, ModelOptFp4Method) and layer.quant_method.kernel.name == "fp4_cpu"
@@ -192,7 +182,7 @@ def test_an_nvfp4_scale_2_that_is_no_power_of_two_moves_a_weight_by_a_float32_ro
     shards = {s: nvfp4(random_weight(n, 64, i) * 3**i, power_of_two=False)
               for i, (s, n) in enumerate((("q", 32), ("k", 16), ("v", 16)))}
     for shard_id, packed in shards.items():
-        load(layer, packed.tensors, shard_id)
+        load_tensors(layer, packed.tensors, shard_id)
     layer.quant_method.process_weights_after_loading(layer)
     expected = torch.cat([dequantized_nvfp4(shards[s]) for s in "qkv"])
     got = layer.quant_method.dequantize_weight(layer).double()
