@@ -49,13 +49,24 @@ test-reliability: $(STAMP)
 # tools live in $(QUANT_VENV), apart from vframe's; the checkpoints are made on first use
 # into $$VFRAME_CACHE_DIR/quant-checkpoints (about 30 minutes on a busy 2-core machine), then
 # reused: a cached run takes 1 to 5 minutes. Not part of `make test` or CI.
+# llama.cpp's own Hugging Face -> GGUF converter (convert_hf_to_gguf.py, its conversion/ package
+# and gguf-py) comes from the llama.cpp sources that this llama-cpp-python release vendors:
+# PyPI's sdist, nothing compiled, unpacked into $(QUANT_VENV)/llama.cpp.
 QUANT_VENV ?= .venv-quant
 QUANT_STAMP := $(QUANT_VENV)/.tools-installed
+LLAMA_CPP_PYTHON_SDIST ?= 0.3.36
 .PHONY: quant-tools test-quant
-$(QUANT_STAMP): tests/quant_real/requirements.txt tests/quant_real/constraints.txt
+$(QUANT_STAMP): tests/quant_real/requirements.txt tests/quant_real/constraints.txt Makefile
 	test -x $(QUANT_VENV)/bin/python || $(PYTHON) -m venv $(QUANT_VENV)
 	$(QUANT_VENV)/bin/python -m pip install -q -c tests/quant_real/constraints.txt torch==2.13.0 \
 		-r tests/quant_real/requirements.txt
+	rm -rf $(QUANT_VENV)/sdist $(QUANT_VENV)/llama.cpp
+	$(QUANT_VENV)/bin/python -m pip download -q --no-deps --no-binary :all: \
+		llama-cpp-python==$(LLAMA_CPP_PYTHON_SDIST) -d $(QUANT_VENV)/sdist
+	tar -xzf $(QUANT_VENV)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON_SDIST).tar.gz -C $(QUANT_VENV) \
+		--strip-components=2 $(addprefix llama_cpp_python-$(LLAMA_CPP_PYTHON_SDIST)/vendor/llama.cpp/,\
+		convert_hf_to_gguf.py conversion gguf-py)
+	rm -rf $(QUANT_VENV)/sdist
 	touch $(QUANT_STAMP)
 
 quant-tools: $(QUANT_STAMP)

@@ -51,6 +51,26 @@ def interpreted(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return kernels
 
 
+@pytest.fixture
+def gguf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``VFRAME_CACHE_DIR`` of the test's own, so that the GGUF files it writes are converted
+    there; the operators vframe compiles (``vframe.utils.native``) stay the machine's, linked
+    in (compiling them again would cost a minute a test)."""
+    from vframe.backends.cpu_paged.build import LIBRARY as cpu_paged
+    from vframe.layers.cpu_ops import LIBRARY as cpu_ops
+    from vframe.models.loader.resolve import default_cache_dir
+    from vframe.quant.kernels.builtin import woq_library
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for name in (cpu_paged.name, cpu_ops.name, woq_library().name):
+        shared = default_cache_dir() / name
+        shared.mkdir(parents=True, exist_ok=True)
+        (cache / name).symlink_to(shared, target_is_directory=True)
+    monkeypatch.setenv("VFRAME_CACHE_DIR", str(cache))
+    return cache
+
+
 @pytest.fixture(scope="session")
 def vframe_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vframe-cache")

@@ -129,8 +129,8 @@ def test_truncated_gguf(smollm: ResolvedModel, tmp_path: Path) -> None:
 def test_unknown_gguf_architecture(tmp_path: Path) -> None:
     import gguf
 
-    path = tmp_path / "tiny-qwen.gguf"
-    writer = gguf.GGUFWriter(str(path), arch="qwen2")
+    path = tmp_path / "tiny-gemma.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="gemma2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
@@ -138,7 +138,7 @@ def test_unknown_gguf_architecture(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
 
-    with pytest.raises(ModelLoadError, match="general.architecture='qwen2' is not supported"):
+    with pytest.raises(ModelLoadError, match="general.architecture='gemma2' is not supported"):
         resolve_model(str(path), cache_dir=tmp_path / "cache")
 
 
@@ -155,6 +155,10 @@ def test_hf_tensor_names() -> None:
     assert gguf_loader.hf_tensor_name("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
     assert gguf_loader.hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
     assert gguf_loader.hf_tensor_name("output.weight") == "lm_head.weight"
+    assert gguf_loader.hf_tensor_name("blk.1.attn_k_norm.weight") == "model.layers.1.self_attn.k_norm.weight"
+    assert gguf_loader.hf_tensor_name("blk.2.ffn_gate_inp.weight") == "model.layers.2.block_sparse_moe.gate.weight"
+    # Mixtral's experts as older llama.cpp files store them, one tensor each
+    assert gguf_loader.hf_tensor_name("blk.2.ffn_down.7.weight") == "model.layers.2.block_sparse_moe.experts.7.w2.weight"
     with pytest.raises(ModelLoadError, match="blk.0.attn_qkv.weight"):
         gguf_loader.hf_tensor_name("blk.0.attn_qkv.weight")
 

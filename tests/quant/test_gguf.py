@@ -505,7 +505,7 @@ def test_the_tensor_table_reader_hands_over_blocks_rows_un_permuted(tmp_path) ->
     writer.write_tensors_to_file()
     writer.close()
 
-    config = type("Config", (), {"num_attention_heads": heads, "num_key_value_heads": kv_heads})()
+    config = type("Config", (), {"model_type": "llama", "num_attention_heads": heads, "num_key_value_heads": kv_heads})()
     tensors = list(iterate_gguf_quantized(path, config))
 
     names = [name for name, _ in tensors]
@@ -586,8 +586,7 @@ def write_tiny_llama(path, layer_types: list[dict[str, str]], vocab: int = 96, o
     writer.close()
 
 
-def test_a_k_quant_llama_runs_from_its_blocks_as_its_dense_conversion(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("VFRAME_CACHE_DIR", str(tmp_path / "cache"))
+def test_a_k_quant_llama_runs_from_its_blocks_as_its_dense_conversion(tmp_path, gguf_cache) -> None:
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, [Q4_K_M, OTHERS])
     prompts = [{"prompt_token_ids": ids} for ids in ([0, 5, 17, 33, 2], [0, 40, 41, 42, 43, 44, 45, 46])]
@@ -634,8 +633,7 @@ def _gguf_engine_equal_to_its_dense_conversion(path) -> LLM:
     return llm
 
 
-def test_an_untied_q8_0_head_runs_on_woq_cpu_as_its_dense_conversion(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("VFRAME_CACHE_DIR", str(tmp_path / "cache"))
+def test_an_untied_q8_0_head_runs_on_woq_cpu_as_its_dense_conversion(tmp_path, gguf_cache) -> None:
     path = tmp_path / "untied.gguf"
     write_tiny_llama(path, [Q4_K_M], output_type="Q8_0")
 
@@ -649,10 +647,9 @@ def test_an_untied_q8_0_head_runs_on_woq_cpu_as_its_dense_conversion(tmp_path, m
     assert isinstance(model.model.embed_tokens, VocabEmbedding)
 
 
-def test_a_tied_q6_k_embedding_runs_its_head_on_woq_cpu_as_its_dense_conversion(tmp_path, monkeypatch) -> None:
+def test_a_tied_q6_k_embedding_runs_its_head_on_woq_cpu_as_its_dense_conversion(tmp_path, gguf_cache) -> None:
     """Llama 3.2's Q4_K_M files tie a Q6_K token_embd to the head: without a kernel the
     head dequantized the whole table every step."""
-    monkeypatch.setenv("VFRAME_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tied.gguf"
     write_tiny_llama(path, [Q4_K_M], embedding_type="Q6_K")
 

@@ -431,6 +431,97 @@ def test_a_tool_s_mixtral_experts_serve_like_their_dequantized_weights(
     assert got == [tokens[:12] for tokens in hf_greedy_n(reference, prompts, 12)]
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3(checkpoints: Path) -> Path:
+    """A tiny random Qwen3 (tests/tiny_qwen.py's, head_dim 32 where hidden / heads is 16, SmolLM2's
+    vocabulary and tokenizer); made once beside the checkpoints."""
+    import shutil
+    import sys
+
+    path = checkpoints / "tiny-qwen3-dense"
+    if not (path / "tokenizer.json").exists():
+        sys.path.insert(0, str(REPO / "tests"))
+        from tiny_qwen import save_tiny_qwen
+
+        shutil.rmtree(path, ignore_errors=True)
+        save_tiny_qwen(path, "Qwen3", vocab_size=49152, intermediate_size=96, head_dim=32)  # Q8_0: rows of 32
+        smollm = resolve_model(None).model_dir
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(smollm / name, path / name)
+    return path
+
+
+LLAMA_CPP_CONVERTER = Path(os.environ.get("VFRAME_LLAMA_CPP_CONVERTER")
+                           or TOOLS_PYTHON.parents[1] / "llama.cpp" / "convert_hf_to_gguf.py")
+
+
+def llama_cpp_gguf(dense: Path, outtype: str, out_dir: Path) -> Path:
+    """``dense`` converted by llama.cpp's own ``convert_hf_to_gguf.py --outtype <outtype>`` (once)."""
+    path = out_dir / "gguf" / f"{dense.name}-{outtype}.gguf"
+    if path.exists():
+        return path
+    if not LLAMA_CPP_CONVERTER.exists():
+        pytest.fail(f"{LLAMA_CPP_CONVERTER} not found: `make quant-tools` unpacks llama.cpp's converter there "
+                    "(or set VFRAME_LLAMA_CPP_CONVERTER)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    done = subprocess.run([str(TOOLS_PYTHON), str(LLAMA_CPP_CONVERTER), str(dense), "--outtype", outtype,
+                           "--outfile", str(partial)], capture_output=True, text=True)
+    assert done.returncode == 0, f"llama.cpp's converter failed on {dense}:\n{done.stderr[-4000:]}"
+    partial.rename(path)
+    return path
+
+
+def q8_0_rounded(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with the weights llama.cpp's ``--outtype q8_0`` quantizes (every matrix but a
+    MoE router: the embedding, the head, each projection and expert) rounded through Q8_0 by the
+    ``gguf`` package, which the converter itself calls; blocks run along each row, so the row
+    order the converter writes (q / k permuted, experts merged) does not change them."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2 and not name.endswith("mlp.gate.weight"):
+                blocks = quantize(param.numpy(), GGMLQuantizationType.Q8_0)
+                param.copy_(torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0)))
+    return model
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3"])
+def test_llama_cpp_s_gguf_of_a_model_serves_as_the_model(family: str, outtype: str, checkpoints: Path,
+                                                        request: pytest.FixtureRequest) -> None:
+    """llama.cpp's converter on a tiny Mixtral (architecture ``llama`` with ``expert_count``, experts
+    merged into ``ffn_*_exps``, q / k rows permuted) and a tiny Qwen3 (``attention.key_length`` 32,
+    ``attn_q_norm`` / ``attn_k_norm``, rows as they are): vframe serves the .gguf dequantized on load and
+    kept quantized (``quantization="gguf"``: every expert a GGUF layer) within 1e-4 of transformers on the
+    model's own weights (``f32``; measured 9.5e-7) or those weights through Q8_0 (``q8_0``; 9.5e-7; Q8_0
+    moved them by 0.022 (Mixtral) and 0.0033 (Qwen3)), with its greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    dense = request.getfixturevalue(f"tiny_{family}")
+    path = llama_cpp_gguf(dense, outtype, checkpoints)
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    if outtype == "q8_0":
+        original = hf_text_logprobs(model, ids)
+        model = q8_0_rounded(model)
+        assert float((hf_text_logprobs(model, ids) - original).abs().max()) > 2e-3  # the check can tell
+    ref = hf_text_logprobs(model, ids)
+    prompts = [ids[:5], ids[:17], ids]
+    expected = hf_greedy_n(model, prompts, 12)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for quantization in (None, "gguf"):
+        llm = LLM(model=str(path), dtype="float32", quantization=quantization, num_threads=2)
+        hf_config = llm.llm_engine.model_runner.model.config
+        assert hf_config.architectures == [{"mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]]
+        assert float((text_logprobs(llm, ids) - ref).abs().max()) < 1e-4, quantization
+        got = [list(o.outputs[0].token_ids)
+               for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        assert got == expected, quantization
+
+
 def hf_greedy_n(model, prompt_ids: list[list[int]], n: int) -> list[list[int]]:
     """transformers' greedy tokens for each prompt on its own (no padding)."""
     out = []

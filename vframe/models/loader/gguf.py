@@ -27,24 +27,41 @@ from vframe.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+# llama.cpp's general.architecture -> the model vframe builds; "llama" with experts
+# (``llama.expert_count``) is Mixtral, as llama.cpp's converter writes it.
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
+# Models whose q / k rows llama.cpp's converter reorders for its interleaved rotary
+# embedding (``unpermute_qk``); Qwen's use the rotate-half layout, which it keeps.
+_PERMUTED_QK_MODEL_TYPES = ("llama", "mixtral")
 
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# Per layer: GGUF tensor kind -> Hugging Face module; the linear layers (kept as blocks
+# for quantization="gguf") are those ending in "_proj" and the experts' w1 / w2 / w3.
 _PER_LAYER = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "block_sparse_moe.gate",  # Mixtral's router
 }
+# Mixtral's experts: merged into one [experts, out, in] tensor per projection
+# (``blk.3.ffn_gate_exps.weight``, llama.cpp since 2024) or one tensor each
+# (``blk.3.ffn_gate.5.weight``, older files); Hugging Face names them per expert.
+_EXPERTS = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
+_MERGED_EXPERTS = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)_exps\.weight")
+_ONE_EXPERT = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling factors, folded into the config
 _REQUIRED = object()
@@ -61,7 +78,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, weights: bool = True) -> Non
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{gguf_path}: GGUF general.architecture={architecture!r} is not supported; "
-            f"vframe reads GGUF files of: {sorted(SUPPORTED_ARCHITECTURES)}"
+            f"vframe reads GGUF files of: {sorted(SUPPORTED_ARCHITECTURES)} (llama with experts: Mixtral)"
         )
     logger.info("converting %s into %s (first load only)", gguf_path, out_dir)
     config = gguf_to_hf_config(reader, architecture)
@@ -117,8 +134,8 @@ def read_field(reader: Any, key: str, default: Any = _REQUIRED) -> Any:
 
 
 def gguf_to_hf_config(reader: Any, architecture: str) -> Any:
-    """A transformers ``LlamaConfig`` from llama.cpp's metadata keys."""
-    from transformers import LlamaConfig
+    """A transformers config (Llama, Mixtral, Qwen2 or Qwen3) from llama.cpp's metadata keys."""
+    import transformers
 
     def field(name: str, default: Any = _REQUIRED) -> Any:
         return read_field(reader, f"{architecture}.{name}", default)
@@ -143,8 +160,28 @@ def gguf_to_hf_config(reader: Any, architecture: str) -> Any:
             _llama3_rope_parameters(_dequantize(_tensor(reader, _ROPE_FREQS)), rope_parameters["rope_theta"], head_dim)
         )
 
-    return LlamaConfig(
-        architectures=[SUPPORTED_ARCHITECTURES[architecture]],
+    hf_architecture = SUPPORTED_ARCHITECTURES[architecture]
+    extra: dict[str, Any] = {}
+    num_experts = field("expert_count", 0)
+    if num_experts:
+        if architecture not in _MOE_ARCHITECTURES:
+            raise ModelLoadError(
+                f"GGUF {architecture!r} with {architecture}.expert_count={num_experts}: vframe reads experts "
+                f"in GGUF files of {sorted(_MOE_ARCHITECTURES)} only"
+            )
+        hf_architecture = _MOE_ARCHITECTURES[architecture]
+        extra.update(num_local_experts=num_experts, num_experts_per_tok=field("expert_used_count"),
+                     sliding_window=None)
+    elif architecture == "llama":
+        extra.update(attention_bias="blk.0.attn_q.bias" in tensor_names,
+                     mlp_bias="blk.0.ffn_gate.bias" in tensor_names)
+    elif architecture == "qwen3":
+        extra.update(attention_bias="blk.0.attn_q.bias" in tensor_names)
+    if architecture.startswith("qwen"):
+        extra.update(use_sliding_window=False)
+    config_class = getattr(transformers, hf_architecture.replace("ForCausalLM", "Config"))
+    return config_class(
+        architectures=[hf_architecture],
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=field("feed_forward_length"),
@@ -156,12 +193,11 @@ def gguf_to_hf_config(reader: Any, architecture: str) -> Any:
         rms_norm_eps=field("attention.layer_norm_rms_epsilon"),
         rope_parameters=rope_parameters,
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        mlp_bias="blk.0.ffn_gate.bias" in tensor_names,
         bos_token_id=read_field(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=read_field(reader, "tokenizer.ggml.eos_token_id", None),
         pad_token_id=read_field(reader, "tokenizer.ggml.padding_token_id", None),
         dtype="float32",
+        **extra,
     )
 
 
@@ -201,39 +237,53 @@ def _llama3_rope_parameters(rope_freqs: np.ndarray, theta: float, head_dim: int)
 
 
 def gguf_to_hf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized float32 tensors under Hugging Face names, q/k un-permuted."""
+    """Dequantized float32 tensors under Hugging Face names, q/k un-permuted, merged experts split."""
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             continue
-        name = hf_tensor_name(t.name)
-        array = _unpermute_rows(name, _dequantize(t), config)  # [out, in]: GGUF's reversed dims are undone
-        yield name, torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+        array = _dequantize(t).reshape(tuple(reversed(t.shape.tolist())))  # [..., out, in]: GGUF's dims reversed
+        for name, part in hf_tensors(t.name, array):
+            part = _unpermute_rows(name, part, config)
+            yield name, torch.from_numpy(np.require(part, np.float32, ["C", "W"]))
 
 
 def iterate_gguf_quantized(gguf_path: Path, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of ``gguf_path`` for ``quantization="gguf"`` (``vframe.quant.gguf``):
-    each linear layer's weight, the token embedding and an untied LM head kept as
-    the file stores them, as ``<module>.qweight_type`` (the ggml type number) then
-    ``<module>.qweight`` (uint8 [out, row bytes], q / k rows un-permuted); every
-    other tensor (norms, biases) dequantized to float32 as the conversion does."""
+    each linear layer's weight (every expert's too), the token embedding and an untied
+    LM head kept as the file stores them, as ``<module>.qweight_type`` (the ggml type
+    number) then ``<module>.qweight`` (uint8 [out, row bytes], q / k rows un-permuted);
+    every other tensor (norms, biases, a router) dequantized to float32 as the conversion does."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     for gguf_name, ggml_type, shape, rows in read_gguf_tensors(gguf_path):
         if gguf_name == _ROPE_FREQS:
             continue
-        name = hf_tensor_name(gguf_name)
-        if name in _KEPT_QUANTIZED or name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            module = name.removesuffix(".weight")
-            yield f"{module}.qweight_type", torch.tensor(ggml_type)
-            yield f"{module}.qweight", torch.from_numpy(np.array(_unpermute_rows(name, rows, config)))
+        if _kept_quantized(gguf_name):
+            blocks = rows.reshape(*shape[:-1], rows.shape[-1])  # [..., out, row bytes]
+            for name, part in hf_tensors(gguf_name, blocks):
+                module = name.removesuffix(".weight")
+                yield f"{module}.qweight_type", torch.tensor(ggml_type)
+                yield f"{module}.qweight", torch.from_numpy(np.array(_unpermute_rows(name, part, config)))
         else:
             array = dequantize(rows, GGMLQuantizationType(ggml_type)).reshape(shape)
-            array = _unpermute_rows(name, array, config)
-            yield name, torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+            for name, part in hf_tensors(gguf_name, array):
+                part = _unpermute_rows(name, part, config)
+                yield name, torch.from_numpy(np.require(part, np.float32, ["C", "W"]))
 
 
-_KEPT_QUANTIZED = ("model.embed_tokens.weight", "lm_head.weight")  # besides the layers' projections
+def _kept_quantized(gguf_name: str) -> bool:
+    """Whether ``quantization="gguf"`` keeps this tensor's blocks: the embedding, the LM
+    head and every linear layer's weight (its biases and norms are dequantized)."""
+    if gguf_name in _KEPT_QUANTIZED:
+        return True
+    if _MERGED_EXPERTS.fullmatch(gguf_name) or _ONE_EXPERT.fullmatch(gguf_name):
+        return True
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    return bool(match) and match.group(3) == "weight" and _PER_LAYER.get(match.group(2), "").endswith("_proj")
+
+
+_KEPT_QUANTIZED = ("token_embd.weight", "output.weight")  # besides the layers' linear weights
 
 # GGUF value types: struct formats of the scalars; 8 is a string, 9 an array
 _GGUF_SCALARS = {
@@ -314,7 +364,10 @@ def read_gguf_tensors(path: Path) -> Iterator[tuple[str, int, tuple[int, ...], n
 
 
 def _unpermute_rows(name: str, rows: np.ndarray, config: Any) -> np.ndarray:
-    """Undo llama.cpp's q / k row order (see ``unpermute_qk``); rows of floats or of blocks alike."""
+    """Undo llama.cpp's q / k row order (see ``unpermute_qk``) in Llama and Mixtral;
+    rows of floats or of blocks alike."""
+    if config.model_type not in _PERMUTED_QK_MODEL_TYPES:
+        return rows
     if name.endswith(("q_proj.weight", "q_proj.bias")):
         return unpermute_qk(rows, config.num_attention_heads)
     if name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -322,8 +375,22 @@ def _unpermute_rows(name: str, rows: np.ndarray, config: Any) -> np.ndarray:
     return rows
 
 
+def hf_tensors(gguf_name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """The Hugging Face tensors GGUF tensor ``gguf_name`` (``array``: values or rows of
+    blocks, outermost dimension first) holds: itself under its Hugging Face name, or for
+    llama.cpp's merged experts (``[experts, out, in]``) each expert's ``[out, in]``."""
+    merged = _MERGED_EXPERTS.fullmatch(gguf_name)
+    if merged is None:
+        yield hf_tensor_name(gguf_name), array
+        return
+    layer, kind = merged.groups()
+    for expert, part in enumerate(array):
+        yield f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_EXPERTS[kind]}.weight", part
+
+
 def hf_tensor_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``;
+    ``blk.3.ffn_gate.5.weight`` -> ``model.layers.3.block_sparse_moe.experts.5.w1.weight``."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _TOP_LEVEL and suffix in ("weight", "bias"):
         return f"{_TOP_LEVEL[base]}.{suffix}"
@@ -331,7 +398,11 @@ def hf_tensor_name(gguf_name: str) -> str:
     if match and match.group(2) in _PER_LAYER:
         layer, kind, suffix = match.groups()
         return f"model.layers.{layer}.{_PER_LAYER[kind]}.{suffix}"
-    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Llama equivalent; vframe cannot load this file")
+    expert = _ONE_EXPERT.fullmatch(gguf_name)
+    if expert:
+        layer, kind, index = expert.groups()
+        return f"model.layers.{layer}.block_sparse_moe.experts.{index}.{_EXPERTS[kind]}.weight"
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent; vframe cannot load this file")
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:

@@ -1,0 +1,189 @@
+"""GGUF files of every architecture vframe reads from llama.cpp's format: Llama (the embedded
+SmolLM2, tests/models/test_loader.py), Mixtral (``llama`` with experts), Qwen2 and Qwen3.
+
+Each file here is written from a tiny random transformers model in llama.cpp's own layout
+(``write_gguf``: its metadata keys, tensor names, q / k rows reordered for Llama's interleaved
+rotary, Mixtral's experts merged into one ``[experts, out, in]`` tensor per projection or one
+tensor each as older files have them), the linear weights rounded through Q8_0 by the ``gguf``
+package and the transformers model given the rounded weights, so that it computes exactly what
+the file holds. vframe serves the file both ways, dequantized on load and kept quantized
+(``quantization="gguf"``), and must give transformers' tokens and logprobs
+(``parity.assert_engine_matches_transformers``: prefix caching, chunked prefill, preemption).
+``make test-quant`` converts tiny models with llama.cpp's own converter
+(tests/quant_real/test_real_checkpoints.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from parity import assert_engine_matches_transformers, prompts_of_lengths
+from test_mixtral import tiny_hf_mixtral
+from tiny_qwen import save_tiny_qwen
+
+from vframe import LLM
+from vframe.errors import ModelLoadError
+
+PROMPT_LENGTHS = [5, 23, 37, 12]
+
+
+def _rounded(param: torch.Tensor, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """``param`` ([..., out, in]) as ``ggml_type`` blocks (uint8 [..., out, row bytes]); ``param``
+    itself replaced by their dequantization, so the model holds what the file holds."""
+    weight = param.detach().float().numpy()
+    blocks = quantize(weight, ggml_type)
+    with torch.no_grad():
+        param.copy_(torch.from_numpy(dequantize(blocks, ggml_type)))
+    return blocks
+
+
+def _permuted(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q / k row order for Llama: the two rotary halves of each head interleaved."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def write_gguf(path: Path, hf_model: torch.nn.Module, arch: str, *, merged_experts: bool = True,
+               linear_type: GGMLQuantizationType = GGMLQuantizationType.Q8_0) -> None:
+    """``hf_model`` (Llama, Mixtral, Qwen2 or Qwen3 from transformers) as llama.cpp writes it:
+    ``general.architecture`` ``arch``, every linear weight and an untied LM head rounded through
+    ``linear_type`` (in ``hf_model`` too), norms, biases, the router and the embedding in float32,
+    and a toy byte vocabulary."""
+    config = hf_model.config
+    model = hf_model.model
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    else:
+        writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    num_experts = getattr(config, "num_local_experts", 0)
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    vocab = config.vocab_size
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([chr(ord("!") + i) for i in range(vocab - 1)] + ['!"'])
+    writer.add_token_types([1] * vocab)
+    writer.add_token_merges(['! "'])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+
+    def add(name: str, param: torch.Tensor, *, quantized: bool = False, heads: int | None = None) -> None:
+        if quantized:
+            blocks = _rounded(param, linear_type)
+            writer.add_tensor(name, _permuted(blocks, heads) if heads else blocks, raw_dtype=linear_type)
+        else:
+            values = param.detach().float().numpy()
+            writer.add_tensor(name, _permuted(values, heads) if heads else values)
+
+    add("token_embd.weight", model.embed_tokens.weight)
+    add("output_norm.weight", model.norm.weight)
+    if not config.tie_word_embeddings:
+        add("output.weight", hf_model.lm_head.weight, quantized=True)
+    permuted = arch == "llama"
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight)
+        add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight)
+        for kind, proj, heads in (("attn_q", attn.q_proj, config.num_attention_heads),
+                                  ("attn_k", attn.k_proj, config.num_key_value_heads),
+                                  ("attn_v", attn.v_proj, None), ("attn_output", attn.o_proj, None)):
+            add(f"blk.{i}.{kind}.weight", proj.weight, quantized=True, heads=heads if permuted else None)
+            if proj.bias is not None:
+                add(f"blk.{i}.{kind}.bias", proj.bias, heads=heads if permuted else None)
+        if hasattr(attn, "q_norm"):
+            add(f"blk.{i}.attn_q_norm.weight", attn.q_norm.weight)
+            add(f"blk.{i}.attn_k_norm.weight", attn.k_norm.weight)
+        mlp = layer.mlp
+        if not hasattr(mlp, "experts"):
+            for kind, proj in (("ffn_gate", mlp.gate_proj), ("ffn_up", mlp.up_proj), ("ffn_down", mlp.down_proj)):
+                add(f"blk.{i}.{kind}.weight", proj.weight, quantized=True)
+            continue
+        add(f"blk.{i}.ffn_gate_inp.weight", mlp.gate.weight)
+        inter = config.intermediate_size
+        gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj  # [E, 2I, H] (gate rows, then up), [E, H, I]
+        for kind, param in (("ffn_gate", gate_up[:, :inter]), ("ffn_up", gate_up[:, inter:]), ("ffn_down", down)):
+            blocks = _rounded(param, linear_type)  # a view: rounds the model's own experts
+            if merged_experts:
+                writer.add_tensor(f"blk.{i}.{kind}_exps.weight", blocks, raw_dtype=linear_type)
+            else:
+                for e in range(num_experts):
+                    writer.add_tensor(f"blk.{i}.{kind}.{e}.weight", blocks[e], raw_dtype=linear_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+@pytest.mark.parametrize("family", ["Qwen2", "Qwen3"])
+def test_a_qwen_gguf_serves_as_transformers(family: str, quantization: str | None, tmp_path: Path,
+                                            gguf_cache: Path) -> None:
+    """Qwen2 (random q / k / v biases) and Qwen3 (per-head q / k norms, head_dim 24 where
+    hidden / heads is 16): rows in their own order (llama.cpp reorders only Llama's)."""
+    overrides = {"head_dim": 24} if family == "Qwen3" else {}
+    hf_model = save_tiny_qwen(tmp_path / "hf", family, intermediate_size=96, **overrides)  # Q8_0: rows of 32
+    path = tmp_path / f"tiny-{family.lower()}.gguf"
+    write_gguf(path, hf_model, family.lower())
+    prompts = prompts_of_lengths(hf_model.config.vocab_size, PROMPT_LENGTHS, shared_prefix=4)
+
+    llm = assert_engine_matches_transformers(path, hf_model, prompts, num_blocks=14, quantization=quantization)
+
+    config = llm.llm_engine.model_runner.model.config
+    assert config.architectures == [f"{family}ForCausalLM"]
+    assert config.head_dim == (24 if family == "Qwen3" else 16)
+    layer = llm.llm_engine.model_runner.model.model.layers[0]
+    method = type(layer.self_attn.qkv_proj.quant_method).__name__
+    assert method == ("GGUFLinearMethod" if quantization else "UnquantizedLinearMethod")
+
+
+@pytest.mark.parametrize(("quantization", "merged"), [(None, True), ("gguf", True), ("gguf", False)])
+def test_a_mixtral_gguf_serves_as_transformers(quantization: str | None, merged: bool, tmp_path: Path,
+                                               gguf_cache: Path) -> None:
+    """Mixtral as llama.cpp writes it: architecture ``llama`` with ``llama.expert_count``, the
+    router ``ffn_gate_inp``, the experts merged (``ffn_gate_exps``: [experts, out, in]) or one
+    tensor each (``ffn_gate.<e>``, older files); kept quantized, each expert's projections are
+    GGUF layers of vframe's QuantizedExperts."""
+    hf_model = tiny_hf_mixtral()
+    path = tmp_path / "tiny-mixtral.gguf"
+    write_gguf(path, hf_model, "llama", merged_experts=merged)
+    prompts = prompts_of_lengths(hf_model.config.vocab_size, PROMPT_LENGTHS, shared_prefix=4)
+
+    llm = assert_engine_matches_transformers(path, hf_model, prompts, num_blocks=14, quantization=quantization)
+
+    config = llm.llm_engine.model_runner.model.config
+    assert config.architectures == ["MixtralForCausalLM"]
+    assert (config.num_local_experts, config.num_experts_per_tok) == (4, 2)
+    experts = llm.llm_engine.model_runner.model.model.layers[1].mlp.experts
+    if quantization:
+        assert type(experts).__name__ == "QuantizedExperts" and len(experts) == 4
+        assert {type(getattr(e, n).quant_method).__name__ for e in experts for n in ("w1", "w2", "w3")} == {
+            "GGUFLinearMethod"}
+        assert {int(t) for e in experts for t in e.w2.qweight_type} == {GGMLQuantizationType.Q8_0}
+    else:
+        assert type(experts).__name__ == "FusedMoE"
+
+
+def test_experts_in_a_gguf_architecture_without_a_moe_model_are_refused(tmp_path: Path, gguf_cache: Path) -> None:
+    hf_model = save_tiny_qwen(tmp_path / "hf", "Qwen2", intermediate_size=96)
+    path = tmp_path / "qwen2-experts.gguf"
+    hf_model.config.num_local_experts, hf_model.config.num_experts_per_tok = 4, 2  # only the metadata: no experts
+    write_gguf(path, hf_model, "qwen2")
+
+    with pytest.raises(ModelLoadError, match=r"GGUF 'qwen2' with qwen2.expert_count=4: vframe reads experts in "
+                                             r"GGUF files of \['llama'\] only"):
+        LLM(str(path))
