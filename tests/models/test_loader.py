@@ -156,9 +156,17 @@ def test_hf_tensor_names() -> None:
     assert gguf_loader.hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
     assert gguf_loader.hf_tensor_name("output.weight") == "lm_head.weight"
     assert gguf_loader.hf_tensor_name("blk.1.attn_k_norm.weight") == "model.layers.1.self_attn.k_norm.weight"
-    assert gguf_loader.hf_tensor_name("blk.2.ffn_gate_inp.weight") == "model.layers.2.block_sparse_moe.gate.weight"
-    # Mixtral's experts as older llama.cpp files store them, one tensor each
-    assert gguf_loader.hf_tensor_name("blk.2.ffn_down.7.weight") == "model.layers.2.block_sparse_moe.experts.7.w2.weight"
+    router, expert = "blk.2.ffn_gate_inp.weight", "blk.2.ffn_down.7.weight"  # older files: one tensor an expert
+    assert gguf_loader.hf_tensor_name(router, "mixtral") == "model.layers.2.block_sparse_moe.gate.weight"
+    assert gguf_loader.hf_tensor_name(expert, "mixtral") == "model.layers.2.block_sparse_moe.experts.7.w2.weight"
+    assert gguf_loader.hf_tensor_name(router, "deepseek_v3") == "model.layers.2.mlp.gate.weight"
+    assert gguf_loader.hf_tensor_name(expert, "deepseek_v3") == "model.layers.2.mlp.experts.7.down_proj.weight"
+    assert (gguf_loader.hf_tensor_name("blk.2.exp_probs_b.bias", "deepseek_v3")
+            == "model.layers.2.mlp.gate.e_score_correction_bias")
+    mqa = "model.layers.2.self_attn.kv_a_proj_with_mqa.weight"
+    assert gguf_loader.hf_tensor_name("blk.2.attn_kv_a_mqa.weight") == mqa
+    with pytest.raises(ModelLoadError, match="belongs to a mixture of experts, which a 'llama' model has not"):
+        gguf_loader.hf_tensor_name(router, "llama")
     with pytest.raises(ModelLoadError, match="blk.0.attn_qkv.weight"):
         gguf_loader.hf_tensor_name("blk.0.attn_qkv.weight")
 

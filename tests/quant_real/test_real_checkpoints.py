@@ -451,6 +451,60 @@ def tiny_qwen3(checkpoints: Path) -> Path:
     return path
 
 
+# DeepSeek-V2 (no q compression, softmax routing within the best of 2 groups) and V3 (compressed q,
+# sigmoid routing with a correction bias, a dense first layer, YaRN with mscale = mscale_all_dim as in
+# DeepSeek's releases: llama.cpp keeps only the latter); each size a multiple of 32 for Q8_0
+_TINY_DEEPSEEK = dict(
+    vocab_size=49152, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+    kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
+    num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, intermediate_size=96,
+    max_position_embeddings=256, initializer_range=0.1,
+)
+_DEEPSEEK_VERSIONS = {
+    "deepseek_v2": dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                        routed_scaling_factor=1.3),
+    "deepseek_v3": dict(q_lora_rank=32, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.7,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 64, "mscale": 0.707,
+                                         "mscale_all_dim": 0.707, "beta_fast": 16, "beta_slow": 2}),
+}
+
+
+def _tiny_deepseek(checkpoints: Path, version: str) -> Path:
+    """A tiny random DeepSeek (SmolLM2's vocabulary and tokenizer, V3's correction bias drawn at
+    random: transformers starts it at zero); made once beside the checkpoints."""
+    import shutil
+
+    import transformers
+
+    path = checkpoints / f"tiny-{version.replace('_', '')}-dense"
+    if not (path / "tokenizer.json").exists():
+        name = "DeepseekV3" if version == "deepseek_v3" else "DeepseekV2"
+        config = getattr(transformers, f"{name}Config")(**_TINY_DEEPSEEK, **_DEEPSEEK_VERSIONS[version])
+        torch.manual_seed(0)
+        model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param_name.endswith("e_score_correction_bias"):
+                    param.normal_(0.0, 0.5)
+        shutil.rmtree(path, ignore_errors=True)
+        model.save_pretrained(path)
+        smollm = resolve_model(None).model_dir
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(smollm / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_v2(checkpoints: Path) -> Path:
+    return _tiny_deepseek(checkpoints, "deepseek_v2")
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_v3(checkpoints: Path) -> Path:
+    return _tiny_deepseek(checkpoints, "deepseek_v3")
+
+
 LLAMA_CPP_CONVERTER = Path(os.environ.get("VFRAME_LLAMA_CPP_CONVERTER")
                            or TOOLS_PYTHON.parents[1] / "llama.cpp" / "convert_hf_to_gguf.py")
 
@@ -476,28 +530,46 @@ def q8_0_rounded(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` with the weights llama.cpp's ``--outtype q8_0`` quantizes (every matrix but a
     MoE router: the embedding, the head, each projection and expert) rounded through Q8_0 by the
     ``gguf`` package, which the converter itself calls; blocks run along each row, so the row
-    order the converter writes (q / k permuted, experts merged) does not change them."""
+    order the converter writes (q / k permuted, experts merged) does not change them. DeepSeek's
+    ``kv_b_proj`` the converter splits per head into ``k_b`` transposed (blocks along qk_nope) and
+    ``v_b`` (blocks along kv_lora_rank): each part is rounded as it is written."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        blocks = quantize(x.contiguous().numpy(), GGMLQuantizationType.Q8_0)
+        return torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0))
+
+    config = model.config
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() >= 2 and not name.endswith("mlp.gate.weight"):
-                blocks = quantize(param.numpy(), GGMLQuantizationType.Q8_0)
-                param.copy_(torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0)))
+            if name.endswith("kv_b_proj.weight"):
+                kv_b = param.view(config.num_attention_heads, config.qk_nope_head_dim + config.v_head_dim, -1)
+                k_b, v_b = kv_b[:, : config.qk_nope_head_dim], kv_b[:, config.qk_nope_head_dim :]  # views
+                k_b.copy_(rounded(k_b.transpose(1, 2)).transpose(1, 2))
+                v_b.copy_(rounded(v_b))
+            elif param.dim() >= 2 and not name.endswith("mlp.gate.weight"):
+                param.copy_(rounded(param))
     return model
 
 
+_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
-@pytest.mark.parametrize("family", ["mixtral", "qwen3"])
+@pytest.mark.parametrize("family", list(_ARCHITECTURES))
 def test_llama_cpp_s_gguf_of_a_model_serves_as_the_model(family: str, outtype: str, checkpoints: Path,
                                                         request: pytest.FixtureRequest) -> None:
     """llama.cpp's converter on a tiny Mixtral (architecture ``llama`` with ``expert_count``, experts
-    merged into ``ffn_*_exps``, q / k rows permuted) and a tiny Qwen3 (``attention.key_length`` 32,
-    ``attn_q_norm`` / ``attn_k_norm``, rows as they are): vframe serves the .gguf dequantized on load and
-    kept quantized (``quantization="gguf"``: every expert a GGUF layer) within 1e-4 of transformers on the
-    model's own weights (``f32``; measured 9.5e-7) or those weights through Q8_0 (``q8_0``; 9.5e-7; Q8_0
-    moved them by 0.022 (Mixtral) and 0.0033 (Qwen3)), with its greedy tokens."""
+    merged into ``ffn_*_exps``, q / k rows permuted), Qwen3 (``attention.key_length`` 32,
+    ``attn_q_norm`` / ``attn_k_norm``, rows as they are) and DeepSeek-V2 / V3 (``deepseek2``: MLA as one
+    key / value head, ``kv_b_proj`` split into ``attn_k_b`` / ``attn_v_b``, shared experts, V3's
+    ``exp_probs_b`` and YaRN): vframe serves the .gguf dequantized on load and kept quantized
+    (``quantization="gguf"``: every expert a GGUF layer) within 1e-4 of transformers on the model's own
+    weights (``f32``; measured 9.5e-7 to 1.9e-6) or those weights through Q8_0 (``q8_0``; 9.5e-7 to
+    1.9e-6; Q8_0 moved them by 0.022 (Mixtral), 0.0033 (Qwen3), 0.22 (V2) and 0.040 (V3)), with its
+    greedy tokens."""
     from transformers import AutoModelForCausalLM
 
     dense = request.getfixturevalue(f"tiny_{family}")
@@ -515,7 +587,7 @@ def test_llama_cpp_s_gguf_of_a_model_serves_as_the_model(family: str, outtype: s
     for quantization in (None, "gguf"):
         llm = LLM(model=str(path), dtype="float32", quantization=quantization, num_threads=2)
         hf_config = llm.llm_engine.model_runner.model.config
-        assert hf_config.architectures == [{"mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]]
+        assert hf_config.architectures == [_ARCHITECTURES[family]]
         assert float((text_logprobs(llm, ids) - ref).abs().max()) < 1e-4, quantization
         got = [list(o.outputs[0].token_ids)
                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]

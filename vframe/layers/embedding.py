@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vframe.errors import ModelLoadError
+from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import ReplicatedLinear
 from vframe.layers.parallel import all_gather, all_reduce, get_tp_rank, get_tp_size
 from vframe.quant.base import EmbeddingMethodBase, QuantizationConfig
@@ -177,6 +177,23 @@ def unquantized_embedding(num_embeddings: int, embedding_dim: int, *, params_dty
     # An explicit, uninitialised weight skips Embedding's random init.
     weight = torch.empty(num_embeddings, embedding_dim, dtype=params_dtype)
     return nn.Embedding(num_embeddings, embedding_dim, _weight=weight)
+
+
+def token_embedding(
+    vocab_size: int, hidden_size: int, *, params_dtype: torch.dtype, quant_config: QuantizationConfig | None,
+    prefix: str,
+) -> nn.Module:
+    """A model's token embedding: a ``VocabEmbedding`` where the quantizer keeps the table
+    quantized (``get_embedding_method``: GGUF), else ``unquantized_embedding``'s."""
+    method = None if quant_config is None else quant_config.get_embedding_method(prefix)
+    if method is None:
+        return unquantized_embedding(vocab_size, hidden_size, params_dtype=params_dtype, prefix=prefix)
+    if get_tp_size() > 1:
+        raise ConfigError(
+            f"tensor_parallel_size={get_tp_size()} with a quantized token embedding ({type(method).__name__}): "
+            "quantized embeddings are not split across ranks; use tensor_parallel_size=1"
+        )
+    return VocabEmbedding(vocab_size, hidden_size, method, params_dtype=params_dtype, prefix=prefix)
 
 
 def lm_head(

@@ -36,7 +36,7 @@ from torch import nn
 from vframe.core.interfaces import AttentionBackend
 from vframe.core.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 from vframe.errors import ModelLoadError
-from vframe.layers.embedding import lm_head, unquantized_embedding
+from vframe.layers.embedding import lm_head, token_embedding
 from vframe.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from vframe.layers.moe import ExpertWeightLoader
 from vframe.layers.quantized_moe import moe_experts
@@ -317,9 +317,8 @@ class DeepseekModel(nn.Module):
         quant_config: QuantizationConfig | None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = unquantized_embedding(
-            hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype, prefix="model.embed_tokens"
-        )
+        self.embed_tokens = token_embedding(hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype,
+                                            quant_config=quant_config, prefix="model.embed_tokens")
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(hf_config, routing, attn_backend, dtype, quant_config, i)
             for i in range(hf_config.num_hidden_layers)

@@ -18,11 +18,9 @@ from torch import nn
 
 from vframe.core.interfaces import AttentionBackend
 from vframe.core.kv_cache_spec import KVCacheSpec, full_attention_specs
-from vframe.errors import ConfigError
 from vframe.layers import cpu_ops
-from vframe.layers.embedding import VocabEmbedding, lm_head, unquantized_embedding
+from vframe.layers.embedding import lm_head, token_embedding
 from vframe.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from vframe.layers.parallel import get_tp_size
 from vframe.layers.rotary import rope_frequencies
 from vframe.models.loader.weights import load_named_weights
 from vframe.quant.base import QuantizationConfig
@@ -326,22 +324,8 @@ class LlamaModel(nn.Module):
         mlp_cls: type[nn.Module] = LlamaMLP,
     ) -> None:
         super().__init__()
-        embed_method = None if quant_config is None else quant_config.get_embedding_method(f"{prefix}.embed_tokens")
-        if embed_method is None:
-            self.embed_tokens = unquantized_embedding(
-                hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype, prefix=f"{prefix}.embed_tokens"
-            )
-        elif get_tp_size() > 1:
-            raise ConfigError(
-                f"tensor_parallel_size={get_tp_size()} with a quantized token embedding "
-                f"({type(embed_method).__name__}): quantized embeddings are not split across ranks; "
-                "use tensor_parallel_size=1"
-            )
-        else:
-            self.embed_tokens = VocabEmbedding(
-                hf_config.vocab_size, hf_config.hidden_size, embed_method,
-                params_dtype=dtype, prefix=f"{prefix}.embed_tokens",
-            )
+        self.embed_tokens = token_embedding(hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype,
+                                            quant_config=quant_config, prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
                 hf_config, attn_backend, dtype, quant_config, f"{prefix}.layers.{i}", i, attention_cls, mlp_cls

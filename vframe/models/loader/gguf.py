@@ -28,9 +28,13 @@ from vframe.errors import ModelLoadError
 logger = logging.getLogger(__name__)
 
 # llama.cpp's general.architecture -> the model vframe builds; "llama" with experts
-# (``llama.expert_count``) is Mixtral, as llama.cpp's converter writes it.
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
+# (``llama.expert_count``) is Mixtral, as llama.cpp's converter writes it; "deepseek2" is
+# DeepSeek-V2 or, with sigmoid routing, V3 (``_deepseek2_config``).
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",
+}
+_MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "deepseek2": "DeepseekV2ForCausalLM"}
 # Models whose q / k rows llama.cpp's converter reorders for its interleaved rotary
 # embedding (``unpermute_qk``); Qwen's use the rotate-half layout, which it keeps.
 _PERMUTED_QK_MODEL_TYPES = ("llama", "mixtral")
@@ -40,8 +44,7 @@ _TOP_LEVEL = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Per layer: GGUF tensor kind -> Hugging Face module; the linear layers (kept as blocks
-# for quantization="gguf") are those ending in "_proj" and the experts' w1 / w2 / w3.
+# Per layer: GGUF tensor kind -> Hugging Face module.
 _PER_LAYER = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -49,19 +52,43 @@ _PER_LAYER = {
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",  # Qwen3
     "attn_k_norm": "self_attn.k_norm",
+    "attn_q_a": "self_attn.q_a_proj",  # DeepSeek's MLA
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",  # files before llama.cpp split it (_LATENT_SPLIT)
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",  # DeepSeek's shared experts
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
-    "ffn_gate_inp": "block_sparse_moe.gate",  # Mixtral's router
 }
-# Mixtral's experts: merged into one [experts, out, in] tensor per projection
-# (``blk.3.ffn_gate_exps.weight``, llama.cpp since 2024) or one tensor each
-# (``blk.3.ffn_gate.5.weight``, older files); Hugging Face names them per expert.
-_EXPERTS = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
+# The linear layers among them, kept as blocks by quantization="gguf" (as are the experts').
+_LINEAR_KINDS = frozenset({
+    "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_a", "attn_q_b", "attn_kv_a_mqa", "attn_kv_b",
+    "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp",
+})
+# A mixture-of-experts layer as each model names it: the block that holds the router
+# (GGUF ``ffn_gate_inp``) and the experts, and an expert's gate, up and down projections.
+# llama.cpp merges the experts into one [experts, out, in] tensor per projection
+# (``blk.3.ffn_gate_exps.weight``, since 2024); older files hold one tensor each
+# (``blk.3.ffn_gate.5.weight``).
+_MOE_NAMES = {
+    "mixtral": ("block_sparse_moe", {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}),
+    "deepseek_v2": ("mlp", {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}),
+    "deepseek_v3": ("mlp", {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}),
+}
 _MERGED_EXPERTS = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)_exps\.weight")
 _ONE_EXPERT = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
+_ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
+_ROUTER_BIAS = re.compile(r"blk\.(\d+)\.exp_probs_b\.bias")  # DeepSeek-V3's e_score_correction_bias
+# DeepSeek's kv_b_proj as llama.cpp writes it since 2025, split for its absorbed attention:
+# ``attn_k_b`` [heads, kv_lora_rank, qk_nope] (transposed) and ``attn_v_b`` [heads, v_head, kv_lora_rank].
+_LATENT_SPLIT = re.compile(r"blk\.(\d+)\.attn_(k|v)_b\.weight")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope scaling factors, folded into the config
 _REQUIRED = object()
@@ -71,14 +98,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, weights: bool = True) -> Non
     """Write the Hugging Face-layout conversion of ``gguf_path`` to ``out_dir``;
     ``weights=False``: only ``config.json`` and the tokenizer."""
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
 
     reader = open_gguf(gguf_path)
     architecture = read_field(reader, "general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{gguf_path}: GGUF general.architecture={architecture!r} is not supported; "
-            f"vframe reads GGUF files of: {sorted(SUPPORTED_ARCHITECTURES)} (llama with experts: Mixtral)"
+            f"vframe reads GGUF files of: {sorted(SUPPORTED_ARCHITECTURES)} (llama with experts: Mixtral; "
+            "deepseek2: DeepSeek-V2 / V3)"
         )
     logger.info("converting %s into %s (first load only)", gguf_path, out_dir)
     config = gguf_to_hf_config(reader, architecture)
@@ -90,7 +117,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, weights: bool = True) -> Non
         config.save_pretrained(tmp)
         if tensors is not None:
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer = _gguf_tokenizer(gguf_path, architecture)
         tokenizer.save_pretrained(str(tmp))
         try:
             os.rename(tmp, out_dir)
@@ -101,6 +128,19 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, weights: bool = True) -> Non
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# transformers reads no config of these, so its AutoTokenizer refuses their files; its
+# tokenizer builders read llama.cpp's vocabulary the same whatever the architecture.
+_TOKENIZER_WITHOUT_CONFIG = ("deepseek2",)
+
+
+def _gguf_tokenizer(gguf_path: Path, architecture: str) -> Any:
+    """The file's tokenizer, built by transformers from its ``tokenizer.ggml.*`` keys."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer_class = PreTrainedTokenizerFast if architecture in _TOKENIZER_WITHOUT_CONFIG else AutoTokenizer
+    return tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
 def open_gguf(path: Path) -> Any:
@@ -134,7 +174,7 @@ def read_field(reader: Any, key: str, default: Any = _REQUIRED) -> Any:
 
 
 def gguf_to_hf_config(reader: Any, architecture: str) -> Any:
-    """A transformers config (Llama, Mixtral, Qwen2 or Qwen3) from llama.cpp's metadata keys."""
+    """A transformers config (Llama, Mixtral, Qwen2, Qwen3, DeepSeek-V2 / V3) from llama.cpp's metadata keys."""
     import transformers
 
     def field(name: str, default: Any = _REQUIRED) -> Any:
@@ -155,11 +195,31 @@ def gguf_to_hf_config(reader: Any, architecture: str) -> Any:
         rope_parameters.update(rope_type=scaling_type, factor=field("rope.scaling.factor"))
         if scaling_type == "yarn":
             rope_parameters["original_max_position_embeddings"] = field("rope.scaling.original_context_length")
+            for key in ("beta_fast", "beta_slow"):
+                if (value := field(f"rope.scaling.yarn_{key}", None)) is not None:
+                    rope_parameters[key] = value
     if _ROPE_FREQS in tensor_names:
         rope_parameters.update(
             _llama3_rope_parameters(_dequantize(_tensor(reader, _ROPE_FREQS)), rope_parameters["rope_theta"], head_dim)
         )
 
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=field("feed_forward_length"),
+        num_hidden_layers=field("block_count"),
+        num_attention_heads=num_heads,
+        max_position_embeddings=max_position,
+        rms_norm_eps=field("attention.layer_norm_rms_epsilon"),
+        rope_parameters=rope_parameters,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=read_field(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=read_field(reader, "tokenizer.ggml.eos_token_id", None),
+        pad_token_id=read_field(reader, "tokenizer.ggml.padding_token_id", None),
+        dtype="float32",
+    )
+    if architecture == "deepseek2":
+        return _deepseek2_config(field, tensor_names, common)
     hf_architecture = SUPPORTED_ARCHITECTURES[architecture]
     extra: dict[str, Any] = {}
     num_experts = field("expert_count", 0)
@@ -182,22 +242,59 @@ def gguf_to_hf_config(reader: Any, architecture: str) -> Any:
     config_class = getattr(transformers, hf_architecture.replace("ForCausalLM", "Config"))
     return config_class(
         architectures=[hf_architecture],
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=field("feed_forward_length"),
-        num_hidden_layers=field("block_count"),
-        num_attention_heads=num_heads,
         num_key_value_heads=field("attention.head_count_kv", num_heads),
         head_dim=head_dim,
-        max_position_embeddings=max_position,
-        rms_norm_eps=field("attention.layer_norm_rms_epsilon"),
-        rope_parameters=rope_parameters,
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=read_field(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_token_id=read_field(reader, "tokenizer.ggml.eos_token_id", None),
-        pad_token_id=read_field(reader, "tokenizer.ggml.padding_token_id", None),
-        dtype="float32",
+        **common,
         **extra,
+    )
+
+
+_SIGMOID_GATING = 2  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
+
+
+def _deepseek2_config(field: Any, tensor_names: set[str], common: dict[str, Any]) -> Any:
+    """DeepSeek-V2 or V3 (sigmoid routing with a correction bias: ``expert_gating_func`` 2
+    or ``exp_probs_b`` tensors) from llama.cpp's ``deepseek2`` keys. Its converter writes
+    MLA as one key / value head (``head_count_kv`` 1, ``key_length`` kv_lora_rank + rope),
+    the per-head sizes in ``key_length_mla`` / ``value_length_mla`` (older files: in
+    ``key_length`` / ``value_length``), and YaRN's ``mscale_all_dim`` as ``yarn_log_multiplier
+    / 0.1`` (``mscale`` taken equal to it, as in DeepSeek's releases)."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    rope_dim = field("rope.dimension_count")
+    key_length = field("attention.key_length_mla", None) or field("attention.key_length")
+    value_length = field("attention.value_length_mla", None) or field("attention.value_length")
+    v3 = (field("expert_gating_func", None) == _SIGMOID_GATING
+          or any(name.endswith("exp_probs_b.bias") for name in tensor_names))
+    n_group = field("expert_group_count", 1)
+    rope = common["rope_parameters"]
+    log_multiplier = field("rope.scaling.yarn_log_multiplier", None)
+    if rope["rope_type"] == "yarn" and log_multiplier:
+        rope.update(mscale_all_dim=log_multiplier / 0.1, mscale=log_multiplier / 0.1)
+    moe = dict(
+        n_routed_experts=field("expert_count"),
+        num_experts_per_tok=field("expert_used_count"),
+        n_shared_experts=field("expert_shared_count", 0),
+        moe_intermediate_size=field("expert_feed_forward_length"),
+        first_k_dense_replace=field("leading_dense_block_count", 0),
+        routed_scaling_factor=field("expert_weights_scale", 1.0),
+        norm_topk_prob=bool(field("expert_weights_norm", False)),
+        n_group=n_group,
+        topk_group=field("expert_group_used_count", 1),
+    )
+    if not v3:
+        moe["topk_method"] = "group_limited_greedy" if n_group > 1 else "greedy"
+    config_class = DeepseekV3Config if v3 else DeepseekV2Config
+    return config_class(
+        architectures=["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        num_key_value_heads=common["num_attention_heads"],
+        q_lora_rank=field("attention.q_lora_rank", None),
+        kv_lora_rank=field("attention.kv_lora_rank"),
+        qk_rope_head_dim=rope_dim,
+        qk_nope_head_dim=key_length - rope_dim,
+        v_head_dim=value_length,
+        **common,
+        **moe,
     )
 
 
@@ -237,14 +334,17 @@ def _llama3_rope_parameters(rope_freqs: np.ndarray, theta: float, head_dim: int)
 
 
 def gguf_to_hf_tensors(reader: Any, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized float32 tensors under Hugging Face names, q/k un-permuted, merged experts split."""
+    """Dequantized float32 tensors under Hugging Face names, q/k un-permuted, merged experts
+    split, DeepSeek's split ``kv_b_proj`` joined."""
+    latent = _LatentJoiner()
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             continue
         array = _dequantize(t).reshape(tuple(reversed(t.shape.tolist())))  # [..., out, in]: GGUF's dims reversed
-        for name, part in hf_tensors(t.name, array):
+        for name, part in latent.tensors(t.name, array, config.model_type):
             part = _unpermute_rows(name, part, config)
             yield name, torch.from_numpy(np.require(part, np.float32, ["C", "W"]))
+    latent.check_complete()
 
 
 def iterate_gguf_quantized(gguf_path: Path, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -252,24 +352,33 @@ def iterate_gguf_quantized(gguf_path: Path, config: Any) -> Iterator[tuple[str, 
     each linear layer's weight (every expert's too), the token embedding and an untied
     LM head kept as the file stores them, as ``<module>.qweight_type`` (the ggml type
     number) then ``<module>.qweight`` (uint8 [out, row bytes], q / k rows un-permuted);
-    every other tensor (norms, biases, a router) dequantized to float32 as the conversion does."""
+    every other tensor (norms, biases, a router) dequantized to float32 as the conversion
+    does. DeepSeek's ``kv_b_proj`` from llama.cpp's transposed split is joined in float32
+    (an F32 layer: MLA reads it as a tensor, once)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    latent = _LatentJoiner()
     for gguf_name, ggml_type, shape, rows in read_gguf_tensors(gguf_path):
         if gguf_name == _ROPE_FREQS:
             continue
         if _kept_quantized(gguf_name):
             blocks = rows.reshape(*shape[:-1], rows.shape[-1])  # [..., out, row bytes]
-            for name, part in hf_tensors(gguf_name, blocks):
+            for name, part in hf_tensors(gguf_name, blocks, config.model_type):
                 module = name.removesuffix(".weight")
                 yield f"{module}.qweight_type", torch.tensor(ggml_type)
                 yield f"{module}.qweight", torch.from_numpy(np.array(_unpermute_rows(name, part, config)))
-        else:
-            array = dequantize(rows, GGMLQuantizationType(ggml_type)).reshape(shape)
-            for name, part in hf_tensors(gguf_name, array):
-                part = _unpermute_rows(name, part, config)
-                yield name, torch.from_numpy(np.require(part, np.float32, ["C", "W"]))
+            continue
+        array = dequantize(rows, GGMLQuantizationType(ggml_type)).reshape(shape)
+        for name, part in latent.tensors(gguf_name, array, config.model_type):
+            part = np.require(_unpermute_rows(name, part, config), np.float32, ["C", "W"])
+            if name.endswith("kv_b_proj.weight"):
+                module = name.removesuffix(".weight")
+                yield f"{module}.qweight_type", torch.tensor(int(GGMLQuantizationType.F32))
+                yield f"{module}.qweight", torch.from_numpy(part.view(np.uint8))
+            else:
+                yield name, torch.from_numpy(part)
+    latent.check_complete()
 
 
 def _kept_quantized(gguf_name: str) -> bool:
@@ -280,10 +389,38 @@ def _kept_quantized(gguf_name: str) -> bool:
     if _MERGED_EXPERTS.fullmatch(gguf_name) or _ONE_EXPERT.fullmatch(gguf_name):
         return True
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    return bool(match) and match.group(3) == "weight" and _PER_LAYER.get(match.group(2), "").endswith("_proj")
+    return bool(match) and match.group(3) == "weight" and match.group(2) in _LINEAR_KINDS
 
 
-_KEPT_QUANTIZED = ("token_embd.weight", "output.weight")  # besides the layers' linear weights
+class _LatentJoiner:
+    """Passes tensors through ``hf_tensors``, but holds a layer's ``attn_k_b`` until its
+    ``attn_v_b`` comes (or the other way round) and hands over the ``kv_b_proj`` they split:
+    per head ``h``, ``[k_b[h].T ; v_b[h]]`` ([dn + dv, R]), heads one after the other."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, dict[str, np.ndarray]] = {}
+
+    def tensors(self, gguf_name: str, array: np.ndarray, model_type: str) -> Iterator[tuple[str, np.ndarray]]:
+        split = _LATENT_SPLIT.fullmatch(gguf_name)
+        if split is None:
+            yield from hf_tensors(gguf_name, array, model_type)
+            return
+        layer, part = split.groups()
+        halves = self.pending.setdefault(layer, {})
+        halves[part] = array
+        if len(halves) == 2:
+            del self.pending[layer]
+            k_b, v_b = halves["k"], halves["v"]  # [H, R, dn], [H, dv, R]
+            kv_b = np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1)  # [H, dn + dv, R]
+            yield f"model.layers.{layer}.self_attn.kv_b_proj.weight", kv_b.reshape(-1, kv_b.shape[-1])
+
+    def check_complete(self) -> None:
+        for layer, halves in self.pending.items():
+            missing = "v" if "k" in halves else "k"
+            raise ModelLoadError(f"GGUF tensor 'blk.{layer}.attn_{missing}_b.weight' is missing (its pair is there)")
+
+
+_KEPT_QUANTIZED = ("token_embd.weight", "output.weight")  # besides the layers' linear weights (_LINEAR_KINDS)
 
 # GGUF value types: struct formats of the scalars; 8 is a string, 9 an array
 _GGUF_SCALARS = {
@@ -375,34 +512,47 @@ def _unpermute_rows(name: str, rows: np.ndarray, config: Any) -> np.ndarray:
     return rows
 
 
-def hf_tensors(gguf_name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+def hf_tensors(gguf_name: str, array: np.ndarray, model_type: str = "llama") -> Iterator[tuple[str, np.ndarray]]:
     """The Hugging Face tensors GGUF tensor ``gguf_name`` (``array``: values or rows of
-    blocks, outermost dimension first) holds: itself under its Hugging Face name, or for
-    llama.cpp's merged experts (``[experts, out, in]``) each expert's ``[out, in]``."""
+    blocks, outermost dimension first) holds in a ``model_type`` model: itself under its
+    Hugging Face name, or for llama.cpp's merged experts (``[experts, out, in]``) each
+    expert's ``[out, in]``."""
     merged = _MERGED_EXPERTS.fullmatch(gguf_name)
     if merged is None:
-        yield hf_tensor_name(gguf_name), array
+        yield hf_tensor_name(gguf_name, model_type), array
         return
     layer, kind = merged.groups()
+    block, projections = _moe_names(gguf_name, model_type)
     for expert, part in enumerate(array):
-        yield f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_EXPERTS[kind]}.weight", part
+        yield f"model.layers.{layer}.{block}.experts.{expert}.{projections[kind]}.weight", part
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``;
+def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; in Mixtral
     ``blk.3.ffn_gate.5.weight`` -> ``model.layers.3.block_sparse_moe.experts.5.w1.weight``."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _TOP_LEVEL and suffix in ("weight", "bias"):
         return f"{_TOP_LEVEL[base]}.{suffix}"
+    if router := _ROUTER.fullmatch(gguf_name):
+        return f"model.layers.{router[1]}.{_moe_names(gguf_name, model_type)[0]}.gate.weight"
+    if bias := _ROUTER_BIAS.fullmatch(gguf_name):
+        return f"model.layers.{bias[1]}.{_moe_names(gguf_name, model_type)[0]}.gate.e_score_correction_bias"
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match and match.group(2) in _PER_LAYER:
         layer, kind, suffix = match.groups()
         return f"model.layers.{layer}.{_PER_LAYER[kind]}.{suffix}"
-    expert = _ONE_EXPERT.fullmatch(gguf_name)
-    if expert:
+    if expert := _ONE_EXPERT.fullmatch(gguf_name):
         layer, kind, index = expert.groups()
-        return f"model.layers.{layer}.block_sparse_moe.experts.{index}.{_EXPERTS[kind]}.weight"
+        block, projections = _moe_names(gguf_name, model_type)
+        return f"model.layers.{layer}.{block}.experts.{index}.{projections[kind]}.weight"
     raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent; vframe cannot load this file")
+
+
+def _moe_names(gguf_name: str, model_type: str) -> tuple[str, dict[str, str]]:
+    if model_type not in _MOE_NAMES:
+        raise ModelLoadError(f"GGUF tensor {gguf_name!r} belongs to a mixture of experts, which a {model_type!r} "
+                             f"model has not; vframe reads experts in {sorted(_MOE_NAMES)}")
+    return _MOE_NAMES[model_type]
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
