@@ -255,7 +255,8 @@ def tiny_hf_deepseek(version: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(("version", "quantization", "split_kv_b"),
-                         [("V3", None, True), ("V3", "gguf", True), ("V2", "gguf", True), ("V2", None, False)])
+                         [("V3", None, True), ("V3", "gguf", True), ("V2", "gguf", True), ("V2", None, False),
+                          ("V2", "gguf", False)])
 def test_a_deepseek_gguf_serves_as_transformers(version: str, quantization: str | None, split_kv_b: bool,
                                                 tmp_path: Path, gguf_cache: Path) -> None:
     """DeepSeek-V2 / V3 as llama.cpp writes them (``deepseek2``, ``write_deepseek_gguf``), dense and
@@ -278,7 +279,8 @@ def test_a_deepseek_gguf_serves_as_transformers(version: str, quantization: str 
         experts = model.model.layers[1].mlp.experts
         assert {type(getattr(e, n).quant_method).__name__ for e in experts for n in ("gate_proj", "down_proj")} == {
             "GGUFLinearMethod"}
-        assert [int(t) for t in attn.kv_b_proj.qweight_type] == [GGMLQuantizationType.F32]
+        joined = GGMLQuantizationType.F32 if split_kv_b else GGMLQuantizationType.Q8_0  # joined, or the file's own
+        assert [int(t) for t in attn.kv_b_proj.qweight_type] == [joined]
 
 
 @pytest.mark.parametrize("quantization", [None, "gguf"])

