@@ -13,9 +13,9 @@ on each variant:
   ``float32``, and every variant in float32, for CPUs without native bfloat16);
 - the llm-compressor / auto-round checkpoints that ``make test-quant`` caches in
   ``$VFRAME_CACHE_DIR/quant-checkpoints`` (W8A16 and W4A16 groups of 64, W8A8, GPTQ
-  and AWQ 4 bit groups of 64, NVFP4A16, MXFP4A16; ``-head``: W8A16, W4A16 and GPTQ with the LM head
-  quantized too, where the others keep SmolLM2's in bfloat16), bfloat16 activations; the kernel
-  each layer got is shown;
+  and AWQ 4 bit groups of 64, NVFP4A16, MXFP4A16, bitsandbytes NF4 and LLM.int8; ``-head``: W8A16,
+  W4A16 and GPTQ with the LM head quantized too, where the others keep SmolLM2's in bfloat16),
+  bfloat16 activations; the kernel each layer got is shown;
 - ``gguf-q4_1``: the embedded GGUF kept quantized (``quantization="gguf"``);
 - ``gguf-q4_1-a8``: the same with ``quant_kernel="woq_cpu_a8"``: activations quantized to
   int8 per block of 32 for integer dot products, llama.cpp's own numerics;
@@ -46,8 +46,8 @@ from vframe.bench.latency import Timing, VframeLatency, _offline_args
 from vframe.bench.throughput import model_workload_prompts
 from vframe.models.loader.resolve import default_cache_dir, embedded_default_gguf
 
-CHECKPOINTS = ("ct-w8a16", "ct-w8a16-head", "ct-w8a8", "ct-w4a16", "ct-w4a16-head", "ct-nvfp4a16", "ct-mxfp4a16", "autoround-gptq",
-               "autoround-gptq-head", "autoround-awq")
+CHECKPOINTS = ("ct-w8a16", "ct-w8a16-head", "ct-w8a8", "ct-w4a16", "ct-w4a16-head", "ct-nvfp4a16", "ct-mxfp4a16",
+               "autoround-gptq", "autoround-gptq-head", "autoround-awq", "bnb-nf4", "bnb-int8")
 KV_CACHE_BYTES = 256 << 20  # each open engine's KV budget: the workload needs 384 tokens
 
 

@@ -88,8 +88,8 @@ def test_auto_is_the_checkpoint_s_own_method() -> None:
 
 def test_a_quantized_checkpoint_without_its_quantizer_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"quant_method='hqq'\) and no quantizer of that name is registered "
-                       r"\(known: awq, compressed-tensors, fake-gptq, fp8, gguf, gptq, modelopt, modelopt_fp4, "
-                       r"modelopt_mxfp8, not-a-config, w8-test\)"):
+                       r"\(known: awq, bitsandbytes, compressed-tensors, fake-gptq, fp8, gguf, gptq, modelopt, "
+                       r"modelopt_fp4, modelopt_mxfp8, not-a-config, w8-test\)"):
         build_quant_config(None, hf_config(quantization_config={"quant_method": "hqq"}), dtype=torch.float32, device=CPU)
 
 

@@ -104,6 +104,10 @@ SCHEMES = {
                       "every expert's projections, the router left float",
     "ct-w4a16-mixtral": "llm-compressor QuantizationModifier int4 groups of 32 with zero points (round to "
                         "nearest) on a Mixtral's attention and experts",
+    "bnb-nf4": "bitsandbytes through transformers' BitsAndBytesConfig: NF4, blocks of 64, double quantization "
+               "(absmax in 8 bits), bfloat16 compute dtype (Unsloth's bnb-4bit recipe)",
+    "bnb-fp4": "bitsandbytes through transformers' BitsAndBytesConfig: FP4, blocks of 64, float32 absmax",
+    "bnb-int8": "bitsandbytes through transformers' BitsAndBytesConfig: LLM.int8 (int8 weights, a scale per row)",
     "autoround-gptq": "auto-round 4 bit symmetric, groups of 64, exported as auto_gptq",
     "autoround-awq": "auto-round 4 bit with zero points, groups of 64, round to nearest (iters=0), as auto_awq",
     "autoround-gptq-head": "auto-round 4 bit symmetric, groups of 64, round to nearest (iters=0), lm_head "
@@ -462,6 +466,39 @@ def _gptq_v1_weight(checkpoint: Path, module: str) -> torch.Tensor:
     return (scales.float()[g] * (q - zeros[g]).float()).T.contiguous()
 
 
+BITSANDBYTES = {
+    "bnb-nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                "bnb_4bit_compute_dtype": torch.bfloat16},
+    "bnb-fp4": {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": False},
+    "bnb-int8": {"load_in_8bit": True},
+}
+
+
+def make_bitsandbytes(scheme: str, dense: Path, out: Path, reference: Path) -> None:
+    """transformers quantizes while loading (bitsandbytes' CPU backend) and saves the checkpoint; the
+    reference is every quantized layer's weight as bitsandbytes itself dequantizes it."""
+    from bitsandbytes.functional import dequantize_4bit
+    from bitsandbytes.nn import Linear4bit, Linear8bitLt
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32, device_map="cpu",
+                                                 quantization_config=BitsAndBytesConfig(**BITSANDBYTES[scheme]))
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(dense).save_pretrained(out)
+    replaced = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear4bit):
+            weight = dequantize_4bit(module.weight.data, module.weight.quant_state)
+        elif isinstance(module, Linear8bitLt):
+            weight = module.weight.data.float() * module.weight.SCB.float()[:, None] / 127
+        else:
+            continue
+        replaced[f"{name}.weight"] = weight.float()
+    assert replaced, f"{scheme}: transformers quantized no layer"
+    float_model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    _save_reference(float_model, dense, reference, replaced)
+
+
 def make(scheme: str, dense: Path, out_dir: Path) -> None:
     if scheme not in SCHEMES:
         raise SystemExit(f"unknown scheme {scheme!r}; known: {', '.join(SCHEMES)}")
@@ -473,6 +510,7 @@ def make(scheme: str, dense: Path, out_dir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     torch.manual_seed(0)
     maker = (make_auto_round if scheme in AUTOROUND_FORMATS else make_modelopt if scheme in MODELOPT_CONFIGS
+             else make_bitsandbytes if scheme in BITSANDBYTES
              else make_llm_compressor_moe if scheme in MOE_SCHEMES else make_llm_compressor)
     maker(scheme, dense, tmp, tmp_ref)
     tmp_ref.rename(final_ref)

@@ -81,6 +81,9 @@ SCHEMES = {
     "modelopt-fp8-block": ("modelopt", "ModelOptBlockFp8Method", 2e-3),
     "modelopt-nvfp4": ("modelopt", "ModelOptFp4Method", 2e-3),  # W4A4: activations in float32
     "modelopt-mxfp8": ("modelopt", "Mxfp8Method", 2e-3),  # MXFP8 activations too: run in float32
+    "bnb-nf4": ("bitsandbytes", "BnB4BitMethod", 2e-3),
+    "bnb-fp4": ("bitsandbytes", "BnB4BitMethod", 2e-3),
+    "bnb-int8": ("bitsandbytes", "BnB8BitMethod", 2e-3),
     "autoround-gptq": ("gptq", "GPTQLinearMethod", 2e-3),
     "autoround-awq": ("awq", "AWQLinearMethod", 2e-3),
     "autoround-gptq-head": ("gptq", "GPTQLinearMethod", 2e-3),
@@ -617,13 +620,14 @@ BF16_KERNELS = {
     "autoround-awq": "int4_pairs" if _PAIRS else "int4_cpu",
     "autoround-gptq-head": "int4_pairs" if _PAIRS else "int4_cpu",
     "ct-w8a8": "int8_dynamic",
+    "bnb-int8": "int8_pairs" if _PAIRS else "woq_cpu",  # LLM.int8's weights, weight-only
     "ct-nvfp4a16": "fp4_pairs" if _PAIRS else "fp4_cpu",
     "ct-mxfp4a16": "fp4_pairs" if _PAIRS else "fp4_cpu",
     "modelopt-nvfp4": "fp4_pairs" if _PAIRS else "fp4_cpu",
 }
 # checkpoint tensors a quantized linear layer is made from
 PACKED_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",
-                  "weight_shape", "weight", "weight_global_scale", "weight_scale_2")
+                  "weight_shape", "weight", "weight_global_scale", "weight_scale_2", "SCB")
 
 
 @pytest.mark.parametrize("scheme", BF16_KERNELS)

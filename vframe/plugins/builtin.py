@@ -73,6 +73,7 @@ def vframe_register_quantizers(register: RegisterFn) -> None:
     register("modelopt_fp4", "vframe.quant.modelopt:ModelOptFp4Config")  # vLLM's names for two of its algorithms
     register("modelopt_mxfp8", "vframe.quant.modelopt:ModelOptMxFp8Config")
     register("gguf", "vframe.quant.gguf:GGUFConfig")
+    register("bitsandbytes", "vframe.quant.bitsandbytes:BitsAndBytesConfig")
 
 
 @hookimpl

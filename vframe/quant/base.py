@@ -366,6 +366,13 @@ class QuantizationConfig(ABC):
         head stay unquantized."""
         return None
 
+    def checkpoint_tensor_name(self, name: str) -> str:
+        """The name a checkpoint tensor loads under (plugin API 1.21), for formats whose tensor
+        names are not parameter names: bitsandbytes' ``q_proj.weight.absmax`` loads into the
+        parameter ``weight_absmax`` its method registered (``q_proj.weight_absmax``). Called
+        for every tensor before the model maps names to parameters. Default: ``name``."""
+        return name
+
     def quantizes_lm_head(self) -> bool:
         """Whether the checkpoint holds the LM head quantized beside an unquantized
         token embedding (compressed-tensors with ``lm_head`` targeted and not

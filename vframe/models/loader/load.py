@@ -201,8 +201,11 @@ def _checkpoint_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors to load: the safetensors files, or for ``quantization="gguf"``
     the GGUF file itself with its linear weights still quantized."""
-    if quant_config is None or quant_config.get_name() != "gguf":
+    if quant_config is None:
         return iterate_weights(resolved)
+    if quant_config.get_name() != "gguf":
+        rename = quant_config.checkpoint_tensor_name
+        return ((rename(name), tensor) for name, tensor in iterate_weights(resolved))
     if resolved.gguf_file is None:
         raise ConfigError(
             f"quantization='gguf' reads a .gguf file; model={str(resolved.source)!r} is a Hugging Face "

@@ -1,0 +1,321 @@
+"""bitsandbytes checkpoints (``quant_method: bitsandbytes``), pre-quantized as transformers
+saves a model loaded with ``BitsAndBytesConfig`` (Unsloth's ``*-bnb-4bit`` releases are such).
+
+4 bit (``load_in_4bit``, ``bnb_4bit_quant_type`` ``nf4`` or ``fp4``): per checkpoint module::
+
+    weight                                   uint8 [out * in / 2, 1]  two codes a byte, the first in the high nibble,
+                                                                      the [out, in] weight flattened row by row
+    weight.absmax                            float32 [blocks]         one scale per ``blocksize`` (64) codes;
+                                             uint8 [blocks]           with double quantization (``use_double_quant``):
+    weight.nested_absmax                     float32 [blocks / 256]     absmax = nested_quant_map[byte] *
+    weight.nested_quant_map                  float32 [256]              nested_absmax[block // nested_blocksize]
+                                                                        + nested_offset
+    weight.quant_map                         float32 [16]             the code's value (NF4's or FP4's table)
+    weight.quant_state.bitsandbytes__nf4     uint8 JSON               shape, blocksize, nested_blocksize / _offset
+    W[o, i] = quant_map[code] * absmax[(o * in + i) // blocksize]
+
+(bitsandbytes' own ``dequantize_4bit``, bit for bit: tests/quant_real). The dotted names are
+not parameter names: ``checkpoint_tensor_name`` maps them to ``weight_absmax``, ...,
+``weight_quant_state``. A fused layer (q / k / v, gate / up) receives each module's set; once
+loaded, the layer holds ``qweight`` (uint8 [out, in / 2], the checkpoint's bytes), ``scales``
+(float32, each module's blocks in turn, double quantization undone once; a block may run on
+into the next row, as bitsandbytes blocks the flattened weight) and ``table`` (float32 [16]).
+Its ``apply`` dequantizes the weight (``table[code] * scale``, float32, as bitsandbytes) into the
+activations' dtype and calls ``F.linear``: the reference, with no fast kernel yet (a 4-bit layer
+costs its dequantization on every call).
+
+8 bit (``load_in_8bit``, LLM.int8's weights)::
+
+    weight         int8 [out, in]
+    SCB            float32 [out]    each row's absmax: W[o, i] = weight[o, i] * SCB[o] / 127
+    weight_format  uint8 []         0: row-major (the only layout saved)
+
+runs as an ``IntWeight`` on the quant kernels (``int8_pairs`` / ``woq_cpu``), weight-only:
+activations stay in the model's dtype (bitsandbytes' LLM.int8 matmul rounds them to int8 by
+row, with columns above ``llm_int8_threshold`` kept in float16; vLLM's CPU-less path likewise
+computes with these weights).
+
+Modules in ``llm_int8_skip_modules`` stay float (the LM head always does, as transformers
+leaves it). Quantizing a float checkpoint while loading (vLLM's in-flight bitsandbytes) is not
+done: a float checkpoint is refused, pointing at ``quantization="fp8"``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vframe.errors import ConfigError, ModelLoadError
+from vframe.layers.linear import LinearBase
+from vframe.quant.base import (
+    BoundApply, IntKernelMethod, LinearMethodBase, QuantizationConfig, listed_as_float, register_weight,
+)
+from vframe.quant.kernels import IntWeight
+
+NAME = "bitsandbytes"
+QUANT_TYPES = ("nf4", "fp4")
+# 4-bit checkpoint tensors: the suffix after "<module>.weight." -> the parameter it loads into
+_FOUR_BIT_TENSORS = {
+    "absmax": "weight_absmax",
+    "nested_absmax": "weight_nested_absmax",
+    "nested_quant_map": "weight_nested_quant_map",
+    "quant_map": "weight_quant_map",
+}
+_SINGLE_QUANT_TENSORS = {k: v for k, v in _FOUR_BIT_TENSORS.items() if not k.startswith("nested_")}
+_QUANT_STATE = "quant_state.bitsandbytes__"  # + the quant type: the JSON state's tensor
+
+
+class BitsAndBytesConfig(QuantizationConfig):
+    # NF4 spaces its 16 values by the normal distribution's quantiles: the widest gap (between
+    # 0.7230 and 1) is 0.277 of a block's absmax, so rounding moves a weight by at most 0.139 of
+    # it (FP4's widest gap, 0.6667 to 1, by 0.167); double quantization moves the absmax itself
+    # by up to 1/255 of its nested block's spread.
+    weight_tolerance = 0.18
+
+    def __init__(self, bits: int, quant_type: str | None, skip_modules: list[str], double_quant: bool = False) -> None:
+        self.bits = bits
+        self.quant_type = quant_type  # 4 bit: "nf4" or "fp4"
+        self.double_quant = double_quant  # 4 bit: absmax quantized to 8 bits (nested_absmax, nested_quant_map)
+        self.skip_modules = skip_modules
+
+    def __repr__(self) -> str:
+        return (f"BitsAndBytesConfig(bits={self.bits}, quant_type={self.quant_type!r}, "
+                f"double_quant={self.double_quant}, skip={self.skip_modules})")
+
+    @classmethod
+    def get_name(cls) -> str:
+        return NAME
+
+    @classmethod
+    def get_supported_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def from_config(cls, hf_quant_config: dict[str, Any] | None) -> BitsAndBytesConfig:
+        if hf_quant_config is None:
+            raise ConfigError(
+                "quantization='bitsandbytes' reads a checkpoint that bitsandbytes quantized (config.json "
+                "quantization_config with quant_method 'bitsandbytes'); this checkpoint is float and vframe does not "
+                "quantize to bitsandbytes while loading: use quantization='fp8' for that"
+            )
+        q = hf_quant_config
+        if q.get("quant_method", NAME) != NAME:
+            raise ConfigError(f"quantization='bitsandbytes' reads a bitsandbytes checkpoint; this one is quantized "
+                              f"as {q.get('quant_method')!r}")
+        four, eight = bool(q.get("load_in_4bit")), bool(q.get("load_in_8bit"))
+        if four == eight:
+            raise ConfigError(
+                f"quantization_config: load_in_4bit={q.get('load_in_4bit')!r}, load_in_8bit={q.get('load_in_8bit')!r}; "
+                "expected exactly one of them true"
+            )
+        skip = list(q.get("llm_int8_skip_modules") or [])
+        if eight:
+            if q.get("llm_int8_has_fp16_weight"):
+                raise ConfigError("quantization_config.llm_int8_has_fp16_weight=true: the checkpoint keeps float "
+                                  "weights for training; vframe reads int8 ones (false)")
+            return cls(8, None, skip)
+        quant_type = q.get("bnb_4bit_quant_type", "fp4")
+        if quant_type not in QUANT_TYPES:
+            raise ConfigError(f"quantization_config.bnb_4bit_quant_type={quant_type!r}: expected one of {QUANT_TYPES}")
+        storage = q.get("bnb_4bit_quant_storage", "uint8")
+        if storage != "uint8":
+            raise ConfigError(f"quantization_config.bnb_4bit_quant_storage={storage!r}: vframe reads codes stored "
+                              "as uint8 (the default)")
+        return cls(4, quant_type, skip, bool(q.get("bnb_4bit_use_double_quant", False)))
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
+        if not isinstance(layer, LinearBase):
+            return None
+        if listed_as_float(prefix, self.skip_modules, "quantization_config.llm_int8_skip_modules"):
+            return None
+        if layer.tp_size != 1:
+            raise ConfigError(
+                f"quantization='bitsandbytes' with tensor_parallel_size={layer.tp_size}: bitsandbytes weights are "
+                "not split across ranks yet; use tensor_parallel_size=1"
+            )
+        if self.bits == 4:
+            return BnB4BitMethod(self.quant_type, self.double_quant)
+        return BnB8BitMethod(self.quant_kernel)
+
+    def checkpoint_tensor_name(self, name: str) -> str:
+        """``<module>.weight.absmax`` -> ``<module>.weight_absmax``, ...,
+        ``<module>.weight.quant_state.bitsandbytes__nf4`` -> ``<module>.weight_quant_state``."""
+        module, found, rest = name.partition(".weight.")
+        if not found:
+            return name
+        if rest in _FOUR_BIT_TENSORS:
+            return f"{module}.{_FOUR_BIT_TENSORS[rest]}"
+        if rest.startswith(_QUANT_STATE):
+            return f"{module}.weight_quant_state"
+        return name
+
+
+class BnB4BitMethod(LinearMethodBase):
+    """One layer's NF4 / FP4 weight (see the module)."""
+
+    def __init__(self, quant_type: str, double_quant: bool) -> None:
+        self.quant_type = quant_type
+        self.tensors = ("weight", *(_FOUR_BIT_TENSORS if double_quant else _SINGLE_QUANT_TENSORS).values(),
+                        "weight_quant_state")
+        self.shards: dict[int, dict[str, torch.Tensor]] = {}  # shard index -> its checkpoint tensors, until processed
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        self.where = layer.prefix or type(layer).__name__
+        self.shard_ids = layer.shard_ids
+        self.output_partition_sizes = list(output_partition_sizes)
+        self.in_features = input_size_per_partition
+        # Placeholders: each shard's tensors differ in size (a flattened code count, blocks per
+        # nested block), so they are kept as they come and joined once all are in.
+        for name in self.tensors:
+            register_weight(layer, name, torch.empty(0, dtype=torch.uint8),
+                            {"output_dim": None, "input_dim": None, "weight_loader": self._loader(name)})
+
+    def _loader(self, name: str) -> Any:
+        def load(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+            self.shards.setdefault(self._shard_index(shard_id), {})[name] = loaded_weight
+
+        return load
+
+    def _shard_index(self, shard_id: Any) -> int:
+        if not self.shard_ids:
+            if shard_id is not None:
+                raise ValueError(f"{self.where} has no fused shards; got shard id {shard_id!r}")
+            return 0
+        if shard_id is None:
+            raise ModelLoadError(f"is a fused tensor; {self.where} loads its modules {self.shard_ids} one by one")
+        return self.shard_ids.index(shard_id)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        codes, scales, tables, self.blocks = [], [], [], []
+        for index, rows in enumerate(self.output_partition_sizes):
+            shard = self.shards.get(index, {})
+            name = self.where if not self.shard_ids else f"{self.where} ({self.shard_ids[index]})"
+            shard_codes, shard_scales, table, blocksize = _unpack_shard(shard, rows, self.in_features,
+                                                                        self.quant_type, name)
+            codes.append(shard_codes)
+            scales.append(shard_scales)
+            tables.append(table)
+            self.blocks.append((rows, len(shard_scales), blocksize))
+        if any(not torch.equal(t, tables[0]) for t in tables[1:]):
+            raise ModelLoadError(f"{self.where}: its fused modules carry different quant_map tables")
+        for name in self.tensors:
+            delattr(layer, name)
+        self.shards.clear()
+        layer.register_buffer("qweight", torch.cat(codes))  # [out, in / 2] uint8, the checkpoint's bytes
+        layer.register_buffer("scales", torch.cat(scales))  # [blocks] float32, each module's blocks in turn
+        layer.register_buffer("table", tables[0])  # [16] float32
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, bitsandbytes' own
+        q = layer.qweight
+        codes = torch.stack([q >> 4, q & 0x0F], dim=-1).flatten(1).long()  # [out, in]: high nibble first
+        parts, row, block = [], 0, 0
+        for rows, blocks, blocksize in self.blocks:  # a module's blocks run over its flattened weight
+            values = rows * self.in_features
+            scale = layer.scales[block : block + blocks].repeat_interleave(blocksize)[:values]
+            parts.append(layer.table[codes[row : row + rows].flatten()] * scale)
+            row, block = row + rows, block + blocks
+        return torch.cat(parts).view(-1, self.in_features)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
+
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply:
+        return lambda x: self.apply(layer, x, bias)
+
+
+def _unpack_shard(
+    shard: dict[str, torch.Tensor], rows: int, in_features: int, quant_type: str, where: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """One checkpoint module's codes (uint8 [rows, in / 2]), block scales (float32 [blocks],
+    double quantization undone: a block is ``blocksize`` values of the flattened weight, the
+    last one partial where they do not tile it), table (float32 [16]) and block size."""
+    needed = {"weight": "weight", "weight_absmax": "weight.absmax", "weight_quant_map": "weight.quant_map",
+              "weight_quant_state": f"weight.{_QUANT_STATE}{quant_type}"}
+    missing = [checkpoint_name for name, checkpoint_name in needed.items() if name not in shard]
+    if missing:
+        raise ModelLoadError(f"{where}: the checkpoint lacks its bitsandbytes tensors {', '.join(missing)}")
+    try:
+        state = json.loads(bytes(shard["weight_quant_state"].to(torch.uint8).numpy()).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ModelLoadError(f"{where}: weight.quant_state is not bitsandbytes' JSON ({e})") from None
+    if state.get("quant_type") != quant_type:
+        raise ModelLoadError(f"{where}: weight.quant_state says quant_type={state.get('quant_type')!r}; "
+                             f"quantization_config.bnb_4bit_quant_type is {quant_type!r}")
+    if list(state.get("shape", [])) != [rows, in_features]:
+        raise ModelLoadError(f"{where}: weight.quant_state has shape {state.get('shape')}; the layer expects "
+                             f"[{rows}, {in_features}]")
+    blocksize = state.get("blocksize")
+    if not isinstance(blocksize, int) or blocksize <= 0:
+        raise ModelLoadError(f"{where}: weight.quant_state has blocksize={blocksize!r}")
+    weight = shard["weight"]
+    if weight.dtype != torch.uint8 or in_features % 2 or weight.numel() != rows * in_features // 2:
+        raise ModelLoadError(f"{where}: weight is {weight.dtype} of {weight.numel()} values; expected "
+                             f"{rows * in_features // 2} uint8 (two 4-bit codes a byte, an even number of inputs)")
+    blocks = -(-rows * in_features // blocksize)
+    absmax = shard["weight_absmax"].reshape(-1)
+    if absmax.numel() != blocks:
+        raise ModelLoadError(f"{where}: weight.absmax holds {absmax.numel()} scales for {blocks} blocks")
+    if absmax.dtype == torch.uint8:  # double quantization
+        if "weight_nested_absmax" not in shard or "weight_nested_quant_map" not in shard:
+            raise ModelLoadError(f"{where}: weight.absmax is quantized (uint8) but weight.nested_absmax / "
+                                 "nested_quant_map are missing")
+        nested_block = state.get("nested_blocksize")
+        nested_absmax = shard["weight_nested_absmax"].float().reshape(-1)
+        if not isinstance(nested_block, int) or nested_absmax.numel() != -(-blocks // nested_block):
+            raise ModelLoadError(f"{where}: weight.nested_absmax holds {nested_absmax.numel()} scales for {blocks} "
+                                 f"blocks in nested blocks of {nested_block!r}")
+        nested_map = shard["weight_nested_quant_map"].float().reshape(-1)
+        offset = torch.tensor(float(state.get("nested_offset", 0.0)), dtype=torch.float32)
+        absmax = nested_map[absmax.long()] * nested_absmax.repeat_interleave(nested_block)[:blocks] + offset
+    table = shard["weight_quant_map"].float().reshape(-1)
+    if table.numel() != 16:
+        raise ModelLoadError(f"{where}: weight.quant_map holds {table.numel()} values; a 4-bit table holds 16")
+    return weight.reshape(rows, in_features // 2), absmax.float(), table, blocksize
+
+
+class BnB8BitMethod(IntKernelMethod):
+    """LLM.int8's weights as an ``IntWeight``: one symmetric 8-bit group per row, scale ``SCB / 127``."""
+
+    checkpoint_params = ("weight", "SCB", "weight_format")
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        out = sum(output_partition_sizes)
+        register_weight(layer, "weight", torch.empty(out, input_size_per_partition, dtype=torch.int8),
+                        {"output_dim": 0, "input_dim": 1})
+        register_weight(layer, "SCB", torch.empty(out, dtype=torch.float32), {"output_dim": 0, "input_dim": None})
+        # one per checkpoint module (a 0-d tensor each): 0 is row-major, the layout bitsandbytes saves
+        shard_ids = layer.shard_ids
+
+        def load_format(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+            param.data[shard_ids.index(shard_id) if shard_ids else 0] = int(loaded_weight.reshape(()))
+
+        register_weight(layer, "weight_format", torch.zeros(len(output_partition_sizes), dtype=torch.uint8),
+                        {"output_dim": None, "input_dim": None, "weight_loader": load_format})
+
+    def int_weight(self, layer: nn.Module) -> IntWeight:
+        if layer.weight_format.any():
+            raise ModelLoadError(f"{layer.prefix}: weight_format={layer.weight_format.tolist()}; vframe reads "
+                                 "bitsandbytes' row-major int8 weights (0)")
+        q = (layer.weight.to(torch.int16) + 128).to(torch.uint8)  # [out, in]: w = scale * (q - 128)
+        scales = (layer.SCB.float() / 127)[:, None]  # [out, 1]
+        return IntWeight(8, q, scales, None, q.shape[1])
