@@ -135,8 +135,12 @@ def test_fused_q_k_v_modules_each_bring_their_own_blocks_and_state() -> None:
 
     expected = torch.cat([shards[s].dequantized for s in ("q", "k", "v")])
     assert torch.equal(layer.quant_method.dequantize_weight(layer), expected)
-    assert layer.qweight.shape == (256, 64) and layer.scales.shape == (512,)  # the checkpoint's bytes, 2 blocks a row
+    # blocks within rows: a Lut4Weight on the C++ kernel, the checkpoint's bytes and a scale per 64 inputs
+    assert layer.quant_method.kernel.name == "lut4_cpu"
+    assert layer.lut4_cpu_q.shape == (256, 64) and layer.lut4_cpu_scales.shape == (256, 2)
     assert not hasattr(layer, "weight_absmax")  # the checkpoint tensors are dropped
+    x = torch.randn(3, 128, generator=g)
+    torch.testing.assert_close(layer(x), x @ expected.T, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(("quant", "method"), [(quant_config("nf4", True), BnB4BitMethod),
@@ -148,15 +152,19 @@ def test_a_bitsandbytes_llama_generates_what_transformers_does_with_the_dequanti
     four = quant["load_in_4bit"]
     quantize = ((lambda w, _: bnb_quantize_4bit(w, quant["bnb_4bit_quant_type"], quant["bnb_4bit_use_double_quant"]))
                 if four else (lambda w, _: bnb_quantize_int8(w)))
-    # o_proj's 96 inputs: a 4-bit block of 64 runs on into the next row, as bitsandbytes blocks the flattened weight
+    # o_proj's 96 inputs and down_proj's 112: a 4-bit block of 64 runs on into the next row, as
+    # bitsandbytes blocks the flattened weight
     hf_model = write_quantized_llama(tmp_path, quant, quantize)
 
     llm = generates_like_transformers(tmp_path, hf_model)
 
-    down = llm.llm_engine.model_runner.model.model.layers[1].mlp.down_proj
+    layer = llm.llm_engine.model_runner.model.model.layers[1]
+    gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
     assert isinstance(down.quant_method, method)
-    if not four:
-        assert down.quant_method.kernel.name == "woq_cpu"  # float32 on the CPU
+    # float32 on the CPU; 4 bit: gate / up's rows of 64 inputs on lut4_cpu, down's rows of 112 (and
+    # o_proj's of 96) not a multiple of the blocks of 64: dequantized on each call
+    assert gate_up.quant_method.kernel.name == ("lut4_cpu" if four else "woq_cpu")
+    assert down.quant_method.kernel is None if four else down.quant_method.kernel.name == "woq_cpu"
 
 
 @pytest.mark.parametrize(("changes", "message"), [

@@ -130,7 +130,7 @@ def test_a_kernel_whose_native_call_differs_from_its_bound_function_fails_the_ch
 @pytest.mark.parametrize(
     ("kernel", "dtype", "cases"),
     [
-        ("reference", torch.float32, 58), ("reference", torch.bfloat16, 58),
+        ("reference", torch.float32, 61), ("reference", torch.bfloat16, 61),
         ("woq_cpu", torch.float32, 28), ("woq_cpu", torch.bfloat16, 28), ("woq_cpu", torch.float16, 28),
         # int8 activations per block of 32: 4 and 8 bit, groups of 32, 64 and per channel, sym and asym
         ("woq_cpu_a8", torch.float32, 12), ("woq_cpu_a8", torch.bfloat16, 12), ("woq_cpu_a8", torch.float16, 12),
@@ -138,6 +138,8 @@ def test_a_kernel_whose_native_call_differs_from_its_bound_function_fails_the_ch
         ("fp8_cpu", torch.float32, 3), ("fp8_cpu", torch.bfloat16, 3), ("fp8_cpu", torch.float16, 3),
         # FP4 weights, NVFP4 and MXFP4: every code, their scales from the subnormals up
         ("fp4_cpu", torch.float32, 2), ("fp4_cpu", torch.bfloat16, 2), ("fp4_cpu", torch.float16, 2),
+        # 4-bit table codes (bitsandbytes' NF4): groups of 64, 32 and per row, every code
+        ("lut4_cpu", torch.float32, 3), ("lut4_cpu", torch.bfloat16, 3), ("lut4_cpu", torch.float16, 3),
         ("int4_cpu", torch.bfloat16, 10),
         # 4 bit in bfloat16: groups of 32, 64, 48 and per channel, sym and asym, act order with equal groups
         pytest.param("int4_pairs", torch.bfloat16, 14, marks=pytest.mark.skipif(
@@ -167,19 +169,20 @@ def test_each_builtin_kernel_equals_the_dequantized_weight_on_every_spec_it_runs
 )
 def test_the_woq_builds_without_avx512_pass_the_same_check(cxxflags: str) -> None:
     """Also W8A8's int8 products, which take vframe's own AVX2 loop where the CPU has no VNNI,
-    and the int8-activation loops of woq_cpu_a8, the FP8 loops of fp8_cpu (F16C) and fp4_cpu's."""
+    and the int8-activation loops of woq_cpu_a8, the FP8 loops of fp8_cpu (F16C), fp4_cpu's and lut4_cpu's."""
     code = (
         "import torch\nfrom vframe.testing import check_quant_kernel\n"
         "print(len(check_quant_kernel('int8_dynamic', dtype=torch.float32, quick=True)))\n"
         "print(len(check_quant_kernel('woq_cpu_a8', dtype=torch.float32)))\n"
         "print(len(check_quant_kernel('fp8_cpu', dtype=torch.float32)))\n"
         "print(len(check_quant_kernel('fp4_cpu', dtype=torch.float32)))\n"
+        "print(len(check_quant_kernel('lut4_cpu', dtype=torch.float32)))\n"
         "print(len(check_quant_kernel('woq_cpu', dtype=torch.bfloat16, quick=True)))"
     )
     env = {**os.environ, "VFRAME_CPU_PAGED_CXXFLAGS": cxxflags}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split()[-5:] == ["1", "12", "3", "2", "12"]
+    assert result.stdout.split()[-6:] == ["1", "12", "3", "2", "3", "12"]
 
 
 def test_woq_cpu_a8_quantizes_activation_blocks_as_quantize_per_block_spells_them() -> None:
@@ -323,7 +326,8 @@ def test_a_registered_kernel_of_higher_priority_runs_every_layer_and_quant_kerne
 
 
 def test_an_unknown_quant_kernel_is_refused_naming_the_known_ones(gptq_llama: Path) -> None:
-    with pytest.raises(Exception, match=r"fp4_cpu, fp4_pairs, fp8_cpu, int4_cpu, int4_pairs, int8_dynamic, int8_pairs, reference, triton, woq_cpu, woq_cpu_a8"):
+    with pytest.raises(Exception, match=r"fp4_cpu, fp4_pairs, fp8_cpu, int4_cpu, int4_pairs, int8_dynamic, int8_pairs, "
+                                        r"lut4_cpu, reference, triton, woq_cpu, woq_cpu_a8"):
         LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", quant_kernel="marlin")
 
 

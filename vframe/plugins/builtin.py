@@ -86,6 +86,7 @@ def vframe_register_quant_kernels(register: RegisterFn) -> None:
     register("woq_cpu_a8", "vframe.quant.kernels.builtin:WoqCpuA8Kernel")
     register("fp8_cpu", "vframe.quant.kernels.builtin:Fp8CpuKernel")
     register("fp4_cpu", "vframe.quant.kernels.builtin:Fp4CpuKernel")
+    register("lut4_cpu", "vframe.quant.kernels.builtin:Lut4CpuKernel")
     register("int8_dynamic", "vframe.quant.kernels.builtin:Int8DynamicKernel")
     register("triton", "vframe.quant.kernels.gpu:TritonKernel")
     register("reference", "vframe.quant.kernels.builtin:ReferenceKernel")

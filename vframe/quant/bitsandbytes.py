@@ -17,12 +17,14 @@ saves a model loaded with ``BitsAndBytesConfig`` (Unsloth's ``*-bnb-4bit`` relea
 (bitsandbytes' own ``dequantize_4bit``, bit for bit: tests/quant_real). The dotted names are
 not parameter names: ``checkpoint_tensor_name`` maps them to ``weight_absmax``, ...,
 ``weight_quant_state``. A fused layer (q / k / v, gate / up) receives each module's set; once
-loaded, the layer holds ``qweight`` (uint8 [out, in / 2], the checkpoint's bytes), ``scales``
-(float32, each module's blocks in turn, double quantization undone once; a block may run on
-into the next row, as bitsandbytes blocks the flattened weight) and ``table`` (float32 [16]).
-Its ``apply`` dequantizes the weight (``table[code] * scale``, float32, as bitsandbytes) into the
-activations' dtype and calls ``F.linear``: the reference, with no fast kernel yet (a 4-bit layer
-costs its dequantization on every call).
+loaded, where the blocks tile the rows (a row's inputs a multiple of the block size: so in
+every released model), the layer's weight is a ``Lut4Weight`` (the checkpoint's code bytes with
+their nibbles swapped, float32 block scales with double quantization undone once, the table) on
+the quant kernel chosen for it: ``lut4_cpu`` on the CPU (codes read in place for decode-sized
+batches, dequantized for one GEMM above), else the ``reference``. Where a block runs on into the
+next row (bitsandbytes blocks the flattened weight), the layer keeps ``qweight`` (uint8 [out, in
+/ 2]), ``scales`` (float32, each module's blocks in turn) and ``table`` and dequantizes them
+(``table[code] * scale``, float32, as bitsandbytes) into ``F.linear`` on every call.
 
 8 bit (``load_in_8bit``, LLM.int8's weights)::
 
@@ -52,9 +54,9 @@ from torch import nn
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant.base import (
-    BoundApply, IntKernelMethod, LinearMethodBase, QuantizationConfig, listed_as_float, register_weight,
+    BoundApply, IntKernelMethod, LinearMethodBase, QuantizationConfig, bound_apply, listed_as_float, register_weight,
 )
-from vframe.quant.kernels import IntWeight
+from vframe.quant.kernels import WEIGHT_ONLY, IntWeight, Lut4Weight, attach_kernel
 
 NAME = "bitsandbytes"
 QUANT_TYPES = ("nf4", "fp4")
@@ -138,7 +140,7 @@ class BitsAndBytesConfig(QuantizationConfig):
                 "not split across ranks yet; use tensor_parallel_size=1"
             )
         if self.bits == 4:
-            return BnB4BitMethod(self.quant_type, self.double_quant)
+            return BnB4BitMethod(self.quant_type, self.double_quant, self.quant_kernel)
         return BnB8BitMethod(self.quant_kernel)
 
     def checkpoint_tensor_name(self, name: str) -> str:
@@ -157,8 +159,10 @@ class BitsAndBytesConfig(QuantizationConfig):
 class BnB4BitMethod(LinearMethodBase):
     """One layer's NF4 / FP4 weight (see the module)."""
 
-    def __init__(self, quant_type: str, double_quant: bool) -> None:
+    def __init__(self, quant_type: str, double_quant: bool, kernel_name: str | None = None) -> None:
         self.quant_type = quant_type
+        self.kernel_name = kernel_name  # the quant_kernel setting
+        self.kernel: Any = None  # a quant kernel's, where the blocks tile the rows
         self.tensors = ("weight", *(_FOUR_BIT_TENSORS if double_quant else _SINGLE_QUANT_TENSORS).values(),
                         "weight_quant_state")
         self.shards: dict[int, dict[str, torch.Tensor]] = {}  # shard index -> its checkpoint tensors, until processed
@@ -213,11 +217,21 @@ class BnB4BitMethod(LinearMethodBase):
         for name in self.tensors:
             delattr(layer, name)
         self.shards.clear()
+        blocksize = self.blocks[0][2]
+        if self.in_features % blocksize == 0 and all(b[2] == blocksize for b in self.blocks):
+            # blocks within rows: a Lut4Weight (the first code of a byte in its low nibble) on a quant kernel
+            q = torch.cat(codes)
+            q = ((q & 0x0F) << 4) | (q >> 4)
+            weight = Lut4Weight(q, torch.cat(scales).view(-1, self.in_features // blocksize), tables[0], blocksize)
+            self.kernel = attach_kernel(layer, weight, WEIGHT_ONLY, self.kernel_name)
+            return
         layer.register_buffer("qweight", torch.cat(codes))  # [out, in / 2] uint8, the checkpoint's bytes
         layer.register_buffer("scales", torch.cat(scales))  # [blocks] float32, each module's blocks in turn
         layer.register_buffer("table", tables[0])  # [16] float32
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, bitsandbytes' own
+        if self.kernel is not None:
+            return self.kernel.dequantize_weight(layer)
         q = layer.qweight
         codes = torch.stack([q >> 4, q & 0x0F], dim=-1).flatten(1).long()  # [out, in]: high nibble first
         parts, row, block = [], 0, 0
@@ -229,10 +243,12 @@ class BnB4BitMethod(LinearMethodBase):
         return torch.cat(parts).view(-1, self.in_features)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.apply(layer, x, bias)
         return F.linear(x, self.dequantize_weight(layer).to(x.dtype), bias)
 
-    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply:
-        return lambda x: self.apply(layer, x, bias)
+    def bind(self, layer: nn.Module, bias: torch.Tensor | None) -> BoundApply | None:
+        return None if self.kernel is None else bound_apply(self.kernel, layer, bias)
 
 
 def _unpack_shard(

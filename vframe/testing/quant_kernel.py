@@ -9,7 +9,8 @@ block of 32 in groups of 32, 64 and per channel), random ``Fp8Weight``s (a scale
 per row, per 64 inputs, per 128 with a shorter last group) for kernels whose
 ``weight_types`` name ``FP8_E4M3``, and random ``Fp4Weight``s (every code; NVFP4: e4m3
 scales from subnormal to 448, a global scale per row; MXFP4: e8m0 scales 2^-127 to 2^127)
-for those naming ``NVFP4`` / ``MXFP4``, keeps those the
+for those naming ``NVFP4`` / ``MXFP4``, and random ``Lut4Weight``s (every code into NF4's table,
+groups of 64, 32 and one per row) for those naming ``LUT4``, keeps those the
 kernel says it can run (``can_implement`` returns ``None``), and for each:
 
 * ``prepare`` on a bare ``nn.Module`` layer, then ``dequantize_weight(layer)``
@@ -41,8 +42,8 @@ from torch import nn
 from vframe.quant.base import bound_apply
 from vframe.quant.native_call import native_result
 from vframe.quant.kernels import (
-    FP4_GROUPS, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, Fp8Weight, IntWeight,
-    QuantLinearKernel, QuantLinearSpec, reads_rows, refusal,
+    FP4_GROUPS, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, LUT4, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, Fp8Weight,
+    IntWeight, Lut4Weight, QuantLinearKernel, QuantLinearSpec, reads_rows, refusal,
 )
 
 # largest |apply - reference| / max |reference| per activation dtype
@@ -111,6 +112,11 @@ def _specs(dtype: torch.dtype, device: torch.device, quick: bool) -> list[QuantL
             bits=4, group_size=FP4_GROUPS[fp4], symmetric=True, act_order=False, equal_groups=True,
             activations=WEIGHT_ONLY, in_features=inp, out_features=out, dtype=dtype, device=device, weight_type=fp4,
         ))
+    for gs in (64,) if quick else (64, 32, inp):  # bitsandbytes' blocks of 64, and others
+        specs.append(QuantLinearSpec(
+            bits=4, group_size=gs, symmetric=True, act_order=False, equal_groups=True, activations=WEIGHT_ONLY,
+            in_features=inp, out_features=out, dtype=dtype, device=device, weight_type=LUT4,
+        ))
     return specs
 
 
@@ -140,10 +146,27 @@ def _fp4_weight(spec: QuantLinearSpec, generator: torch.Generator) -> Fp4Weight:
     return Fp4Weight(q, scales, global_scale, NVFP4)
 
 
+def _lut4_weight(spec: QuantLinearSpec, generator: torch.Generator) -> Lut4Weight:
+    """Random codes (all 16) into bitsandbytes' NF4 table, positive float32 group scales."""
+    out, inp, group = spec.out_features, spec.in_features, spec.group_size
+    q = torch.randint(0, 256, (out, inp // 2), generator=generator, dtype=torch.int32).to(torch.uint8)
+    scales = (torch.rand(out, inp // group, generator=generator) + 0.5) / inp**0.5
+    return Lut4Weight(q, scales, torch.tensor(NF4_VALUES), group)
+
+
+# bitsandbytes' NF4 table (bitsandbytes.functional.get_4bit_type("nf4")), as float32
+NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0)
+
+
 def _name(spec: QuantLinearSpec) -> str:
     if spec.weight_type in (NVFP4, MXFP4):
         return spec.weight_type
     group = "channel" if spec.group_size == spec.in_features else f"g{spec.group_size}"
+    if spec.weight_type == LUT4:
+        return f"lut4-{group}"
     if spec.weight_type == FP8_E4M3:
         return f"fp8-{group}"
     order = "" if not spec.act_order else "-actorder" if spec.equal_groups else "-actorder-per-shard"
@@ -183,6 +206,10 @@ def check_quant_kernel(
             weight = _fp4_weight(spec, generator)
             instance.prepare(layer, Fp4Weight(weight.q.to(device), weight.scales.to(device),
                                               weight.global_scale.to(device), weight.format))
+        elif spec.weight_type == LUT4:
+            weight = _lut4_weight(spec, generator)
+            instance.prepare(layer, Lut4Weight(weight.q.to(device), weight.scales.to(device), weight.table.to(device),
+                                               weight.group_size))
         else:
             weight = _int_weight(spec, shards=3, generator=generator)
             instance.prepare(layer, IntWeight(weight.bits, weight.q.to(device), weight.scales.to(device),

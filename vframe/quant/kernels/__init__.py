@@ -31,8 +31,15 @@ division comes first, in float32, as compressed-tensors dequantizes. Its ``forma
 * ``MXFP4`` (``"mxfp4"``, the OCP microscaling format): groups of 32, ``scales`` e8m0
   bytes (``2 ** (byte - 127)``), ``global_scale`` all ones.
 
+bitsandbytes' 4-bit weights (NF4, FP4) hand over a ``Lut4Weight`` (plugin API 1.21)::
+
+    W[o, i] = table[q[o, i]] * scales[o, i // group_size]
+
+``q`` two codes a byte as FP4's, ``table`` the 16 values a code indexes (float32), ``scales``
+float32 per group; the product in float32, as bitsandbytes' ``dequantize_4bit``.
+
 A spec says which form its layer holds (``QuantLinearSpec.weight_type``: ``INT_WEIGHT``,
-``FP8_E4M3``, ``NVFP4`` or ``MXFP4``); a kernel names the forms it takes in ``weight_types``
+``FP8_E4M3``, ``NVFP4``, ``MXFP4`` or ``LUT4``); a kernel names the forms it takes in ``weight_types``
 (default: integers only) and is never offered another.
 
 Choosing: each layer describes itself as a ``QuantLinearSpec``; the kernel named
@@ -71,6 +78,9 @@ Built-in kernels (``vframe.quant.kernels.builtin``; ``triton`` in ``vframe.quant
 * ``fp4_cpu`` (20): vframe's C++ FP4 kernel (NVFP4 and MXFP4): the e2m1 codes read in
   place (a table of eight magnitudes, eight codes a vector) for up to 16 tokens (32 in
   float32), dequantized for one GEMM above.
+* ``lut4_cpu`` (20): vframe's C++ kernel for ``Lut4Weight``s: the codes read in place (the table
+  in two registers of eight, eight codes a vector) for up to 16 tokens (32 in float32), dequantized
+  for one GEMM above.
 * ``fp8_cpu`` (20): vframe's C++ FP8 kernel: e4m3 bytes read in place (as float16 bits,
   converted eight at a time with F16C) for up to 16 tokens (32 in float32), dequantized
   for one GEMM above.
@@ -104,6 +114,7 @@ INT_WEIGHT = "int"  # an IntWeight
 FP8_E4M3 = "fp8-e4m3"  # an Fp8Weight (plugin API 1.10)
 NVFP4 = "nvfp4"  # an Fp4Weight with e4m3 scales per 16 inputs and a global scale (plugin API 1.11)
 MXFP4 = "mxfp4"  # an Fp4Weight with e8m0 scales per 32 inputs (plugin API 1.11)
+LUT4 = "lut4"  # a Lut4Weight: 4-bit codes looked up in a 16-value table, a float32 scale per group (plugin API 1.21)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # an FP4 code's magnitude by its bits 0-2
 FP4_GROUPS = {NVFP4: 16, MXFP4: 32}  # inputs sharing a scale
 
@@ -125,15 +136,23 @@ class QuantLinearSpec:
     dtype: torch.dtype  # the activations' (the model's)
     device: torch.device
     layer: str = ""  # the layer's name, for messages
-    weight_type: str = INT_WEIGHT  # INT_WEIGHT (an IntWeight), FP8_E4M3 (an Fp8Weight), NVFP4 / MXFP4 (an Fp4Weight)
+    # INT_WEIGHT (an IntWeight), FP8_E4M3 (an Fp8Weight), NVFP4 / MXFP4 (an Fp4Weight), LUT4 (a Lut4Weight)
+    weight_type: str = INT_WEIGHT
 
     @classmethod
     def for_weight(
-        cls, weight: IntWeight | Fp8Weight | Fp4Weight, *, activations: str, dtype: torch.dtype, layer: str
+        cls, weight: IntWeight | Fp8Weight | Fp4Weight | Lut4Weight, *, activations: str, dtype: torch.dtype,
+        layer: str,
     ) -> QuantLinearSpec:
         """The spec of a layer holding ``weight`` (its sizes, group, symmetry and act order
         read off the weight) whose activations are ``activations`` in ``dtype``."""
         out_features, in_features = weight.q.shape
+        if isinstance(weight, Lut4Weight):
+            return cls(
+                bits=4, group_size=weight.group_size, symmetric=True, act_order=False, equal_groups=True,
+                activations=activations, in_features=in_features * 2, out_features=out_features, dtype=dtype,
+                device=weight.q.device, layer=layer, weight_type=LUT4,
+            )
         if isinstance(weight, Fp4Weight):
             return cls(
                 bits=4, group_size=FP4_GROUPS[weight.format], symmetric=True, act_order=False, equal_groups=True,
@@ -228,6 +247,28 @@ class Fp4Weight:
         table = torch.tensor(E2M1_VALUES, device=self.q.device)
         values = torch.where(codes >= 8, -table[(codes & 7).long()], table[(codes & 7).long()])
         return values * self.group_scales().repeat_interleave(self.group_size, dim=1)
+
+
+@dataclass
+class Lut4Weight:
+    """One layer's 4-bit weight whose codes index a table of 16 values (bitsandbytes' NF4 and
+    FP4; plugin API 1.21)::
+
+        W[o, i] = table[code(o, i)] * scales[o, i // group_size]
+
+    the product in float32, as bitsandbytes' ``dequantize_4bit`` computes it."""
+
+    q: torch.Tensor  # [out, in / 2] uint8: two codes a byte, input 2j in the low nibble of byte j
+    scales: torch.Tensor  # [out, in / group_size] float32
+    table: torch.Tensor  # [16] float32: a code's value
+    group_size: int
+
+    def codes(self) -> torch.Tensor:  # [out, in] uint8 in [0, 16)
+        return torch.stack([self.q & 0x0F, self.q >> 4], dim=-1).flatten(1)
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] float32, exact
+        values = self.table.float()[self.codes().long()]
+        return values * self.scales.float().repeat_interleave(self.group_size, dim=1)
 
 
 def e8m0_to_float32(scales: torch.Tensor) -> torch.Tensor:
@@ -353,7 +394,7 @@ def refusal(cls: type[QuantLinearKernel], spec: QuantLinearSpec) -> str | None:
 
 def _describe(spec: QuantLinearSpec) -> str:
     group = "per channel" if spec.group_size == spec.in_features else f"groups of {spec.group_size}"
-    kinds = {FP8_E4M3: "FP8 e4m3", NVFP4: "NVFP4", MXFP4: "MXFP4"}
+    kinds = {FP8_E4M3: "FP8 e4m3", NVFP4: "NVFP4", MXFP4: "MXFP4", LUT4: "4-bit table codes"}
     kind = kinds.get(spec.weight_type) or f"{spec.bits}-bit {'symmetric' if spec.symmetric else 'asymmetric'}"
     parts = [
         f"{spec.layer + ': ' if spec.layer else ''}{kind}",
@@ -374,6 +415,8 @@ __all__ = [
     "Fp8Weight",
     "INT8_PER_BLOCK",
     "INT8_PER_TOKEN",
+    "LUT4",
+    "Lut4Weight",
     "FP4_GROUPS",
     "MXFP4",
     "NVFP4",

@@ -16,8 +16,8 @@ from vframe.quant import int4_cpu
 from vframe.errors import ModelLoadError
 from vframe.quant.base import BoundApply, NativeCall, with_native
 from vframe.quant.kernels import (
-    ACTIVATION_BLOCK, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight,
-    Fp8Weight, IntWeight, QuantLinearKernel, QuantLinearSpec,
+    ACTIVATION_BLOCK, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, LUT4, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight,
+    Fp8Weight, IntWeight, Lut4Weight, QuantLinearKernel, QuantLinearSpec,
 )
 
 INT8_MAX = 127
@@ -29,7 +29,7 @@ class ReferenceKernel(QuantLinearKernel):
     Keeps the integers unpacked (one byte each)."""
 
     priority = 0
-    weight_types = (INT_WEIGHT, FP8_E4M3, NVFP4, MXFP4)
+    weight_types = (INT_WEIGHT, FP8_E4M3, NVFP4, MXFP4, LUT4)
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
@@ -37,10 +37,15 @@ class ReferenceKernel(QuantLinearKernel):
             return f"int8 activations per block of {ACTIVATION_BLOCK} need a multiple of {ACTIVATION_BLOCK} inputs"
         return None
 
-    def prepare(self, layer: nn.Module, weight: IntWeight | Fp8Weight | Fp4Weight) -> None:
+    def prepare(self, layer: nn.Module, weight: IntWeight | Fp8Weight | Fp4Weight | Lut4Weight) -> None:
         if isinstance(weight, Fp4Weight):  # as the checkpoint packs it
             for name in ("q", "scales", "global_scale"):
                 self.buffer(layer, name, getattr(weight, name).contiguous())
+            return
+        if isinstance(weight, Lut4Weight):
+            for name in ("q", "scales", "table"):
+                self.buffer(layer, name, getattr(weight, name).contiguous())
+            self.group_size = weight.group_size
             return
         self.buffer(layer, "q", weight.q.to(torch.uint8).contiguous())
         self.buffer(layer, "scales", weight.scales.float().contiguous())
@@ -52,7 +57,10 @@ class ReferenceKernel(QuantLinearKernel):
         self.buffer(layer, "groups", weight.g_idx if weight.g_idx is not None else torch.empty(0, dtype=torch.long))
         self.bits = weight.bits
 
-    def _weight(self, layer: nn.Module) -> IntWeight | Fp8Weight | Fp4Weight:
+    def _weight(self, layer: nn.Module) -> IntWeight | Fp8Weight | Fp4Weight | Lut4Weight:
+        if self.spec.weight_type == LUT4:
+            return Lut4Weight(self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "table"),
+                              self.group_size)
         if self.spec.weight_type in (NVFP4, MXFP4):  # the spec's weight type is the Fp4Weight's format
             return Fp4Weight(self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "global_scale"),
                              self.spec.weight_type)
@@ -733,6 +741,44 @@ class Fp4CpuKernel(_DequantizedGemm, QuantLinearKernel):
         if rows is not None:
             q, scales, global_scale = q[rows], scales[rows], global_scale[rows]
         return _woq_ops().fp4_dequantize(q, scales, global_scale, self.group_size, self.scale_format, dtype)
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        return self._dequantized(layer, torch.float32)
+
+
+class Lut4CpuKernel(_DequantizedGemm, QuantLinearKernel):
+    """``Lut4Weight``s (bitsandbytes' NF4 / FP4) on the CPU, vframe's C++ operators
+    (``csrc/woq_gemm.cpp``): up to ``MAX_ROWS`` tokens multiply the packed codes in place
+    (``lut4_gemm``: eight codes a vector, looked up in the table held as two registers of eight),
+    more tokens dequantize the weight (``lut4_dequantize``) for one GEMM. The layer's buffers are
+    the codes (the checkpoint's bytes, nibbles swapped), the float32 group scales and the table."""
+
+    priority = 20
+    weight_types = (LUT4,)
+
+    @classmethod
+    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        if spec.group_size % 16:
+            return f"its groups of {spec.group_size} inputs are not a multiple of 16"
+        return _cpu_weight_only_refusal(spec, "4-bit table")
+
+    def prepare(self, layer: nn.Module, weight: Lut4Weight) -> None:
+        self.group_size = weight.group_size
+        self.buffer(layer, "q", weight.q.contiguous())
+        self.buffer(layer, "scales", weight.scales.float().contiguous())
+        self.buffer(layer, "table", weight.table.float().contiguous())
+
+    def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
+        args = (self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "table"), self.group_size)
+        return _woq_ops().lut4_gemm.default, args
+
+    def _dequantized(
+        self, layer: nn.Module, dtype: torch.dtype, rows: torch.Tensor | slice | None = None
+    ) -> torch.Tensor:
+        q, scales = self.get(layer, "q"), self.get(layer, "scales")
+        if rows is not None:
+            q, scales = q[rows], scales[rows]
+        return _woq_ops().lut4_dequantize(q, scales, self.get(layer, "table"), self.group_size, dtype)
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
         return self._dequantized(layer, torch.float32)

@@ -1315,6 +1315,146 @@ at::Tensor fp4_dequantize(const at::Tensor& q, const at::Tensor& scales, const a
   return w;
 }
 
+// 4-bit codes looked up in a 16-value table (bitsandbytes' NF4 / FP4, builtin.py's
+// Lut4CpuKernel): two codes a byte, input 2j in the low nibble of byte j; each group of
+// `group` inputs of a row has a float32 scale:
+//
+//   y[m, o] = sum_i x[m, i] * (table[q[o, i]] * s[o, i / group])
+//
+// the product table * scale in float32 (bitsandbytes' dequantize_4bit), then the sum.
+template <typename T>
+void lut4_rows_scalar(const float* x, const uint8_t* q, const float* s, const float* table, T* y, int64_t m_rows,
+                      int64_t n, int64_t k, int64_t group, int64_t begin, int64_t end) {
+  const int64_t groups = k / group;
+  std::vector<float> w(k);  // the row's dequantized weight
+  for (int64_t o = begin; o < end; ++o) {
+    for (int64_t j = 0; j < k / 2; ++j) {
+      const uint8_t b = q[o * (k / 2) + j];
+      const float scale = s[o * groups + 2 * j / group];
+      w[2 * j] = table[b & 15] * scale;
+      w[2 * j + 1] = table[b >> 4] * scale;
+    }
+    for (int64_t m = 0; m < m_rows; ++m) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < k; ++i) acc += x[m * k + i] * w[i];
+      y[m * n + o] = static_cast<T>(acc);
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight codes (the nibbles of `word`, lowest first) looked up in a table held as two
+// registers of eight values: vpermps reads each index's low three bits from both, bit 3
+// picks one (moved to the sign bit, which blendv reads).
+inline __m256 lut16_8(uint32_t word, __m256 low, __m256 high) {
+  const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+  const __m256 a = _mm256_permutevar8x32_ps(low, codes), b = _mm256_permutevar8x32_ps(high, codes);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
+}
+
+// Per group: each word of eight codes looked up and times the group's scale (the
+// dequantized weight's values, as lut4_dequantize rounds them), then one FMA per
+// activation row and vector, in two chains.
+template <int64_t MR, typename T>
+void lut4_rows_avx2(const float* x, const uint8_t* q, const float* s, const float* table, T* y, int64_t n, int64_t k,
+                    int64_t group, int64_t begin, int64_t end) {
+  const int64_t groups = k / group;
+  const __m256 low = _mm256_loadu_ps(table), high = _mm256_loadu_ps(table + 8);
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = q + o * (k / 2);
+    const float* row_scales = s + o * groups;
+    __m256 acc[MR][2];
+    for (int64_t m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 scale = _mm256_set1_ps(row_scales[g]);
+      for (int64_t i = g * group; i < (g + 1) * group; i += 16) {
+        uint32_t words[2];
+        std::memcpy(words, row + i / 2, sizeof(words));
+        const __m256 w0 = _mm256_mul_ps(lut16_8(words[0], low, high), scale);
+        const __m256 w1 = _mm256_mul_ps(lut16_8(words[1], low, high), scale);
+        for (int64_t m = 0; m < MR; ++m) {
+          acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * k + i), w0, acc[m][0]);
+          acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * k + i + 8), w1, acc[m][1]);
+        }
+      }
+    }
+    for (int64_t m = 0; m < MR; ++m) y[m * n + o] = static_cast<T>(hsum8(_mm256_add_ps(acc[m][0], acc[m][1])));
+  }
+}
+#endif
+
+void check_lut4(const char* op, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& table, int64_t group) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2, op,
+              ": q must be contiguous uint8 [N, K / 2]");
+  TORCH_CHECK(group % 16 == 0 && group > 0, op, ": group must be a positive multiple of 16");
+  const int64_t n = q.size(0), k = q.size(1) * 2;
+  TORCH_CHECK(k % group == 0, op, ": K must be a multiple of ", group);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == n && scales.size(1) == k / group,
+              op, ": scales must be contiguous float32 [N, K / group]");
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.dim() == 1 && table.size(0) == 16,
+              op, ": table must be contiguous float32 [16]");
+}
+
+// x: [M, K] any float dtype (read as float32); q: uint8 [N, K / 2]; scales: float32
+// [N, K / group]; table: float32 [16]. Returns [M, N] of out_dtype.
+at::Tensor lut4_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& table,
+                     int64_t group, at::ScalarType out_dtype) {
+  TORCH_CHECK(x_in.dim() == 2, "lut4_gemm: x must be [M, K]");
+  check_lut4("lut4_gemm", q, scales, table, group);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0);
+  TORCH_CHECK(q.size(1) * 2 == k, "lut4_gemm: x has ", k, " inputs, q ", q.size(1) * 2);
+  at::Tensor y = at::empty({m_rows, n}, x.options().dtype(out_dtype));
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* tp = table.data_ptr<float>();
+  auto run = [&](auto* out) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m0 = 0; m0 < m_rows; m0 += kFp8Rows) {
+        const int64_t rows = std::min(kFp8Rows, m_rows - m0);
+#if defined(__AVX2__) && defined(__FMA__)
+        with_rows(rows, [&](auto r) {
+          lut4_rows_avx2<decltype(r)::value>(xp + m0 * k, qp, sp, tp, out + m0 * n, n, k, group, begin, end);
+        });
+#else
+        lut4_rows_scalar(xp + m0 * k, qp, sp, tp, out + m0 * n, rows, n, k, group, begin, end);
+#endif
+      }
+    });
+  };
+  AT_DISPATCH_V2(out_dtype, "lut4_gemm", AT_WRAP([&] { run(y.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
+  return y;
+}
+
+// The float weight [N, K] of out_dtype: table[q] * scale in float32 (Lut4Weight.dequantize()), then cast.
+at::Tensor lut4_dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& table, int64_t group,
+                           at::ScalarType out_dtype) {
+  check_lut4("lut4_dequantize", q, scales, table, group);
+  const int64_t n = q.size(0), k = q.size(1) * 2, groups = k / group;
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* tp = table.data_ptr<float>();
+  at::Tensor w = at::empty({n, k}, q.options().dtype(out_dtype));
+  auto fill = [&](auto* out) {
+    using T = std::remove_pointer_t<decltype(out)>;
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t o = begin; o < end; ++o)
+        for (int64_t g = 0; g < groups; ++g) {
+          const float scale = sp[o * groups + g];
+          for (int64_t i = g * group; i < (g + 1) * group; i += 2) {
+            const uint8_t b = qp[o * (k / 2) + i / 2];
+            out[o * k + i] = static_cast<T>(tp[b & 15] * scale);
+            out[o * k + i + 1] = static_cast<T>(tp[b >> 4] * scale);
+          }
+        }
+    });
+  };
+  AT_DISPATCH_V2(out_dtype, "lut4_dequantize", AT_WRAP([&] { fill(w.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
+  return w;
+}
+
 }  // namespace
 
 // torch's CPU int4 packing (torch._convert_weight_to_int4pack_for_cpu), dequantized for
@@ -2022,6 +2162,8 @@ TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("fp8_dequantize(Tensor q, Tensor scales, int group, ScalarType out_dtype) -> Tensor");
   m.def("fp4_gemm(Tensor x, Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format, ScalarType out_dtype) -> Tensor");
   m.def("fp4_dequantize(Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format, ScalarType out_dtype) -> Tensor");
+  m.def("lut4_gemm(Tensor x, Tensor q, Tensor scales, Tensor table, int group, ScalarType out_dtype) -> Tensor");
+  m.def("lut4_dequantize(Tensor q, Tensor scales, Tensor table, int group, ScalarType out_dtype) -> Tensor");
   m.def("woq_dequantize(Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("int4pack_dequantize(Tensor packed, Tensor scales_and_zeros, int group) -> Tensor");
   m.def("pairs_gemm(Tensor x, Tensor q, Tensor scales, Tensor zeros, int group, int bits, bool zero_points, ScalarType out_dtype) -> Tensor");
@@ -2041,6 +2183,8 @@ TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
   m.impl("fp8_dequantize", &fp8_dequantize);
   m.impl("fp4_gemm", &fp4_gemm);
   m.impl("fp4_dequantize", &fp4_dequantize);
+  m.impl("lut4_gemm", &lut4_gemm);
+  m.impl("lut4_dequantize", &lut4_dequantize);
   m.impl("woq_dequantize", &woq_dequantize);
   m.impl("int4pack_dequantize", &int4pack_dequantize);
   m.impl("pairs_gemm", &pairs_gemm);
