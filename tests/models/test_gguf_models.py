@@ -23,6 +23,7 @@ import pytest
 import torch
 from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
+from gguf_files import add_toy_vocabulary, write_out
 from parity import assert_engine_matches_transformers, prompts_of_lengths
 from test_mixtral import tiny_hf_mixtral
 from tiny_qwen import save_tiny_qwen
@@ -75,13 +76,7 @@ def write_gguf(path: Path, hf_model: torch.nn.Module, arch: str, *, merged_exper
     if num_experts:
         writer.add_expert_count(num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-    vocab = config.vocab_size
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([chr(ord("!") + i) for i in range(vocab - 1)] + ['!"'])
-    writer.add_token_types([1] * vocab)
-    writer.add_token_merges(['! "'])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
+    add_toy_vocabulary(writer, config.vocab_size)
 
     def add(name: str, param: torch.Tensor, *, quantized: bool = False, heads: int | None = None) -> None:
         if quantized:
@@ -124,10 +119,7 @@ def write_gguf(path: Path, hf_model: torch.nn.Module, arch: str, *, merged_exper
             else:
                 for e in range(num_experts):
                     writer.add_tensor(f"blk.{i}.{kind}.{e}.weight", blocks[e], raw_dtype=linear_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
 
 
 def write_deepseek_gguf(path: Path, hf_model: torch.nn.Module, *, split_kv_b: bool = True,
@@ -171,11 +163,7 @@ def write_deepseek_gguf(path: Path, hf_model: torch.nn.Module, *, split_kv_b: bo
         writer.add_expert_weights_norm(True)
     if v3:
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
-    vocab = config.vocab_size
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([chr(ord("!") + i) for i in range(vocab - 1)] + ['!"'])
-    writer.add_token_types([1] * vocab)
-    writer.add_token_merges(['! "'])
+    add_toy_vocabulary(writer, config.vocab_size)
 
     def add(name: str, param: torch.Tensor, *, quantized: bool = False) -> None:
         if quantized:
@@ -223,10 +211,7 @@ def write_deepseek_gguf(path: Path, hf_model: torch.nn.Module, *, split_kv_b: bo
         shared = mlp.shared_experts
         for kind, proj in (("ffn_gate", shared.gate_proj), ("ffn_up", shared.up_proj), ("ffn_down", shared.down_proj)):
             add(f"blk.{i}.{kind}_shexp.weight", proj.weight, quantized=True)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
 
 
 def tiny_hf_deepseek(version: str) -> torch.nn.Module:

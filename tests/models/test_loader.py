@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf_files import write_out
 
 from vframe.errors import ModelLoadError
 from vframe.models.loader import (
@@ -133,10 +134,7 @@ def test_unknown_gguf_architecture(tmp_path: Path) -> None:
     writer = gguf.GGUFWriter(str(path), arch="gemma2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
 
     with pytest.raises(ModelLoadError, match="general.architecture='gemma2' is not supported"):
         resolve_model(str(path), cache_dir=tmp_path / "cache")

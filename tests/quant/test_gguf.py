@@ -26,6 +26,7 @@ from vframe.quant.kernels.builtin import quantize_per_block
 from vframe.quant.onednn_packed import onednn_fp32_available
 from vframe.testing.quant import check_quant_method
 from defaults import BF16_INT4, BF16_INT8, PAIRS, bf16_int4_with_groups
+from gguf_files import add_toy_vocabulary, write_out
 
 # Byte offsets of each format's float16 scales (d, m, dmin) inside a block.
 _F16_FIELDS = {
@@ -500,10 +501,7 @@ def test_the_tensor_table_reader_hands_over_blocks_rows_un_permuted(tmp_path) ->
     writer.add_tensor("blk.0.ffn_down.weight", down, raw_dtype=GGMLQuantizationType.Q6_K)
     writer.add_tensor("blk.0.attn_norm.weight", norm)
     writer.add_tensor("token_embd.weight", embed)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
 
     config = type("Config", (), {"model_type": "llama", "num_attention_heads": heads, "num_key_value_heads": kv_heads})()
     tensors = list(iterate_gguf_quantized(path, config))
@@ -555,12 +553,7 @@ def write_tiny_llama(path, layer_types: list[dict[str, str]], vocab: int = 96, o
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([chr(ord("!") + i) for i in range(vocab - 1)] + ['!"'])
-    writer.add_token_types([1] * vocab)
-    writer.add_token_merges(['! "'])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
+    add_toy_vocabulary(writer, vocab)
     rng = np.random.default_rng(0)
     if embedding_type is None:
         writer.add_tensor("token_embd.weight", rng.normal(0, 1, (vocab, hidden)).astype(np.float16))
@@ -580,10 +573,7 @@ def write_tiny_llama(path, layer_types: list[dict[str, str]], vocab: int = 96, o
         for j, (name, (out, inp)) in enumerate(shapes.items()):
             rows = random_rows(types[name], out, inp, seed=100 * i + j)
             writer.add_tensor(f"blk.{i}.{name}.weight", rows, raw_dtype=GGMLQuantizationType[types[name]])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
 
 
 def test_a_k_quant_llama_runs_from_its_blocks_as_its_dense_conversion(tmp_path, gguf_cache) -> None:

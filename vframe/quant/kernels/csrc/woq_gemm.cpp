@@ -1021,6 +1021,26 @@ void with_rows(int64_t rows, F&& f) {
   }
 }
 
+// The in-place products' common frame (fp8_gemm, fp4_gemm, lut4_gemm): x ([M, K]) read as float32,
+// the N outputs shared among the threads, the activation rows taken kFp8Rows at a time;
+// rows(x_rows, y_rows, count, begin, end) computes outputs begin .. end of `count` rows
+// (x_rows [count, K], y_rows [count, N] of out_dtype, any of VFRAME_FLOAT_TYPES).
+template <typename Rows>
+at::Tensor rows_gemm(const at::Tensor& x_in, int64_t n, at::ScalarType out_dtype, Rows&& rows) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t m_rows = x.size(0), k = x.size(1);
+  at::Tensor y = at::empty({m_rows, n}, x.options().dtype(out_dtype));
+  const float* xp = x.data_ptr<float>();
+  auto run = [&](auto* out) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m0 = 0; m0 < m_rows; m0 += kFp8Rows)
+        rows(xp + m0 * k, out + m0 * n, std::min(kFp8Rows, m_rows - m0), begin, end);
+    });
+  };
+  AT_DISPATCH_V2(out_dtype, "rows_gemm", AT_WRAP([&] { run(y.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
+  return y;
+}
+
 template <typename T>
 void fp8_rows_scalar(const float* x, const uint8_t* q, const float* scales, T* y, int64_t m_rows, int64_t n,
                      int64_t k, int64_t group, int64_t begin, int64_t end) {
@@ -1077,35 +1097,24 @@ void fp8_rows_avx2(const float* x, const uint8_t* q, const float* scales, T* y, 
 at::Tensor fp8_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales, int64_t group,
                     at::ScalarType out_dtype) {
   TORCH_CHECK(x_in.dim() == 2, "fp8_gemm: x must be [M, K]");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0), groups = (k + group - 1) / group;
+  const int64_t k = x_in.size(1), n = q.size(0), groups = (k + group - 1) / group;
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2 && q.size(1) == k,
               "fp8_gemm: q must be contiguous uint8 [N, ", k, "]");
   TORCH_CHECK(group > 0 && scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == n &&
                   scales.size(1) == groups,
               "fp8_gemm: scales must be float32 [N, ceil(K / group)]");
-  at::Tensor y = at::empty({m_rows, n}, x.options().dtype(out_dtype));
-  const float* xp = x.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
-  auto run = [&](auto* out) {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m0 = 0; m0 < m_rows; m0 += kFp8Rows) {
-        const int64_t rows = std::min(kFp8Rows, m_rows - m0);
+  return rows_gemm(x_in, n, out_dtype, [&](const float* x, auto* y, int64_t rows, int64_t begin,
+                                           int64_t end) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-        if (group % 16 == 0 && k % 16 == 0) {
-          with_rows(rows, [&](auto r) {
-            fp8_rows_avx2<decltype(r)::value>(xp + m0 * k, qp, sp, out + m0 * n, n, k, group, begin, end);
-          });
-          continue;
-        }
+    if (group % 16 == 0 && k % 16 == 0) {
+      with_rows(rows, [&](auto r) { fp8_rows_avx2<decltype(r)::value>(x, qp, sp, y, n, k, group, begin, end); });
+      return;
+    }
 #endif
-        fp8_rows_scalar(xp + m0 * k, qp, sp, out + m0 * n, rows, n, k, group, begin, end);
-      }
-    });
-  };
-  AT_DISPATCH_V2(out_dtype, "fp8_gemm", AT_WRAP([&] { run(y.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
-  return y;
+    fp8_rows_scalar(x, qp, sp, y, rows, n, k, group, begin, end);
+  });
 }
 
 // The float weight [N, K] of out_dtype: e4m3(q) * s in float32 (the PyTorch expression
@@ -1246,31 +1255,22 @@ at::Tensor fp4_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tenso
                     const at::Tensor& global_scale, int64_t group, int64_t scale_format, at::ScalarType out_dtype) {
   TORCH_CHECK(x_in.dim() == 2, "fp4_gemm: x must be [M, K]");
   check_fp4("fp4_gemm", q, scales, global_scale, group, scale_format);
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0);
+  const int64_t k = x_in.size(1), n = q.size(0);
   TORCH_CHECK(q.size(1) * 2 == k, "fp4_gemm: x has ", k, " inputs, q ", q.size(1) * 2);
-  at::Tensor y = at::empty({m_rows, n}, x.options().dtype(out_dtype));
-  const float* xp = x.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
   const float* gp = global_scale.data_ptr<float>();
   const float* table = fp4_scale_table(scale_format);
-  auto run = [&](auto* out) {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m0 = 0; m0 < m_rows; m0 += kFp8Rows) {
-        const int64_t rows = std::min(kFp8Rows, m_rows - m0);
+  return rows_gemm(x_in, n, out_dtype, [&](const float* x, auto* y, int64_t rows, int64_t begin,
+                                           int64_t end) {
 #if defined(__AVX2__) && defined(__FMA__)
-        with_rows(rows, [&](auto r) {
-          fp4_rows_avx2<decltype(r)::value>(xp + m0 * k, qp, sp, gp, table, out + m0 * n, n, k, group, begin, end);
-        });
-#else
-        fp4_rows_scalar(xp + m0 * k, qp, sp, gp, table, out + m0 * n, rows, n, k, group, begin, end);
-#endif
-      }
+    with_rows(rows, [&](auto r) {
+      fp4_rows_avx2<decltype(r)::value>(x, qp, sp, gp, table, y, n, k, group, begin, end);
     });
-  };
-  AT_DISPATCH_V2(out_dtype, "fp4_gemm", AT_WRAP([&] { run(y.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
-  return y;
+#else
+    fp4_rows_scalar(x, qp, sp, gp, table, y, rows, n, k, group, begin, end);
+#endif
+  });
 }
 
 // The float weight [N, K] of out_dtype: e2m1(q) * (scale(s) / gs) in float32 (the PyTorch
@@ -1402,30 +1402,21 @@ at::Tensor lut4_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
                      int64_t group, at::ScalarType out_dtype) {
   TORCH_CHECK(x_in.dim() == 2, "lut4_gemm: x must be [M, K]");
   check_lut4("lut4_gemm", q, scales, table, group);
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t m_rows = x.size(0), k = x.size(1), n = q.size(0);
+  const int64_t k = x_in.size(1), n = q.size(0);
   TORCH_CHECK(q.size(1) * 2 == k, "lut4_gemm: x has ", k, " inputs, q ", q.size(1) * 2);
-  at::Tensor y = at::empty({m_rows, n}, x.options().dtype(out_dtype));
-  const float* xp = x.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* tp = table.data_ptr<float>();
-  auto run = [&](auto* out) {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m0 = 0; m0 < m_rows; m0 += kFp8Rows) {
-        const int64_t rows = std::min(kFp8Rows, m_rows - m0);
+  return rows_gemm(x_in, n, out_dtype, [&](const float* x, auto* y, int64_t rows, int64_t begin,
+                                           int64_t end) {
 #if defined(__AVX2__) && defined(__FMA__)
-        with_rows(rows, [&](auto r) {
-          lut4_rows_avx2<decltype(r)::value>(xp + m0 * k, qp, sp, tp, out + m0 * n, n, k, group, begin, end);
-        });
-#else
-        lut4_rows_scalar(xp + m0 * k, qp, sp, tp, out + m0 * n, rows, n, k, group, begin, end);
-#endif
-      }
+    with_rows(rows, [&](auto r) {
+      lut4_rows_avx2<decltype(r)::value>(x, qp, sp, tp, y, n, k, group, begin, end);
     });
-  };
-  AT_DISPATCH_V2(out_dtype, "lut4_gemm", AT_WRAP([&] { run(y.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
-  return y;
+#else
+    lut4_rows_scalar(x, qp, sp, tp, y, rows, n, k, group, begin, end);
+#endif
+  });
 }
 
 // The float weight [N, K] of out_dtype: table[q] * scale in float32 (Lut4Weight.dequantize()), then cast.
