@@ -17,9 +17,10 @@ saves a model loaded with ``BitsAndBytesConfig`` (Unsloth's ``*-bnb-4bit`` relea
 (bitsandbytes' own ``dequantize_4bit``, bit for bit: tests/quant_real). The dotted names are
 not parameter names: ``checkpoint_tensor_name`` maps them to ``weight_absmax``, ...,
 ``weight_quant_state``. A fused layer (q / k / v, gate / up) receives each module's set; once
-loaded, where the blocks tile the rows (a row's inputs a multiple of the block size: so in
-every released model), the layer's weight is a ``Lut4Weight`` (the checkpoint's code bytes with
-their nibbles swapped, float32 block scales with double quantization undone once, the table) on
+loaded, where the blocks tile the rows (a row's inputs a multiple of the block size, as in the
+usual model sizes: 576, 2048, 4864, 8960, 14336, ...), the layer's weight is a ``Lut4Weight``
+(the checkpoint's code bytes with their nibbles swapped, float32 block scales with double
+quantization undone once, the table) on
 the quant kernel chosen for it: ``lut4_cpu`` on the CPU (codes read in place for decode-sized
 batches, dequantized for one GEMM above), else the ``reference``. Where a block runs on into the
 next row (bitsandbytes blocks the flattened weight), the layer keeps ``qweight`` (uint8 [out, in
