@@ -79,7 +79,8 @@ Built-in kernels (``vframe.quant.kernels.builtin``; ``triton`` in ``vframe.quant
   place (a table of eight magnitudes, eight codes a vector) for up to 16 tokens (32 in
   float32), dequantized for one GEMM above.
 * ``lut4_cpu`` (20): vframe's C++ kernel for ``Lut4Weight``s: the codes read in place (the table
-  in two registers of eight, eight codes a vector) for up to 16 tokens (32 in float32), dequantized
+  in one AVX-512 register, sixteen codes a vector; on AVX2 two registers of eight) for up to 16
+  tokens (32 in float32), dequantized
   for one GEMM above.
 * ``fp8_cpu`` (20): vframe's C++ FP8 kernel: e4m3 bytes read in place (as float16 bits,
   converted eight at a time with F16C) for up to 16 tokens (32 in float32), dequantized

@@ -749,7 +749,8 @@ class Fp4CpuKernel(_DequantizedGemm, QuantLinearKernel):
 class Lut4CpuKernel(_DequantizedGemm, QuantLinearKernel):
     """``Lut4Weight``s (bitsandbytes' NF4 / FP4) on the CPU, vframe's C++ operators
     (``csrc/woq_gemm.cpp``): up to ``MAX_ROWS`` tokens multiply the packed codes in place
-    (``lut4_gemm``: eight codes a vector, looked up in the table held as two registers of eight),
+    (``lut4_gemm``: sixteen codes a vector looked up in the table held in one AVX-512 register, or
+    eight in two registers of eight on AVX2),
     more tokens dequantize the weight (``lut4_dequantize``) for one GEMM. The layer's buffers are
     the codes (the checkpoint's bytes, nibbles swapped), the float32 group scales and the table."""
 

@@ -1383,6 +1383,51 @@ void lut4_rows_avx2(const float* x, const uint8_t* q, const float* s, const floa
 }
 #endif
 
+#if defined(__AVX512F__)
+// Sixteen codes (eight bytes, the low nibble of each first) looked up in the 16-value table,
+// one register: each byte's nibbles spread to two bytes in input order, widened to 32 bits,
+// vpermps.
+inline __m512 lut16_16(const uint8_t* bytes, __m512 table) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, nibble), _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+  return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table);
+}
+
+// lut4_rows_avx2 sixteen codes a vector: per group of a multiple of 16, each vector's values
+// times the scale (the dequantized weight's, as lut4_dequantize rounds them), FMAs in two chains.
+template <int64_t MR, typename T>
+void lut4_rows_avx512(const float* x, const uint8_t* q, const float* s, const float* table, T* y, int64_t n,
+                      int64_t k, int64_t group, int64_t begin, int64_t end) {
+  const int64_t groups = k / group;
+  const __m512 tab = _mm512_loadu_ps(table);
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = q + o * (k / 2);
+    const float* row_scales = s + o * groups;
+    __m512 acc[MR][2];
+    for (int64_t m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 scale = _mm512_set1_ps(row_scales[g]);
+      const int64_t stop = (g + 1) * group;
+      int64_t i = g * group;
+      for (; i + 32 <= stop; i += 32) {
+        const __m512 w0 = _mm512_mul_ps(lut16_16(row + i / 2, tab), scale);
+        const __m512 w1 = _mm512_mul_ps(lut16_16(row + i / 2 + 8, tab), scale);
+        for (int64_t m = 0; m < MR; ++m) {
+          acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * k + i), w0, acc[m][0]);
+          acc[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * k + i + 16), w1, acc[m][1]);
+        }
+      }
+      if (i < stop) {  // a group of 16 more
+        const __m512 w0 = _mm512_mul_ps(lut16_16(row + i / 2, tab), scale);
+        for (int64_t m = 0; m < MR; ++m) acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * k + i), w0, acc[m][0]);
+      }
+    }
+    for (int64_t m = 0; m < MR; ++m) y[m * n + o] = static_cast<T>(_mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])));
+  }
+}
+#endif
+
 void check_lut4(const char* op, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& table, int64_t group) {
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 2, op,
               ": q must be contiguous uint8 [N, K / 2]");
@@ -1409,7 +1454,11 @@ at::Tensor lut4_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   const float* tp = table.data_ptr<float>();
   return rows_gemm(x_in, n, out_dtype, [&](const float* x, auto* y, int64_t rows, int64_t begin,
                                            int64_t end) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+    with_rows(rows, [&](auto r) {
+      lut4_rows_avx512<decltype(r)::value>(x, qp, sp, tp, y, n, k, group, begin, end);
+    });
+#elif defined(__AVX2__) && defined(__FMA__)
     with_rows(rows, [&](auto r) {
       lut4_rows_avx2<decltype(r)::value>(x, qp, sp, tp, y, n, k, group, begin, end);
     });
