@@ -47,6 +47,7 @@ import json
 import math
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -388,16 +389,25 @@ def test_a_calibrated_float8_kv_cache_gives_the_reference_s_answers(scheme: str,
 def tiny_mixtral(checkpoints: Path) -> Path:
     """A tiny random Mixtral (tests/models/test_mixtral.py's, SmolLM2's vocabulary and tokenizer)
     for the tools to quantize; made once beside the checkpoints."""
-    import shutil
     import sys
 
-    path = checkpoints / "tiny-mixtral-dense"
-    if not (path / "tokenizer.json").exists():
+    def save(path: Path) -> None:
         sys.path.insert(0, str(REPO / "tests" / "models"))
         from test_mixtral import tiny_hf_mixtral
 
-        shutil.rmtree(path, ignore_errors=True)
         tiny_hf_mixtral(vocab_size=49152).save_pretrained(path)
+
+    return tiny_model_dir(checkpoints / "tiny-mixtral-dense", save)
+
+
+def tiny_model_dir(path: Path, save: Callable[[Path], None]) -> Path:
+    """``path``, made once: ``save(path)`` writes a tiny random model there, to which SmolLM2's
+    tokenizer is added (its 49,152 ids are the tiny models' vocabulary)."""
+    import shutil
+
+    if not (path / "tokenizer.json").exists():
+        shutil.rmtree(path, ignore_errors=True)
+        save(path)
         smollm = resolve_model(None).model_dir
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(smollm / name, path / name)
@@ -438,20 +448,15 @@ def test_a_tool_s_mixtral_experts_serve_like_their_dequantized_weights(
 def tiny_qwen3(checkpoints: Path) -> Path:
     """A tiny random Qwen3 (tests/tiny_qwen.py's, head_dim 32 where hidden / heads is 16, SmolLM2's
     vocabulary and tokenizer); made once beside the checkpoints."""
-    import shutil
     import sys
 
-    path = checkpoints / "tiny-qwen3-dense"
-    if not (path / "tokenizer.json").exists():
+    def save(path: Path) -> None:
         sys.path.insert(0, str(REPO / "tests"))
         from tiny_qwen import save_tiny_qwen
 
-        shutil.rmtree(path, ignore_errors=True)
         save_tiny_qwen(path, "Qwen3", vocab_size=49152, intermediate_size=96, head_dim=32)  # Q8_0: rows of 32
-        smollm = resolve_model(None).model_dir
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(smollm / name, path / name)
-    return path
+
+    return tiny_model_dir(checkpoints / "tiny-qwen3-dense", save)
 
 
 # DeepSeek-V2 (no q compression, softmax routing within the best of 2 groups) and V3 (compressed q,
@@ -475,27 +480,21 @@ _DEEPSEEK_VERSIONS = {
 
 def _tiny_deepseek(checkpoints: Path, version: str) -> Path:
     """A tiny random DeepSeek (SmolLM2's vocabulary and tokenizer, V3's correction bias drawn at
-    random: transformers starts it at zero); made once beside the checkpoints."""
-    import shutil
-
+    random: transformers starts that buffer at zero); made once beside the checkpoints."""
     import transformers
 
-    path = checkpoints / f"tiny-{version.replace('_', '')}-dense"
-    if not (path / "tokenizer.json").exists():
+    def save(path: Path) -> None:
         name = "DeepseekV3" if version == "deepseek_v3" else "DeepseekV2"
         config = getattr(transformers, f"{name}Config")(**_TINY_DEEPSEEK, **_DEEPSEEK_VERSIONS[version])
         torch.manual_seed(0)
         model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
         with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if param_name.endswith("e_score_correction_bias"):
-                    param.normal_(0.0, 0.5)
-        shutil.rmtree(path, ignore_errors=True)
+            for buffer_name, buffer in model.named_buffers():
+                if buffer_name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, 0.5)
         model.save_pretrained(path)
-        smollm = resolve_model(None).model_dir
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(smollm / name, path / name)
-    return path
+
+    return tiny_model_dir(checkpoints / f"tiny-{version.replace('_', '')}-dense", save)
 
 
 @pytest.fixture(scope="module")
