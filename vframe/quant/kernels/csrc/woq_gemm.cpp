@@ -1041,6 +1041,22 @@ at::Tensor rows_gemm(const at::Tensor& x_in, int64_t n, at::ScalarType out_dtype
   return y;
 }
 
+// The dequantizations' common frame (fp8_dequantize, fp4_dequantize, lut4_dequantize): a
+// weight [N, K] of out_dtype, its rows shared among the threads; row(o, w_row) fills row o
+// (w_row: K values of any of VFRAME_FLOAT_TYPES).
+template <typename Row>
+at::Tensor rows_dequantize(const at::TensorOptions& options, int64_t n, int64_t k, at::ScalarType out_dtype,
+                           Row&& row) {
+  at::Tensor w = at::empty({n, k}, options.dtype(out_dtype));
+  auto fill = [&](auto* out) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t o = begin; o < end; ++o) row(o, out + o * k);
+    });
+  };
+  AT_DISPATCH_V2(out_dtype, "rows_dequantize", AT_WRAP([&] { fill(w.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
+  return w;
+}
+
 template <typename T>
 void fp8_rows_scalar(const float* x, const uint8_t* q, const float* scales, T* y, int64_t m_rows, int64_t n,
                      int64_t k, int64_t group, int64_t begin, int64_t end) {
@@ -1128,16 +1144,10 @@ at::Tensor fp8_dequantize(const at::Tensor& q, const at::Tensor& scales, int64_t
   const float* table = e4m3_table();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
-  at::Tensor w = at::empty({n, k}, q.options().dtype(out_dtype));
-  auto fill = [&](auto* out) {
-    using T = std::remove_pointer_t<decltype(out)>;
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t o = begin; o < end; ++o)
-        for (int64_t i = 0; i < k; ++i) out[o * k + i] = static_cast<T>(table[qp[o * k + i]] * sp[o * groups + i / group]);
-    });
-  };
-  AT_DISPATCH_V2(out_dtype, "fp8_dequantize", AT_WRAP([&] { fill(w.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
-  return w;
+  return rows_dequantize(q.options(), n, k, out_dtype, [&](int64_t o, auto* w) {
+    using T = std::remove_pointer_t<decltype(w)>;
+    for (int64_t i = 0; i < k; ++i) w[i] = static_cast<T>(table[qp[o * k + i]] * sp[o * groups + i / group]);
+  });
 }
 
 // FP4 weights: two e2m1 codes a byte, input 2j in the low nibble of byte j; a code's
@@ -1283,36 +1293,30 @@ at::Tensor fp4_dequantize(const at::Tensor& q, const at::Tensor& scales, const a
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
   const float* gp = global_scale.data_ptr<float>();
-  at::Tensor w = at::empty({n, k}, q.options().dtype(out_dtype));
-  auto fill = [&](auto* out) {
-    using T = std::remove_pointer_t<decltype(out)>;
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t o = begin; o < end; ++o)
-        for (int64_t g = 0; g < groups; ++g) {
-          const float scale = table[sp[o * groups + g]] / gp[o];
-          for (int64_t i = g * group; i < (g + 1) * group; i += 16) {
-            const uint8_t* codes = qp + o * (k / 2) + i / 2;
-            T* wi = out + o * k + i;
+  return rows_dequantize(q.options(), n, k, out_dtype, [&](int64_t o, auto* w) {
+    using T = std::remove_pointer_t<decltype(w)>;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float scale = table[sp[o * groups + g]] / gp[o];
+      for (int64_t i = g * group; i < (g + 1) * group; i += 16) {
+        const uint8_t* codes = qp + o * (k / 2) + i / 2;
+        T* wi = w + i;
 #if defined(__AVX2__) && defined(__FMA__)
-            // the same products, eight at a time (e2m1 values are exact in float32)
-            alignas(32) float values[16];
-            uint32_t words[2];
-            std::memcpy(words, codes, sizeof(words));
-            _mm256_store_ps(values, _mm256_mul_ps(e2m1_8(words[0]), _mm256_set1_ps(scale)));
-            _mm256_store_ps(values + 8, _mm256_mul_ps(e2m1_8(words[1]), _mm256_set1_ps(scale)));
-            for (int64_t j = 0; j < 16; ++j) wi[j] = static_cast<T>(values[j]);
+        // the same products, eight at a time (e2m1 values are exact in float32)
+        alignas(32) float values[16];
+        uint32_t words[2];
+        std::memcpy(words, codes, sizeof(words));
+        _mm256_store_ps(values, _mm256_mul_ps(e2m1_8(words[0]), _mm256_set1_ps(scale)));
+        _mm256_store_ps(values + 8, _mm256_mul_ps(e2m1_8(words[1]), _mm256_set1_ps(scale)));
+        for (int64_t j = 0; j < 16; ++j) wi[j] = static_cast<T>(values[j]);
 #else
-            for (int64_t j = 0; j < 8; ++j) {
-              wi[2 * j] = static_cast<T>(e2m1_value(codes[j] & 15) * scale);
-              wi[2 * j + 1] = static_cast<T>(e2m1_value(codes[j] >> 4) * scale);
-            }
-#endif
-          }
+        for (int64_t j = 0; j < 8; ++j) {
+          wi[2 * j] = static_cast<T>(e2m1_value(codes[j] & 15) * scale);
+          wi[2 * j + 1] = static_cast<T>(e2m1_value(codes[j] >> 4) * scale);
         }
-    });
-  };
-  AT_DISPATCH_V2(out_dtype, "fp4_dequantize", AT_WRAP([&] { fill(w.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
-  return w;
+#endif
+      }
+    }
+  });
 }
 
 // 4-bit codes looked up in a 16-value table (bitsandbytes' NF4 / FP4, builtin.py's
@@ -1476,23 +1480,17 @@ at::Tensor lut4_dequantize(const at::Tensor& q, const at::Tensor& scales, const 
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* tp = table.data_ptr<float>();
-  at::Tensor w = at::empty({n, k}, q.options().dtype(out_dtype));
-  auto fill = [&](auto* out) {
-    using T = std::remove_pointer_t<decltype(out)>;
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t o = begin; o < end; ++o)
-        for (int64_t g = 0; g < groups; ++g) {
-          const float scale = sp[o * groups + g];
-          for (int64_t i = g * group; i < (g + 1) * group; i += 2) {
-            const uint8_t b = qp[o * (k / 2) + i / 2];
-            out[o * k + i] = static_cast<T>(tp[b & 15] * scale);
-            out[o * k + i + 1] = static_cast<T>(tp[b >> 4] * scale);
-          }
-        }
-    });
-  };
-  AT_DISPATCH_V2(out_dtype, "lut4_dequantize", AT_WRAP([&] { fill(w.data_ptr<scalar_t>()); }), VFRAME_FLOAT_TYPES);
-  return w;
+  return rows_dequantize(q.options(), n, k, out_dtype, [&](int64_t o, auto* w) {
+    using T = std::remove_pointer_t<decltype(w)>;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float scale = sp[o * groups + g];
+      for (int64_t i = g * group; i < (g + 1) * group; i += 2) {
+        const uint8_t b = qp[o * (k / 2) + i / 2];
+        w[i] = static_cast<T>(tp[b & 15] * scale);
+        w[i + 1] = static_cast<T>(tp[b >> 4] * scale);
+      }
+    }
+  });
 }
 
 }  // namespace
