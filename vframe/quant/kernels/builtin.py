@@ -291,6 +291,10 @@ class _DequantizedGemm:
             out[:, block] = F.linear(x, self._dequantized(layer, x.dtype, block))
         return out
 
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The weight as the kernel's own dequantization gives it, in float32."""
+        return self._dequantized(layer, torch.float32)
+
 
 class _PermutedGemm(_DequantizedGemm, _Permuted):
     """A ``_DequantizedGemm`` whose act-order weights hold their inputs in group order: ``apply``
@@ -695,9 +699,6 @@ class Fp8CpuKernel(_DequantizedGemm, QuantLinearKernel):
             q, scales = q[rows], scales[rows]
         return _woq_ops().fp8_dequantize(q, scales, self.group_size, dtype)
 
-    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
-        return self._dequantized(layer, torch.float32)
-
 
 class Fp4CpuKernel(_DequantizedGemm, QuantLinearKernel):
     """FP4 weights (NVFP4, MXFP4) on the CPU, vframe's C++ operators (``csrc/woq_gemm.cpp``):
@@ -742,9 +743,6 @@ class Fp4CpuKernel(_DequantizedGemm, QuantLinearKernel):
             q, scales, global_scale = q[rows], scales[rows], global_scale[rows]
         return _woq_ops().fp4_dequantize(q, scales, global_scale, self.group_size, self.scale_format, dtype)
 
-    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
-        return self._dequantized(layer, torch.float32)
-
 
 class Lut4CpuKernel(_DequantizedGemm, QuantLinearKernel):
     """``Lut4Weight``s (bitsandbytes' NF4 / FP4) on the CPU, vframe's C++ operators
@@ -780,9 +778,6 @@ class Lut4CpuKernel(_DequantizedGemm, QuantLinearKernel):
         if rows is not None:
             q, scales = q[rows], scales[rows]
         return _woq_ops().lut4_dequantize(q, scales, self.get(layer, "table"), self.group_size, dtype)
-
-    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
-        return self._dequantized(layer, torch.float32)
 
 
 class TorchInt4CpuKernel(_Permuted):
