@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vframe.errors import ConfigError
+from vframe.errors import ConfigError, ModelLoadError
 from vframe.quant import onednn_packed
 from vframe.quant.native_call import NativeCall, native_call, with_native
 
@@ -424,6 +424,20 @@ def listed_as_float(prefix: str, entries: list[str], source: str) -> bool:
         return any(entry in name for entry in entries)
 
     return listed(prefix) or setting_of_layer(prefix, listed, source)
+
+
+def fused_shard_index(shard_ids: list | tuple, shard_id: Any, where: str, kind: str) -> int:
+    """Which fused shard of a layer (``shard_ids``: its ``shard_ids``; ``where``: its name)
+    ``shard_id`` names, 0 for an unfused layer: for methods that keep each shard's checkpoint
+    tensors apart until all are in (GGUF blocks, bitsandbytes' 4-bit sets; ``kind`` names the
+    format in the message for a fused checkpoint tensor, which they cannot split)."""
+    if not shard_ids:
+        if shard_id is not None:
+            raise ValueError(f"{where} has no fused shards; got shard id {shard_id!r}")
+        return 0
+    if shard_id is None:
+        raise ModelLoadError(f"is a fused {kind} tensor; {where} loads its shards {list(shard_ids)} one tensor each")
+    return shard_ids.index(shard_id)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -55,8 +55,10 @@ from torch import nn
 from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant.base import (
-    BoundApply, IntKernelMethod, LinearMethodBase, QuantizationConfig, bound_apply, listed_as_float, register_weight,
+    BoundApply, IntKernelMethod, LinearMethodBase, QuantizationConfig, bound_apply, fused_shard_index, listed_as_float,
+    register_weight,
 )
+from vframe.quant.fp8 import _per_shard_loader
 from vframe.quant.kernels import WEIGHT_ONLY, IntWeight, Lut4Weight, attach_kernel
 
 NAME = "bitsandbytes"
@@ -189,18 +191,10 @@ class BnB4BitMethod(LinearMethodBase):
 
     def _loader(self, name: str) -> Any:
         def load(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-            self.shards.setdefault(self._shard_index(shard_id), {})[name] = loaded_weight
+            index = fused_shard_index(self.shard_ids, shard_id, self.where, "bitsandbytes")
+            self.shards.setdefault(index, {})[name] = loaded_weight
 
         return load
-
-    def _shard_index(self, shard_id: Any) -> int:
-        if not self.shard_ids:
-            if shard_id is not None:
-                raise ValueError(f"{self.where} has no fused shards; got shard id {shard_id!r}")
-            return 0
-        if shard_id is None:
-            raise ModelLoadError(f"is a fused tensor; {self.where} loads its modules {self.shard_ids} one by one")
-        return self.shard_ids.index(shard_id)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         codes, scales, tables, self.blocks = [], [], [], []
@@ -321,13 +315,8 @@ class BnB8BitMethod(IntKernelMethod):
                         {"output_dim": 0, "input_dim": 1})
         register_weight(layer, "SCB", torch.empty(out, dtype=torch.float32), {"output_dim": 0, "input_dim": None})
         # one per checkpoint module (a 0-d tensor each): 0 is row-major, the layout bitsandbytes saves
-        shard_ids = layer.shard_ids
-
-        def load_format(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-            param.data[shard_ids.index(shard_id) if shard_ids else 0] = int(loaded_weight.reshape(()))
-
         register_weight(layer, "weight_format", torch.zeros(len(output_partition_sizes), dtype=torch.uint8),
-                        {"output_dim": None, "input_dim": None, "weight_loader": load_format})
+                        {"output_dim": None, "input_dim": None, "weight_loader": _per_shard_loader(layer)})
 
     def int_weight(self, layer: nn.Module) -> IntWeight:
         if layer.weight_format.any():

@@ -50,8 +50,8 @@ from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant import int4_cpu
 from vframe.quant.base import (
-    BoundApply, EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, bound_apply, native_call, register_weight,
-    with_native,
+    BoundApply, EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, bound_apply, fused_shard_index, native_call,
+    register_weight, with_native,
 )
 from vframe.quant.gguf_dequant import (
     FORMATS, GGML_TYPE_NAMES, INT4_TYPES, INT8_TYPES, dequantize, int4_groups, int8_groups, row_bytes,
@@ -166,15 +166,7 @@ class GGUFLinearMethod(LinearMethodBase):
         )
 
     def _shard_index(self, shard_id: Any) -> int:
-        if not self.shard_ids:
-            if shard_id is not None:
-                raise ValueError(f"{self.where} has no fused shards; got shard id {shard_id!r}")
-            return 0
-        if shard_id is None:
-            raise ModelLoadError(
-                f"is a fused GGUF tensor; {self.where} loads its shards {self.shard_ids} one tensor each"
-            )
-        return self.shard_ids.index(shard_id)
+        return fused_shard_index(self.shard_ids, shard_id, self.where, "GGUF")
 
     def _load_type(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         value = int(loaded_weight)
