@@ -51,15 +51,20 @@ test-reliability: $(STAMP)
 # reused: a cached run takes 1 to 5 minutes. Not part of `make test` or CI.
 # llama.cpp's own Hugging Face -> GGUF converter (convert_hf_to_gguf.py, its conversion/ package
 # and gguf-py) comes from the llama.cpp sources that this llama-cpp-python release vendors:
-# PyPI's sdist, nothing compiled, unpacked into $(QUANT_VENV)/llama.cpp.
+# PyPI's sdist, nothing compiled, unpacked into $(QUANT_VENV)/llama.cpp once per release (its
+# stamp names the release).
 QUANT_VENV ?= .venv-quant
 QUANT_STAMP := $(QUANT_VENV)/.tools-installed
 LLAMA_CPP_PYTHON_SDIST ?= 0.3.36
+LLAMA_CPP_CONVERTER := $(QUANT_VENV)/llama.cpp/.from-llama-cpp-python-$(LLAMA_CPP_PYTHON_SDIST)
 .PHONY: quant-tools test-quant
-$(QUANT_STAMP): tests/quant_real/requirements.txt tests/quant_real/constraints.txt Makefile
+$(QUANT_STAMP): tests/quant_real/requirements.txt tests/quant_real/constraints.txt
 	test -x $(QUANT_VENV)/bin/python || $(PYTHON) -m venv $(QUANT_VENV)
 	$(QUANT_VENV)/bin/python -m pip install -q -c tests/quant_real/constraints.txt torch==2.13.0 \
 		-r tests/quant_real/requirements.txt
+	touch $(QUANT_STAMP)
+
+$(LLAMA_CPP_CONVERTER): | $(QUANT_STAMP)
 	rm -rf $(QUANT_VENV)/sdist $(QUANT_VENV)/llama.cpp
 	$(QUANT_VENV)/bin/python -m pip download -q --no-deps --no-binary :all: \
 		llama-cpp-python==$(LLAMA_CPP_PYTHON_SDIST) -d $(QUANT_VENV)/sdist
@@ -67,11 +72,11 @@ $(QUANT_STAMP): tests/quant_real/requirements.txt tests/quant_real/constraints.t
 		--strip-components=2 $(addprefix llama_cpp_python-$(LLAMA_CPP_PYTHON_SDIST)/vendor/llama.cpp/,\
 		convert_hf_to_gguf.py conversion gguf-py)
 	rm -rf $(QUANT_VENV)/sdist
-	touch $(QUANT_STAMP)
+	touch $(LLAMA_CPP_CONVERTER)
 
-quant-tools: $(QUANT_STAMP)
+quant-tools: $(QUANT_STAMP) $(LLAMA_CPP_CONVERTER)
 
-test-quant: $(STAMP) $(QUANT_STAMP)
+test-quant: $(STAMP) $(QUANT_STAMP) $(LLAMA_CPP_CONVERTER)
 	VFRAME_QUANT_TOOLS_PYTHON=$(abspath $(QUANT_VENV))/bin/python $(VENV)/bin/pytest -q -m quant tests/quant_real
 
 # Line coverage of vframe, `vframe serve` subprocesses included ([tool.coverage.*] in
