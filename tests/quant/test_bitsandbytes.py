@@ -21,6 +21,7 @@ from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import QKVParallelLinear
 from vframe.plugins import get_registry
 from vframe.quant.bitsandbytes import BitsAndBytesConfig, BnB4BitMethod, BnB8BitMethod
+from vframe.quant.kernels.builtin import pairs_available
 from vframe.testing.quant import check_quant_method
 
 # bitsandbytes' 4-bit tables (bitsandbytes.functional.get_4bit_type), as float32
@@ -141,6 +142,30 @@ def test_fused_q_k_v_modules_each_bring_their_own_blocks_and_state() -> None:
     assert not hasattr(layer, "weight_absmax")  # the checkpoint tensors are dropped
     x = torch.randn(3, 128, generator=g)
     torch.testing.assert_close(layer(x), x @ expected.T, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(pairs_available() is not None, reason="lut4_pairs needs a CPU with AVX512-BF16")
+def test_in_bfloat16_4_bit_layers_run_on_lut4_pairs_within_bfloat16_rounding_of_their_weight() -> None:
+    """The bfloat16 default for NF4 on AVX512-BF16: the table's values rounded to bfloat16 in
+    place (each within 2^-9 of NF4's), the dequantized weight exact in float32."""
+    g = torch.Generator().manual_seed(1)
+    config = BitsAndBytesConfig.from_config(quant_config())
+    layer = QKVParallelLinear(128, 32, 4, 2, bias=False, quant_config=config, params_dtype=torch.bfloat16)
+    shards = {s: bnb_quantize_4bit(torch.randn(rows, 128, generator=g)) for s, rows in (("q", 128), ("k", 64),
+                                                                                        ("v", 64))}
+    for shard_id, shard in shards.items():
+        for name, tensor in as_parameters(shard.tensors).items():
+            getattr(layer, name).weight_loader(getattr(layer, name), tensor, shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+
+    assert layer.quant_method.kernel.name == "lut4_pairs"
+    expected = torch.cat([shards[s].dequantized for s in ("q", "k", "v")])  # [256, 128]
+    assert torch.equal(layer.quant_method.dequantize_weight(layer), expected)
+    for tokens in (1, 7, 64, 65, 300):  # in place up to 64 tokens, the weight dequantized above
+        x = torch.randn(tokens, 128, generator=g).bfloat16()
+        reference = x.double() @ expected.double().T
+        error = float((layer(x).double() - reference).abs().max() / reference.abs().max())
+        assert error < 2**-7, f"{tokens} tokens: {error}"
 
 
 @pytest.mark.parametrize(("quant", "method"), [(quant_config("nf4", True), BnB4BitMethod),

@@ -150,6 +150,9 @@ def test_a_kernel_whose_native_call_differs_from_its_bound_function_fails_the_ch
         # FP4 in bfloat16: NVFP4 and MXFP4, every code, scales from the subnormals up
         pytest.param("fp4_pairs", torch.bfloat16, 2, marks=pytest.mark.skipif(
             not _pairs_run(), reason="fp4_pairs needs a CPU with AVX512-BF16")),
+        # NF4 table codes in bfloat16: groups of 64, 32 and per row, every code
+        pytest.param("lut4_pairs", torch.bfloat16, 3, marks=pytest.mark.skipif(
+            not _pairs_run(), reason="lut4_pairs needs a CPU with AVX512-BF16")),
         ("int8_dynamic", torch.float32, 1), ("int8_dynamic", torch.bfloat16, 1),
     ],
 )
@@ -327,7 +330,7 @@ def test_a_registered_kernel_of_higher_priority_runs_every_layer_and_quant_kerne
 
 def test_an_unknown_quant_kernel_is_refused_naming_the_known_ones(gptq_llama: Path) -> None:
     with pytest.raises(Exception, match=r"fp4_cpu, fp4_pairs, fp8_cpu, int4_cpu, int4_pairs, int8_dynamic, int8_pairs, "
-                                        r"lut4_cpu, reference, triton, woq_cpu, woq_cpu_a8"):
+                                        r"lut4_cpu, lut4_pairs, reference, triton, woq_cpu, woq_cpu_a8"):
         LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", quant_kernel="marlin")
 
 

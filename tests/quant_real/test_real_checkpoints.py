@@ -620,7 +620,7 @@ BF16_KERNELS = {
     "autoround-gptq-head": "int4_pairs" if _PAIRS else "int4_cpu",
     "ct-w8a8": "int8_dynamic",
     "bnb-int8": "int8_pairs" if _PAIRS else "woq_cpu",  # LLM.int8's weights, weight-only
-    "bnb-nf4": "lut4_cpu",  # NF4 codes in place, float32 block scales (the checkpoint's absmax are bytes)
+    "bnb-nf4": "lut4_pairs" if _PAIRS else "lut4_cpu",  # NF4 codes in place, float32 block scales
     "ct-nvfp4a16": "fp4_pairs" if _PAIRS else "fp4_cpu",
     "ct-mxfp4a16": "fp4_pairs" if _PAIRS else "fp4_cpu",
     "modelopt-nvfp4": "fp4_pairs" if _PAIRS else "fp4_cpu",

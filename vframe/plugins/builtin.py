@@ -81,6 +81,7 @@ def vframe_register_quant_kernels(register: RegisterFn) -> None:
     register("int4_pairs", "vframe.quant.kernels.builtin:Int4PairsKernel")
     register("int8_pairs", "vframe.quant.kernels.builtin:Int8PairsKernel")
     register("fp4_pairs", "vframe.quant.kernels.builtin:Fp4PairsKernel")
+    register("lut4_pairs", "vframe.quant.kernels.builtin:Lut4PairsKernel")
     register("int4_cpu", "vframe.quant.kernels.builtin:TorchInt4CpuKernel")
     register("woq_cpu", "vframe.quant.kernels.builtin:WoqCpuKernel")
     register("woq_cpu_a8", "vframe.quant.kernels.builtin:WoqCpuA8Kernel")

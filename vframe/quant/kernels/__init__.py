@@ -63,6 +63,9 @@ Built-in kernels (``vframe.quant.kernels.builtin``; ``triton`` in ``vframe.quant
 * ``fp4_pairs`` (35): FP4 weights (NVFP4, MXFP4) the same way in bfloat16: the e2m1 codes in
   ``int4_pairs``' layout, each nibble plane looked up as bfloat16 (``vpermw``), each group's sum
   times its scale byte's value over the row's global scale; the checkpoint's scale bytes kept.
+* ``lut4_pairs`` (35): ``Lut4Weight``s (bitsandbytes' NF4 / FP4) the same way in bfloat16: each nibble
+  plane looked up in the table rounded to bfloat16 (``vpermw``), each group's sum times its float32
+  scale; up to 64 tokens in place, more on the weight dequantized exactly (rounded once).
 * ``int4_cpu`` (30): torch's ``_weight_int4pack_mm_for_cpu``, 4-bit, bfloat16 on the CPU.
 * ``triton`` (25): weight-only integer (4 / 8 bit), FP8 and FP4 layers on NVIDIA GPUs, one
   Triton GEMM that dequantizes the packed weight tile by tile.

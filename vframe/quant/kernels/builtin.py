@@ -780,6 +780,57 @@ class Lut4CpuKernel(_DequantizedGemm, QuantLinearKernel):
         return _woq_ops().lut4_dequantize(q, scales, self.get(layer, "table"), self.group_size, dtype)
 
 
+class Lut4PairsKernel(_OnPairs, _DequantizedGemm, QuantLinearKernel):
+    """``Lut4Weight``s (bitsandbytes' NF4 / FP4) in bfloat16 on a CPU with AVX512-BF16
+    (``csrc/woq_gemm.cpp``'s ``lut4_pairs_gemm``): the codes in ``int4_pairs``' layout, each nibble
+    plane looked up (``vpermw``) in the table rounded to bfloat16 as ``vdpbf16ps`` operands, each
+    group's float32 sum times its float32 scale. NF4's values are not bfloat16 ones: each code's
+    value is within 2^-9 of the table's, which is what bitsandbytes' own bfloat16 dequantization
+    rounds each weight to (``lut4_cpu`` multiplies by the float32 table, at twice the time at one
+    token). Up to 64 tokens in place, more through the weight dequantized exactly (float32 table
+    times scale, rounded once to bfloat16) for ``bf16_gemm``'s multiplication (``_OnPairs``)."""
+
+    priority = 35  # above lut4_cpu (20), which looks the codes up in float32
+    weight_types = (LUT4,)
+
+    @classmethod
+    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        if spec.device.type != "cpu" or spec.dtype != torch.bfloat16:
+            return "it runs bfloat16 activations on the CPU only"
+        if spec.out_features % 16 or spec.in_features % 8:
+            return "it needs a multiple of 16 outputs and of 8 inputs"
+        if spec.group_size % 8 or spec.in_features % spec.group_size:
+            return f"it needs groups of a multiple of 8 inputs that divide the {spec.in_features} inputs"
+        return pairs_available()
+
+    def prepare(self, layer: nn.Module, weight: Lut4Weight) -> None:
+        blocks, groups = weight.q.shape[0] // 16, weight.scales.shape[1]
+        self.group_size = weight.group_size
+        self.buffer(layer, "q", _nibble_words(weight.codes()))
+        self.buffer(layer, "scales", weight.scales.float().reshape(blocks, 16, groups).permute(0, 2, 1).contiguous())
+        self.buffer(layer, "table", weight.table.float().contiguous())
+
+    def _args(self, layer: nn.Module) -> tuple:
+        return self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "table"), self.group_size
+
+    def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
+        return _woq_ops().lut4_pairs_gemm.default, self._args(layer)
+
+    def _dequantized_pairs(self, layer: nn.Module, blocks: slice) -> torch.Tensor:
+        q, scales, table, group = self._args(layer)
+        return _woq_ops().lut4_pairs_dequantize(q[blocks], scales[blocks], table, group)
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        return self.dequantize_rows(layer, torch.arange(self.spec.out_features, device=self.get(layer, "q").device))
+
+    def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """``Lut4Weight.dequantize`` of the rows read back from the layout."""
+        codes = _nibble_codes(self.get(layer, "q"), rows)  # [R, K]
+        weight = Lut4Weight(codes[:, 0::2] | (codes[:, 1::2] << 4), self.get(layer, "scales")[rows // 16, :, rows % 16],
+                            self.get(layer, "table"), self.group_size)
+        return weight.dequantize()
+
+
 class TorchInt4CpuKernel(_Permuted):
     """torch's ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations on the CPU;
     its scales and offsets are rounded to bfloat16). Groups of 32 to 256 inputs."""

@@ -1603,9 +1603,11 @@ struct PairsPrefetch {
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_scales(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
-// FP4 (fp4_pairs_gemm): the rows' global scales per block ([N / 16, 16] float32), the scale bytes'
-// values (e4m3_table / e8m0_table) and the e2m1 codes as bfloat16 bits (entries 0..15, for vpermw).
-struct PairsFp4 {
+// Codes looked up in a table of 16 bfloat16 values (LOOKUP: fp4_pairs_gemm, lut4_pairs_gemm): `codes`
+// holds them (entries 0..15, for vpermw). FP4 (S uint8_t, the scale bytes): the rows' global scales per
+// block ([N / 16, 16] float32) and the scale bytes' values (e4m3_table / e8m0_table); LUT4 (S float): the
+// group scales as they are, these two unused.
+struct PairsLookup {
   const float* global = nullptr;
   const float* table = nullptr;
   __m512i codes = _mm512_setzero_si512();
@@ -1625,10 +1627,10 @@ inline __m512i e2m1_bf16_table() {
 
 // xe: each row's bfloat16 input pairs (a step takes 4 at 4 bit, 2 at 8); xsum: each row's sum of inputs
 // per group. One or two rows keep two sums per output block (the planes' halves): vdpbf16ps' latency hidden.
-template <int BITS, int ROWS, int COLS, typename S, bool FP4 = false>
+template <int BITS, int ROWS, int COLS, typename S, bool LOOKUP = false>
 inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum, int64_t groups, const uint8_t* q,
                        int64_t q_block, const S* scales, const S* zeros, int64_t s_block, int64_t group_steps,
-                       at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf, bool zero_points, const PairsFp4& fp4) {
+                       at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf, bool zero_points, const PairsLookup& lookup) {
   constexpr int SPLIT = ROWS <= 2 ? 2 : 1;
   // what the planes add to x q (8 bit: x (128 + l) + x (128 + 128 h)), and without zeros, the midpoint:
   // each input's weight beyond its scaled sum is zero - bias scale (or -(bias + mid) scale)
@@ -1656,11 +1658,11 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
       for (int c = 0; c < COLS; ++c) {
         const __m512i words = _mm512_loadu_si512(q + c * q_block + p * 64);
         __m512bh w[4];  // 0xEA: (a & b) | c
-        if constexpr (FP4) {  // each nibble plane's codes looked up as bfloat16
-          w[0] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(words, nibble), fp4.codes);
-          w[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(words, 4), nibble), fp4.codes);
-          w[2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(words, 8), nibble), fp4.codes);
-          w[3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), fp4.codes);
+        if constexpr (LOOKUP) {  // each nibble plane's codes looked up as bfloat16
+          w[0] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(words, nibble), lookup.codes);
+          w[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(words, 4), nibble), lookup.codes);
+          w[2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(words, 8), nibble), lookup.codes);
+          w[3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), lookup.codes);
         } else if constexpr (BITS == 4) {
           w[0] = (__m512bh)_mm512_ternarylogic_epi32(words, nibble, magic, 0xEA);
           w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), nibble, magic, 0xEA);
@@ -1684,11 +1686,16 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
         }
       }
     }
-    if constexpr (FP4) {  // the group's scale: its byte's value over the row's global scale
+    if constexpr (LOOKUP) {  // signed values: no inputs' sums, no zeros
       for (int c = 0; c < COLS; ++c) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c * s_block + g * 16));
-        const __m512 value = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), fp4.table, 4);
-        const __m512 scale = _mm512_div_ps(value, _mm512_loadu_ps(fp4.global + c * 16));
+        __m512 scale;
+        if constexpr (std::is_same_v<S, uint8_t>) {  // FP4: the scale byte's value over the row's global scale
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c * s_block + g * 16));
+          const __m512 value = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), lookup.table, 4);
+          scale = _mm512_div_ps(value, _mm512_loadu_ps(lookup.global + c * 16));
+        } else {
+          scale = load_scales(scales + c * s_block + g * 16);
+        }
         for (int r = 0; r < ROWS; ++r) {
           const __m512 sum = SPLIT == 2 ? _mm512_add_ps(part[r][c][0], part[r][c][SPLIT - 1]) : part[r][c][0];
           acc[r][c] = _mm512_fmadd_ps(sum, scale, acc[r][c]);
@@ -1716,25 +1723,25 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
 
 // All rows against one panel of COLS blocks, in tiles of ROWS rows (then fewer); the tiles share the
 // prefetch of the thread's next panel (its scales asked for by the first tile).
-template <int BITS, int COLS, int ROWS = 4, typename S, bool FP4 = false>
+template <int BITS, int COLS, int ROWS = 4, typename S, bool LOOKUP = false>
 void pairs_rows(const uint32_t* xe, int64_t xe_stride, const float* xsum, int64_t groups, int64_t rows,
                 const uint8_t* q, int64_t q_block, const S* scales, const S* zeros, int64_t s_block,
                 int64_t group_steps, at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf, bool zero_points,
-                const PairsFp4& fp4) {
+                const PairsLookup& lookup) {
   if constexpr (ROWS > 0) {
     const int64_t tiles = rows / ROWS + (rows % ROWS != 0), share = tiles ? (pf.n + tiles - 1) / tiles : 0;
     for (; rows >= ROWS; rows -= ROWS, xe += ROWS * xe_stride, xsum += ROWS * groups, out += ROWS * out_stride) {
       PairsPrefetch<S> mine = pf;
       mine.n = std::min(share, pf.n);
-      pairs_tile<BITS, ROWS, COLS, S, FP4>(xe, xe_stride, xsum, groups, q, q_block, scales, zeros, s_block,
-                                           group_steps, out, out_stride, mine, zero_points, fp4);
+      pairs_tile<BITS, ROWS, COLS, S, LOOKUP>(xe, xe_stride, xsum, groups, q, q_block, scales, zeros, s_block,
+                                           group_steps, out, out_stride, mine, zero_points, lookup);
       pf.lines += 64 * mine.n;
       pf.n -= mine.n;
       pf.scales = pf.zeros = nullptr;
     }
     if (rows)
-      pairs_rows<BITS, COLS, ROWS - 1, S, FP4>(xe, xe_stride, xsum, groups, rows, q, q_block, scales, zeros, s_block,
-                                            group_steps, out, out_stride, pf, zero_points, fp4);
+      pairs_rows<BITS, COLS, ROWS - 1, S, LOOKUP>(xe, xe_stride, xsum, groups, rows, q, q_block, scales, zeros, s_block,
+                                            group_steps, out, out_stride, pf, zero_points, lookup);
   }
 }
 
@@ -1758,15 +1765,15 @@ void pairs_sums(const at::BFloat16* x, int64_t inputs, int64_t group, float* xsu
   }
 }
 
-// FP4: the codes in the 4-bit layout, S the scale bytes, fp4 the global scales and tables (no zeros, no
-// input sums: e2m1 values are signed).
-template <int BITS, typename S, bool FP4 = false>
+// LOOKUP: the codes in the 4-bit layout looked up in `lookup` (FP4: S the scale bytes; LUT4: float
+// scales), no zeros, no inputs' sums (the values are signed).
+template <int BITS, typename S, bool LOOKUP = false>
 void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros,
-                   int64_t group, bool zero_points, at::Tensor& out, const PairsFp4& fp4 = PairsFp4{}) {
+                   int64_t group, bool zero_points, at::Tensor& out, const PairsLookup& lookup = PairsLookup{}) {
   const int64_t rows = xc.size(0), inputs = xc.size(1), blocks = q.size(0), groups = scales.size(1);
   const at::BFloat16* xb = xc.const_data_ptr<at::BFloat16>();
   std::vector<float> xsum(rows * groups);
-  if constexpr (!FP4)
+  if constexpr (!LOOKUP)
     for (int64_t r = 0; r < rows; ++r) pairs_sums(xb + r * xc.stride(0), inputs, group, xsum.data() + r * groups);
   const uint32_t* xe = reinterpret_cast<const uint32_t*>(xb);
   const int64_t xe_stride = xc.stride(0) / 2;
@@ -1800,19 +1807,19 @@ void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& 
           at::BFloat16* ob = outp + b * 16;
           // a panel is one tile wide except a thread's last (nothing to ask for)
           const PairsPrefetch<S> ahead = b == first ? pf : PairsPrefetch<S>{};
-          PairsFp4 tile_fp4 = fp4;
-          if constexpr (FP4) tile_fp4.global = fp4.global + b * 16;
+          PairsLookup tile_lookup = lookup;
+          if (lookup.global != nullptr) tile_lookup.global = lookup.global + b * 16;
           if (width == 4 && b + 4 <= last) {
-            pairs_rows<BITS, 4, 2, S, FP4>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
-                                           group_steps, ob, outputs, ahead, zero_points, tile_fp4);
+            pairs_rows<BITS, 4, 2, S, LOOKUP>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
+                                           group_steps, ob, outputs, ahead, zero_points, tile_lookup);
             b += 4;
           } else if (b + 2 <= last) {
-            pairs_rows<BITS, 2, 4, S, FP4>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
-                                           group_steps, ob, outputs, ahead, zero_points, tile_fp4);
+            pairs_rows<BITS, 2, 4, S, LOOKUP>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
+                                           group_steps, ob, outputs, ahead, zero_points, tile_lookup);
             b += 2;
           } else {
-            pairs_rows<BITS, 1, 4, S, FP4>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
-                                           group_steps, ob, outputs, ahead, zero_points, tile_fp4);
+            pairs_rows<BITS, 1, 4, S, LOOKUP>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
+                                           group_steps, ob, outputs, ahead, zero_points, tile_lookup);
             b += 1;
           }
         }
@@ -1995,7 +2002,9 @@ void dequantized_product(const at::Tensor& xc, int64_t blocks, const Dequantize&
 // [576 -> 1536] over 40 weights from memory, us a product in place / dequantized, two runs: 4 bit 86-89
 // / 119 at 16 rows, 159-163 / 181 at 32, 233 / 245 at 48, 292-312 / 299-305 at 64, 431-437 / 428-431 at
 // 96; 8 bit 85 / 119 at 8, 119-120 / 106-122 at 12, 135-137 / 118-127 at 14; FP4 (its codes looked up,
-// a gather a group) 81 / 105 at 8, 107-115 / 113-115 at 12, 134-140 / 122 at 14, 283 / 202 at 32.
+// a gather a group) 81 / 105 at 8, 107-115 / 113-115 at 12, 134-140 / 122 at 14, 283 / 202 at 32. LUT4
+// (codes looked up, float32 scales) takes 4 bit's: SmolLM2's 120 body products, ms in place / dequantized,
+// 10.6 / 15.9 at 16 rows, 18.6 / 23.2 at 32.
 constexpr int64_t pairs_in_place_rows(int64_t bits, bool fp4 = false) { return fp4 || bits == 8 ? 12 : 64; }
 
 }  // namespace
@@ -2115,39 +2124,50 @@ void check_fp4_pairs(const char* op, const at::Tensor& q, const at::Tensor& scal
 #if defined(__AVX512BF16__)
 namespace {
 
-// Blocks first .. first + blocks of an FP4 pairs weight as bfloat16 pairs into wp (what fp4_pairs_dequantize
-// stores for them): each value e2m1 times its group's scale(byte) / global in float32, rounded once.
-void fp4_dequantize_blocks(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& global, int64_t group,
-                           int64_t scale_format, int64_t first, int64_t blocks, at::BFloat16* wp) {
-  const int64_t steps = q.size(1), groups = scales.size(1), pairs = steps * 4;
-  const uint8_t* qp = q.const_data_ptr<uint8_t>() + first * steps * 64;
-  const uint8_t* sp = scales.const_data_ptr<uint8_t>() + first * groups * 16;
-  const float* gp = global.const_data_ptr<float>() + first * 16;
-  const float* table = fp4_scale_table(scale_format);
-  const __m512i codes_table = e2m1_bf16_table(), nibble = _mm512_set1_epi16(0xF);
-  const int64_t group_steps = group / 8;
+// Blocks of a weight whose codes (the 4-bit pairs layout, qp at its first block) index a table of
+// 16 float32 values, as bfloat16 pairs into wp (what fp4_pairs_dequantize / lut4_pairs_dequantize store):
+// each value table[code] * scale in float32, rounded once; scale(b, g) the 16 scales of block b, group g.
+template <typename Scale>
+void lookup_dequantize_blocks(const uint8_t* qp, int64_t steps, int64_t groups, int64_t group, const float* table,
+                              int64_t blocks, const Scale& scale, at::BFloat16* wp) {
+  const int64_t pairs = steps * 4, group_steps = group / 8;
+  const __m512 values = _mm512_loadu_ps(table);
+  const __m512i nibble = _mm512_set1_epi16(0xF);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const __m512 global_scale = _mm512_loadu_ps(gp + b * 16);
+    for (int64_t b = begin; b < end; ++b)
       for (int64_t g = 0; g < groups; ++g) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + (b * groups + g) * 16));
-        const __m512 s = _mm512_div_ps(_mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), table, 4), global_scale);
         __m512 s_lo, s_hi;
-        per_word(s, s_lo, s_hi);
+        per_word(scale(b, g), s_lo, s_hi);
         for (int64_t p = g * group_steps; p < (g + 1) * group_steps; ++p) {
           const __m512i words = _mm512_loadu_si512(qp + (b * steps + p) * 64);
           for (int t = 0; t < 4; ++t) {  // pair 4p + t: inputs 8p + 2t, 8p + 2t + 1
             const __m512i codes = _mm512_and_si512(_mm512_srli_epi16(words, 4 * t), nibble);
-            const __m512i values = _mm512_permutexvar_epi16(codes, codes_table);  // bfloat16 bits
-            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(values)), 16));
-            const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(values, 1)), 16));
+            const __m512 lo = _mm512_permutexvar_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(codes)), values);
+            const __m512 hi = _mm512_permutexvar_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(codes, 1)), values);
             _mm512_storeu_si512(wp + (b * pairs + 4 * p + t) * 32,
                                 (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi), _mm512_mul_ps(lo, s_lo)));
           }
         }
       }
-    }
   });
+}
+
+// Blocks first .. first + blocks of an FP4 pairs weight as bfloat16 pairs into wp: each value e2m1
+// times its group's scale(byte) / global in float32, rounded once.
+void fp4_dequantize_blocks(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& global, int64_t group,
+                           int64_t scale_format, int64_t first, int64_t blocks, at::BFloat16* wp) {
+  const int64_t steps = q.size(1), groups = scales.size(1);
+  const uint8_t* sp = scales.const_data_ptr<uint8_t>() + first * groups * 16;
+  const float* gp = global.const_data_ptr<float>() + first * 16;
+  const float* table = fp4_scale_table(scale_format);
+  float e2m1[16];
+  for (int i = 0; i < 16; ++i) e2m1[i] = e2m1_value(static_cast<uint8_t>(i));
+  lookup_dequantize_blocks(q.const_data_ptr<uint8_t>() + first * steps * 64, steps, groups, group, e2m1, blocks,
+                           [&](int64_t b, int64_t g) {
+                             const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + (b * groups + g) * 16));
+                             return _mm512_div_ps(_mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), table, 4),
+                                                  _mm512_loadu_ps(gp + b * 16));
+                           }, wp);
 }
 
 }  // namespace
@@ -2159,12 +2179,12 @@ at::Tensor fp4_pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
   auto [xc, out] = pairs_io("fp4_pairs_gemm", x, q, q.size(1) * 8, out_dtype);
 #if defined(__AVX512BF16__)
   if (xc.size(0) == 0) return out;
-  PairsFp4 fp4;
-  fp4.global = global.const_data_ptr<float>();
-  fp4.table = fp4_scale_table(scale_format);
-  fp4.codes = e2m1_bf16_table();
+  PairsLookup lookup;
+  lookup.global = global.const_data_ptr<float>();
+  lookup.table = fp4_scale_table(scale_format);
+  lookup.codes = e2m1_bf16_table();
   if (xc.size(0) <= pairs_in_place_rows(4, true)) {
-    pairs_product<4, uint8_t, true>(xc, q, scales, at::empty({0}, q.options()), group, false, out, fp4);
+    pairs_product<4, uint8_t, true>(xc, q, scales, at::empty({0}, q.options()), group, false, out, lookup);
   } else {
     dequantized_product(xc, q.size(0), [&](int64_t b, int64_t n, at::BFloat16* panel) {
       fp4_dequantize_blocks(q, scales, global, group, scale_format, b, n, panel);
@@ -2191,6 +2211,80 @@ at::Tensor fp4_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, c
   return w;
 }
 
+// LUT4 pairs (builtin.py's Lut4PairsKernel): bitsandbytes' NF4 / FP4 codes in the 4-bit pairs layout (q
+// [N / 16, K / 8, 64]), a float32 scale per group and output (scales [N / 16, K / group, 16]) and the
+// codes' 16 float32 values (table):
+//
+//   w[o, k] = table[q[o, k]] * scales[o, k / group]
+//
+// In place, each nibble plane's codes are looked up (vpermw) in the table rounded to bfloat16 (to nearest
+// even: NF4's values are not bfloat16 ones, each within 2^-9 of its value) as vdpbf16ps operands, each
+// group's float32 sum times its scale. Dequantized (more rows, lut4_pairs_dequantize), each value is
+// table[q] * scale in float32 (the float32 table, vpermps), rounded once to bfloat16.
+void check_lut4_pairs(const char* op, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& table,
+                      int64_t group) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 64 && q.is_contiguous(), op,
+              ": q must be contiguous uint8 [N / 16, K / 8, 64]");
+  const int64_t inputs = q.size(1) * 8;
+  TORCH_CHECK(group > 0 && group % 8 == 0 && inputs % group == 0, op, ": the group (", group,
+              ") must be a multiple of 8 that divides the ", inputs, " inputs");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == q.size(0) && scales.size(1) == inputs / group && scales.size(2) == 16,
+              op, ": scales must be contiguous float32 [N / 16, K / group, 16]");
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.dim() == 1 && table.size(0) == 16,
+              op, ": table must be contiguous float32 [16]");
+}
+
+#if defined(__AVX512BF16__)
+namespace {
+
+void lut4_dequantize_blocks(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& table, int64_t group,
+                            int64_t first, int64_t blocks, at::BFloat16* wp) {
+  const int64_t steps = q.size(1), groups = scales.size(1);
+  const float* sp = scales.const_data_ptr<float>() + first * groups * 16;
+  lookup_dequantize_blocks(q.const_data_ptr<uint8_t>() + first * steps * 64, steps, groups, group,
+                           table.const_data_ptr<float>(), blocks,
+                           [&](int64_t b, int64_t g) { return _mm512_loadu_ps(sp + (b * groups + g) * 16); }, wp);
+}
+
+}  // namespace
+#endif
+
+at::Tensor lut4_pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& table,
+                           int64_t group, at::ScalarType out_dtype) {
+  check_lut4_pairs("lut4_pairs_gemm", q, scales, table, group);
+  auto [xc, out] = pairs_io("lut4_pairs_gemm", x, q, q.size(1) * 8, out_dtype);
+#if defined(__AVX512BF16__)
+  if (xc.size(0) == 0) return out;
+  if (xc.size(0) <= pairs_in_place_rows(4)) {
+    PairsLookup lookup;  // the values rounded to bfloat16, entries 16..31 zero
+    lookup.codes = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(table.const_data_ptr<float>())));
+    pairs_product<4, float, true>(xc, q, scales, at::empty({0}, q.options()), group, false, out, lookup);
+  } else {
+    dequantized_product(xc, q.size(0), [&](int64_t b, int64_t n, at::BFloat16* panel) {
+      lut4_dequantize_blocks(q, scales, table, group, b, n, panel);
+    }, out);
+  }
+#else
+  TORCH_CHECK(false, "lut4_pairs_gemm: this build has no AVX512-BF16 (pairs_available() is false)");
+#endif
+  return out;
+}
+
+// The weight as bfloat16 pairs ([N / 16, K / 2, 16, 2], bf16_gemm's), each value table[q] * scale in float32,
+// rounded once: for prefills.
+at::Tensor lut4_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& table, int64_t group) {
+  check_lut4_pairs("lut4_pairs_dequantize", q, scales, table, group);
+  const int64_t blocks = q.size(0), steps = q.size(1);
+  at::Tensor w = at::empty({blocks, steps * 4, 16, 2}, q.options().dtype(at::kBFloat16));
+#if defined(__AVX512BF16__)
+  lut4_dequantize_blocks(q, scales, table, group, 0, blocks, w.mutable_data_ptr<at::BFloat16>());
+#else
+  TORCH_CHECK(false, "lut4_pairs_dequantize: this build has no AVX512-BF16 (pairs_available() is false)");
+#endif
+  return w;
+}
+
 TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("woq_gemm(Tensor x, Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("int8_dynamic_mm(Tensor x, Tensor weight, Tensor w_scale, Tensor? w_sums=None) -> Tensor");
@@ -2208,6 +2302,8 @@ TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("pairs_dequantize(Tensor q, Tensor scales, Tensor zeros, int group, int bits, bool zero_points) -> Tensor");
   m.def("fp4_pairs_gemm(Tensor x, Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format, ScalarType out_dtype) -> Tensor");
   m.def("fp4_pairs_dequantize(Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format) -> Tensor");
+  m.def("lut4_pairs_gemm(Tensor x, Tensor q, Tensor scales, Tensor table, int group, ScalarType out_dtype) -> Tensor");
+  m.def("lut4_pairs_dequantize(Tensor q, Tensor scales, Tensor table, int group) -> Tensor");
   m.def("pairs_dequantize_rows(Tensor q, Tensor scales, Tensor zeros, int group, int bits, bool zero_points, Tensor rows) -> Tensor");
   m.def("pairs_available() -> bool", &pairs_available);
 }
@@ -2230,4 +2326,6 @@ TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
   m.impl("pairs_dequantize_rows", &pairs_dequantize_rows);
   m.impl("fp4_pairs_gemm", &fp4_pairs_gemm);
   m.impl("fp4_pairs_dequantize", &fp4_pairs_dequantize);
+  m.impl("lut4_pairs_gemm", &lut4_pairs_gemm);
+  m.impl("lut4_pairs_dequantize", &lut4_pairs_dequantize);
 }
