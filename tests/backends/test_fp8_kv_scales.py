@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -43,22 +44,19 @@ def test_backends_store_kv_over_its_scale_and_attend_it_times_the_scale(
                             kv_cache_scales=(0.03125, 4.0))
 
 
-def _plain_backend() -> type:
-    """The torch backend with an impl that does not declare supports_kv_cache_scales (a plugin
-    written before plugin API 1.19)."""
+def _backend_without(flag: str, name: str, impl_name: str) -> type:
+    """The torch backend as ``name``, its impl (``impl_name``) with ``flag`` false: a plugin
+    written before the plugin API that added it."""
     from vframe.backends.torch_attn import TorchAttentionBackend, TorchAttentionImpl
 
-    class PlainImpl(TorchAttentionImpl):
-        supports_kv_cache_scales = False
+    impl = type(impl_name, (TorchAttentionImpl,), {flag: False})
+    return type(f"{impl_name.removesuffix('Impl')}Backend", (TorchAttentionBackend,),
+                {"name": name, "get_impl_cls": staticmethod(lambda: impl)})
 
-    class PlainBackend(TorchAttentionBackend):
-        name = "plain"
 
-        @staticmethod
-        def get_impl_cls() -> type[TorchAttentionImpl]:
-            return PlainImpl
-
-    return PlainBackend
+def _plain_backend() -> type:
+    """An impl that does not declare supports_kv_cache_scales (plugin API 1.19)."""
+    return _backend_without("supports_kv_cache_scales", "plain", "PlainImpl")
 
 
 def test_the_kit_refuses_scales_for_a_backend_that_does_not_apply_them() -> None:
@@ -87,7 +85,6 @@ def _grown_llama(path: Path) -> dict[int, tuple[float, float]]:
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
-    amax: dict[int, list[float]] = {}
     with torch.no_grad():
         for layer in model.model.layers:
             attn = layer.self_attn
@@ -95,23 +92,10 @@ def _grown_llama(path: Path) -> dict[int, tuple[float, float]]:
             attn.q_proj.weight /= GROWTH
             attn.v_proj.weight *= GROWTH
             attn.o_proj.weight /= GROWTH
-
-        def record(i: int, which: int):
-            def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
-                entry = amax.setdefault(i, [0.0, 0.0])
-                entry[which] = max(entry[which], float(out.abs().max()))
-            return hook
-
-        hooks = [h for i, layer in enumerate(model.model.layers)
-                 for h in (layer.self_attn.k_proj.register_forward_hook(record(i, 0)),
-                           layer.self_attn.v_proj.register_forward_hook(record(i, 1)))]
-        for prompt in PROMPTS:  # calibration: the prompts themselves, as a oneshot run would
-            model(torch.tensor([prompt]))
-        for h in hooks:
-            h.remove()
+    amax = _calibrated_amax(model)
     model.save_pretrained(path)
     # keys grow with rope's rotation too: a margin, as calibration data never covers everything
-    scales = {i: (2 * k / LIMIT, 2 * v / LIMIT) for i, (k, v) in amax.items()}
+    scales = {i: (float(2 * k / LIMIT), float(2 * v / LIMIT)) for i, (k, v) in amax.items()}
     tensors = load_file(path / "model.safetensors")
     for i, (k, v) in scales.items():
         tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
@@ -120,15 +104,40 @@ def _grown_llama(path: Path) -> dict[int, tuple[float, float]]:
     return scales
 
 
+def _calibrated_amax(model: torch.nn.Module) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's max |key| and max |value| per KV head ([KVH] each, before rope) over PROMPTS,
+    as a oneshot calibration on the prompts themselves would find them."""
+    amax: dict[int, list[torch.Tensor]] = {}
+    heads = model.config.num_key_value_heads
+
+    def record(i: int, which: int):  # noqa: ANN202
+        def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+            entry = amax.setdefault(i, [torch.zeros(heads), torch.zeros(heads)])
+            entry[which] = torch.maximum(entry[which], out.detach().reshape(-1, heads, out.shape[-1] // heads)
+                                         .abs().amax(dim=(0, 2)))
+        return hook
+
+    hooks = [h for i, layer in enumerate(model.model.layers)
+             for h in (layer.self_attn.k_proj.register_forward_hook(record(i, 0)),
+                       layer.self_attn.v_proj.register_forward_hook(record(i, 1)))]
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            model(torch.tensor([prompt]))
+    for h in hooks:
+        h.remove()
+    return {i: (k, v) for i, (k, v) in amax.items()}
+
+
 @pytest.fixture(scope="module")
 def grown(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, tuple[float, float]]]:
     path = tmp_path_factory.mktemp("grown-llama")
     return str(path), _grown_llama(path)
 
 
-def _reference(path: str, scales: dict[int, tuple[float, float]] | None) -> torch.nn.Module:
+def _reference(path: str, scales: dict[int, tuple[float | torch.Tensor, float | torch.Tensor]] | None
+               ) -> torch.nn.Module:
     """transformers' Llama whose attention sees its keys and values as a float8 cache with
-    ``scales`` holds them (None: the plain model)."""
+    ``scales`` holds them (a layer's, or per KV head ``[KVH]``; None: the plain model)."""
     from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
@@ -136,7 +145,8 @@ def _reference(path: str, scales: dict[int, tuple[float, float]] | None) -> torc
     def fp8_kv(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN003, ANN202
         k_scale, v_scale = scales[module.layer_idx]
 
-        def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
+        def rounded(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:  # x [B, KVH, T, D]
+            scale = torch.as_tensor(scale).reshape(1, -1, 1, 1)
             return (x.float() / scale).clamp(-LIMIT, LIMIT).to(torch.float8_e4m3fn).float() * scale
 
         return sdpa_attention_forward(module, query, rounded(key, k_scale), rounded(value, v_scale),
@@ -177,17 +187,23 @@ def _decode_against_reference(llm: LLM, reference: torch.nn.Module, n: int = 12)
         assert bool((chosen >= expected.max(-1).values - 5e-3).all()), tokens
 
 
+@pytest.mark.parametrize("model", ["grown", "grown_heads"])  # a scale a layer; a scale a KV head (plugin API 1.22)
 @pytest.mark.parametrize("backend", ["torch", "cpu_paged", "triton"])
 def test_a_checkpoint_s_kv_scales_give_transformers_answers_through_a_float8_cache(
-    grown: tuple[str, dict], backend: str, request: pytest.FixtureRequest
+    model: str, backend: str, request: pytest.FixtureRequest
 ) -> None:
     if backend == "triton":
         request.getfixturevalue("interpreted")  # its kernels under Triton's interpreter
-    path, scales = grown
+    path, scales = request.getfixturevalue(model)
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", attention_backend=backend,
               max_model_len=128, num_threads=2, enable_prefix_caching=False)
     impls = [layer.self_attn.attn for layer in llm.llm_engine.model_runner.model.model.layers]
-    assert [(impl.k_scale, impl.v_scale) for impl in impls] == [pytest.approx(scales[i], rel=1e-6) for i in (0, 1)]
+    if model == "grown":
+        assert [(impl.k_scale, impl.v_scale) for impl in impls] == [pytest.approx(scales[i], rel=1e-6) for i in (0, 1)]
+    else:
+        for i, impl in enumerate(impls):
+            assert (impl.k_scale, impl.v_scale) == (1.0, 1.0)
+            assert torch.equal(impl.k_head_scales, scales[i][0]) and torch.equal(impl.v_head_scales, scales[i][1])
     reference = _reference(path, scales)
     for prompt in PROMPTS:
         deltas = (_prompt_logprobs(llm, prompt) - _reference_logprobs(reference, prompt)).abs()
@@ -224,13 +240,15 @@ def test_with_a_cache_in_the_model_s_dtype_the_scales_go_unused(
         assert float((_prompt_logprobs(llm, prompt) - _reference_logprobs(plain, prompt)).abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("model", ["grown", "grown_heads"])
 def test_the_decode_plan_applies_the_scales_as_the_layers_do(
-    grown: tuple[str, dict], monkeypatch: pytest.MonkeyPatch
+    model: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     """cpu_paged's decode steps run in the C++ decode plan, which divides K / V by the layer's
-    scales before storing them and folds the scales into the attention: the same operators
-    with the same arguments as the layers, so the same bits."""
-    path, _ = grown
+    scales before storing them and folds the scales into the attention (per KV head: the query
+    and the output, fold_kv_head_scales' operations): the same operators with the same
+    arguments as the layers, so the same bits."""
+    path, _ = request.getfixturevalue(model)
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8",
               attention_backend="cpu_paged", max_model_len=128, num_threads=2, enable_prefix_caching=False)
     model = llm.llm_engine.model_runner.model.model
@@ -293,7 +311,8 @@ def test_the_names_tools_write_reach_the_layer(grown: tuple[str, dict], tmp_path
 @pytest.mark.parametrize(
     ("scale", "message"),
     [
-        (torch.tensor([0.5, 0.25]), "holds 2 FP8 KV-cache scales (shape (2,)); vframe reads one per layer"),
+        (torch.tensor([0.5, 0.25]), "holds 2 FP8 KV-cache scales (shape (2,)), and its attention layer has 1 KV "
+                                    "head: a calibrated scale is one value per layer, or one per KV head of the model"),
         (torch.tensor(-1.0), "is a KV-cache scale of -1.0; a scale must be positive and finite"),
         (torch.tensor(float("nan")), "is a KV-cache scale of nan; a scale must be positive and finite"),
     ],
@@ -306,19 +325,27 @@ def test_scales_vframe_cannot_apply_are_refused_at_load(grown: tuple[str, dict],
         LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=64)
 
 
-@pytest.fixture
-def plain_backend() -> Iterator[None]:
-    """A throwaway plugin registering ``_plain_backend()`` as ``plain``."""
+@contextmanager
+def _registered(backend: type) -> Iterator[None]:
+    """A throwaway plugin registering ``backend`` under its name."""
     from vframe.plugins import hookimpl, register_plugin, unregister_plugin
 
     class Plugin:
         @hookimpl
         def vframe_register_attention_backends(self, register):  # noqa: ANN001, ANN202
-            register("plain", _plain_backend())
+            register(backend.name, backend)
 
-    register_plugin(Plugin(), "plain-attn")
-    yield
-    unregister_plugin("plain-attn")
+    register_plugin(Plugin(), f"{backend.name}-attn")
+    try:
+        yield
+    finally:
+        unregister_plugin(f"{backend.name}-attn")
+
+
+@pytest.fixture
+def plain_backend() -> Iterator[None]:
+    with _registered(_plain_backend()):
+        yield
 
 
 def test_an_engine_refuses_scales_its_backend_does_not_apply(grown: tuple[str, dict], plain_backend: None) -> None:
@@ -400,3 +427,174 @@ def test_a_latent_v_scale_other_than_its_k_scale_is_refused(tiny_deepseek: str, 
         "kv_cache_dtype='auto' (the scales then go unused)"
     )
     LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="auto", max_model_len=64)  # unused there
+
+
+# --------------------------------------------------------------------------- #
+# Per KV head (plugin API 1.22): llm-compressor's kv_cache_scheme strategy attn_head
+# --------------------------------------------------------------------------- #
+
+# KV head 0's keys and values GROWTH times larger than the model's own, head 1's 2 ** -10 of that:
+# one scale per layer (head 0's) leaves head 1's values among float8's subnormals
+HEAD_GROWTH = (GROWTH, GROWTH / 1024)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu_paged"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backends_store_each_kv_head_over_its_own_scale(backend: str, kv_cache_dtype: str, dtype: torch.dtype) -> None:
+    # the kit's heads get the scales times 1, 1/4, 4 and 1/2 (keys; values the reverse): a backend
+    # that applied one head's scale to all of them stores other bytes and fails
+    check_attention_backend(backend, dtype=dtype, quick=dtype != torch.float32, kv_cache_dtype=kv_cache_dtype,
+                            kv_cache_scales=(0.03125, 4.0), per_head_kv_scales=True)
+
+
+def _per_tensor_backend() -> type:
+    """An impl that applies per-layer scales only (plugin API 1.22)."""
+    return _backend_without("supports_per_head_kv_scales", "per-tensor", "PerTensorImpl")
+
+
+def test_the_kit_refuses_per_head_scales_for_a_backend_that_does_not_apply_them() -> None:
+    with pytest.raises(AssertionError, match="^attention backend 'per-tensor': its impl .*PerTensorImpl does not "
+                                             "declare supports_per_head_kv_scales"):
+        check_attention_backend(_per_tensor_backend(), kv_cache_dtype="fp8", kv_cache_scales=(2.0, 2.0),
+                                per_head_kv_scales=True)
+
+
+def _grown_llama_per_head(path: Path) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """A tiny random Llama with two KV heads (two query heads each) whose keys and values grow
+    by HEAD_GROWTH per KV head (the query heads reading it and their outputs shrink as much:
+    the same function), saved with per-head scales as llm-compressor's attn_head strategy
+    writes them (``k_scale`` / ``v_scale`` [KVH, 1, 1]: max |x| / 448 per head, a margin of 2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
+    )  # fmt: skip
+    head_dim = 32
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for h, growth in enumerate(HEAD_GROWTH):
+                kv, q = slice(h * head_dim, (h + 1) * head_dim), slice(2 * h * head_dim, 2 * (h + 1) * head_dim)
+                attn.k_proj.weight[kv] *= growth
+                attn.v_proj.weight[kv] *= growth
+                attn.q_proj.weight[q] /= growth
+                attn.o_proj.weight[:, q] /= growth
+    amax = _calibrated_amax(model)
+    model.save_pretrained(path)
+    scales = {i: (2 * k / LIMIT, 2 * v / LIMIT) for i, (k, v) in amax.items()}
+    tensors = load_file(path / "model.safetensors")
+    for i, (k, v) in scales.items():
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = k.reshape(-1, 1, 1)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = v.reshape(-1, 1, 1)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return scales
+
+
+@pytest.fixture(scope="module")
+def grown_heads(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    path = tmp_path_factory.mktemp("grown-heads-llama")
+    return str(path), _grown_llama_per_head(path)
+
+
+def test_one_scale_per_layer_loses_the_smaller_head(grown_heads: tuple[str, dict], tmp_path: Path) -> None:
+    """The test above can fail: the same model with each layer's largest head scale for both
+    heads (what a per-tensor calibration finds) rounds head 1's keys and values, 2 ** -10 the
+    size of head 0's, among float8's subnormals."""
+    path, scales = grown_heads
+    per_layer = {f"model.layers.{i}.self_attn.{name}": s.max().reshape(())
+                 for i, (k, v) in scales.items() for name, s in (("k_scale", k), ("v_scale", v))}
+    llm = LLM(model=_with_scales(path, tmp_path, per_layer), skip_tokenizer_init=True, dtype="float32",
+              kv_cache_dtype="fp8", max_model_len=128, num_threads=2)
+    reference = _reference(path, scales)
+    deltas = (_prompt_logprobs(llm, PROMPTS[0]) - _reference_logprobs(reference, PROMPTS[0])).abs()
+    assert float(deltas.max()) > 0.05, deltas  # measured: 0.083 (per head: below 1e-4, above)
+
+
+def test_per_head_scales_go_unused_with_a_cache_in_the_model_s_dtype(grown_heads: tuple[str, dict]) -> None:
+    path, _ = grown_heads
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="auto", max_model_len=128,
+              num_threads=2, attention_backend="cpu_paged")
+    plain = _reference(path, None)
+    for prompt in PROMPTS:
+        assert float((_prompt_logprobs(llm, prompt) - _reference_logprobs(plain, prompt)).abs().max()) < 1e-4
+
+
+@pytest.fixture
+def per_tensor_backend() -> Iterator[None]:
+    with _registered(_per_tensor_backend()):
+        yield
+
+
+def test_an_engine_refuses_per_head_scales_its_backend_does_not_apply(
+    grown_heads: tuple[str, dict], per_tensor_backend: None
+) -> None:
+    common = dict(model=grown_heads[0], skip_tokenizer_init=True, dtype="float32", attention_backend="per-tensor",
+                  max_model_len=64)
+    with pytest.raises(ConfigError) as info:
+        LLM(kv_cache_dtype="fp8", **common)
+    assert str(info.value) == (
+        "the checkpoint carries calibrated FP8 KV-cache scales per KV head (kv_cache_scheme strategy 'attn_head'; 2 "
+        "layers) and attention backend 'per-tensor' (PerTensorImpl) does not apply per-head scales to its "
+        "kv_cache_dtype='fp8' cache; use kv_cache_dtype='auto' (the scales then go unused), or a backend that applies "
+        "them (torch, cpu_paged, triton)"
+    )
+    LLM(kv_cache_dtype="auto", **common)  # unused there: it loads
+
+
+@pytest.mark.parametrize(
+    ("scale", "message"),
+    [
+        (torch.full((3, 1, 1), 0.5), "holds 3 FP8 KV-cache scales (shape (3, 1, 1)), and its attention layer has 2 "
+                                     "KV heads: a calibrated scale is one value per layer, or one per KV head of the "
+                                     "model"),
+        (torch.tensor([[[0.5]], [[0.0]]]), "is a KV-cache scale of 0.0; a scale must be positive and finite"),
+    ],
+)
+def test_per_head_scales_of_the_wrong_count_or_value_are_refused(grown_heads: tuple[str, dict], tmp_path: Path,
+                                                                scale: torch.Tensor, message: str) -> None:
+    path = _with_scales(grown_heads[0], tmp_path, {"model.layers.1.self_attn.v_scale": scale})
+    expected = f"checkpoint tensor 'model.layers.1.self_attn.v_scale' {message}"
+    with pytest.raises(ModelLoadError, match=re.escape(expected)):
+        LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=64)
+
+
+@pytest.mark.parametrize(("total_heads", "tp_size"), [(2, 1), (2, 2), (4, 2), (2, 4), (2, 8), (4, 8), (8, 4)])
+def test_each_rank_takes_the_scales_of_the_kv_heads_its_q_k_v_projection_holds(
+    total_heads: int, tp_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader's split of per-head scales over tensor-parallel ranks is the projection's split
+    of the heads (consecutive heads a rank; with more ranks than heads, each head replicated on
+    consecutive ranks): checked against QKVParallelLinear's own k shard for every rank."""
+    import vframe.layers.parallel as parallel
+    from vframe.backends.torch_attn import TorchAttentionImpl
+    from vframe.layers.linear import QKVParallelLinear
+    from vframe.models.loader.weights import set_kv_cache_scale
+
+    head_size, heads = 4, 8
+    scales = torch.arange(1, total_heads + 1, dtype=torch.float32).reshape(-1, 1, 1) / 8
+    for rank in range(tp_size):
+        qkv = QKVParallelLinear(16, head_size, heads, total_heads, bias=False, tp_rank=rank, tp_size=tp_size)
+        # the projection's k rows on this rank, as the heads they come from
+        start, size, shard_rank, _ = qkv._shard_layout("k")
+        k_rows = torch.arange(total_heads * head_size)[shard_rank * size : (shard_rank + 1) * size]
+        expected = scales.reshape(-1)[k_rows[::head_size] // head_size]
+
+        model = torch.nn.Module()
+        model.attn = torch.nn.Module()
+        model.attn.impl = TorchAttentionImpl(heads // tp_size, head_size, 0.5, qkv.num_kv_heads)
+        monkeypatch.setattr(parallel, "get_tp_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(parallel, "get_tp_size", lambda: tp_size)
+        set_kv_cache_scale(model, "attn.k_scale", scales)
+        assert torch.equal(model.attn.impl.k_head_scales, expected), (rank, model.attn.impl.k_head_scales, expected)
+
+
+def test_a_latent_cache_refuses_per_head_scales(tiny_deepseek: str, tmp_path: Path) -> None:
+    path = _with_scales(tiny_deepseek, tmp_path, {"model.layers.0.self_attn.k_scale": torch.full((4, 1, 1), 0.5)})
+    with pytest.raises(ModelLoadError, match=re.escape(
+            "checkpoint tensor 'model.layers.0.self_attn.k_scale' holds 4 FP8 KV-cache scales (shape (4, 1, 1)) for a "
+            "multi-head latent attention layer, whose cache holds one latent per token: it takes one scale")):
+        LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=64)

@@ -260,6 +260,15 @@ def test_float8_cache_conforms_quick_interpreted(
     check_attention_backend("triton", dtype=dtype, quick=True, kv_cache_dtype=kv_cache_dtype, kv_cache_scales=scales)
 
 
+@pytest.mark.parametrize(("kv_cache_dtype", "dtype"), [("fp8", torch.float32), ("fp8_e5m2", torch.bfloat16)])
+def test_float8_cache_with_per_head_scales_conforms_quick_interpreted(
+    interpreted: ModuleType, kv_cache_dtype: str, dtype: torch.dtype
+) -> None:
+    # plugin API 1.22: each KV head over its own scales (the kit's 1, 1/4, 4, 1/2 times these)
+    check_attention_backend("triton", dtype=dtype, quick=True, kv_cache_dtype=kv_cache_dtype,
+                            kv_cache_scales=(0.05, 3.0), per_head_kv_scales=True)
+
+
 @pytest.mark.parametrize(("kv_cache_dtype", "dtype", "scale"), [("fp8", torch.float32, None),
                                                                  ("fp8_e5m2", torch.bfloat16, 0.1)])
 def test_mla_float8_cache_conforms_quick_interpreted(
@@ -432,6 +441,8 @@ def test_float8_cache_conforms_on_gpu(compiled: ModuleType, dtype: torch.dtype, 
     check_attention_backend("triton", dtype=dtype, device="cuda", kv_cache_dtype=kv_cache_dtype)
     check_attention_backend("triton", dtype=dtype, device="cuda", quick=True, kv_cache_dtype=kv_cache_dtype,
                             kv_cache_scales=(0.05, 3.0))
+    check_attention_backend("triton", dtype=dtype, device="cuda", quick=True, kv_cache_dtype=kv_cache_dtype,
+                            kv_cache_scales=(0.05, 3.0), per_head_kv_scales=True)
     check_mla_backend("triton", dtype=dtype, device="cuda", kv_cache_dtype=kv_cache_dtype, kv_cache_scale=0.1)
 
 

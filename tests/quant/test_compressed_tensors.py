@@ -373,9 +373,10 @@ def test_fused_shards_quantized_differently_are_refused() -> None:
          r"with FP4 weights vframe reads float4 ones or none"),
         (quant_config("pack-quantized", {**weights(4), "actorder": "group"}), r"actorder='group'"),
         (quant_config("pack-quantized", weights(4), kv_cache_scheme={**FP8_KV_SCHEME, "type": "int"}),
-         r"kv_cache_scheme .* is not supported: vframe applies static per-tensor float8 scales"),
-        (quant_config("pack-quantized", weights(4), kv_cache_scheme={**FP8_KV_SCHEME, "strategy": "attn_head"}),
-         r"kv_cache_scheme .*'attn_head'.* is not supported"),
+         r"kv_cache_scheme .* is not supported: vframe applies static float8 scales \(type 'float', num_bits 8, "
+         r"strategy 'tensor' or 'attn_head', dynamic false, symmetric\)"),
+        (quant_config("pack-quantized", weights(4), kv_cache_scheme={**FP8_KV_SCHEME, "strategy": "channel"}),
+         r"kv_cache_scheme .*'strategy': 'channel'.* is not supported"),
         (quant_config("pack-quantized", weights(4), kv_cache_scheme={**FP8_KV_SCHEME, "dynamic": True}),
          r"kv_cache_scheme .* is not supported"),
         ({"quant_method": "gptq", "bits": 4}, r"this one is quantized as 'gptq'"),
@@ -386,10 +387,12 @@ def test_what_it_cannot_serve_is_refused_naming_the_scheme(q: dict, message: str
         CompressedTensorsConfig.from_config(q)
 
 
-def test_a_static_float8_kv_cache_scheme_is_read_as_the_layers_scales() -> None:
-    # the scales themselves arrive as tensors (tests/backends/test_fp8_kv_scales.py)
-    config = CompressedTensorsConfig.from_config(quant_config("pack-quantized", weights(4), kv_cache_scheme=FP8_KV_SCHEME))
-    assert config.get_name() == "compressed-tensors"
+@pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
+def test_a_static_float8_kv_cache_scheme_is_read_as_the_layers_scales(strategy: str) -> None:
+    # the scales themselves arrive as tensors, one a layer or one a KV head (tests/backends/test_fp8_kv_scales.py)
+    config = CompressedTensorsConfig.from_config(
+        quant_config("pack-quantized", weights(4), kv_cache_scheme={**FP8_KV_SCHEME, "strategy": strategy}))
+    assert config.get_name() == "compressed-tensors" and config.calibrated_kv_cache
 
 
 # --------------------------------------------------------------------------- #

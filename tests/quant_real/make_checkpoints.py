@@ -84,6 +84,8 @@ SCHEMES = {
     "ct-fp8-block": "llm-compressor QuantizationModifier FP8_BLOCK (128x128 blocks)",
     "ct-fp8-kv": "llm-compressor QuantizationModifier FP8_DYNAMIC with kv_cache_scheme (static per-tensor FP8 "
                  "KV-cache scales: k_scale / v_scale per layer)",
+    "ct-fp8-kv-head": "llm-compressor QuantizationModifier FP8_DYNAMIC with kv_cache_scheme strategy attn_head "
+                      "(static FP8 KV-cache scales per KV head: k_scale / v_scale [heads] per layer)",
     "ct-w8a8": "llm-compressor SmoothQuantModifier + GPTQModifier W8A8 (int8 channel weights, dynamic int8 tokens)",
     "ct-w8a16": "llm-compressor GPTQModifier W8A16 (int8, groups of 64)",
     "ct-w8a16-head": "llm-compressor GPTQModifier W8A16 (int8, groups of 64), lm_head not ignored: quantized too",
@@ -120,6 +122,7 @@ CT_PRESETS = {
     "ct-fp8-dynamic": ("quantization", "FP8_DYNAMIC"),
     "ct-fp8-block": ("quantization", "FP8_BLOCK"),
     "ct-fp8-kv": ("quantization", "FP8_DYNAMIC"),
+    "ct-fp8-kv-head": ("quantization", "FP8_DYNAMIC"),
     "ct-w8a8": ("gptq", "W8A8"),
     "ct-w8a16": ("gptq", 8),
     "ct-w8a16-head": ("gptq", 8),
@@ -145,8 +148,10 @@ MODELOPT_CONFIGS = {
 }
 AUTOROUND_FORMATS = {"autoround-gptq": "auto_gptq", "autoround-awq": "auto_awq", "autoround-gptq-head": "auto_gptq"}
 # schemes that calibrate the KV cache too: llm-compressor's FP8 KV cache (what vLLM reads as k_scale / v_scale)
-KV_CACHE_SCHEME = {"ct-fp8-kv": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
-                                 "symmetric": True}}
+KV_CACHE_SCHEME = {
+    scheme: {"num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False, "symmetric": True}
+    for scheme, strategy in (("ct-fp8-kv", "tensor"), ("ct-fp8-kv-head", "attn_head"))
+}
 # schemes that quantize the LM head too (llm-compressor unties SmolLM2's tied head itself)
 HEAD_QUANTIZED = {"ct-w8a16-head", "ct-w4a16-head", "autoround-gptq-head"}
 

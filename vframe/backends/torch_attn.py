@@ -7,8 +7,9 @@ flattened view ``[num_blocks * block_size, KVH, D]`` is indexed by slot.
 The cache holds the model's dtype or, with ``kv_cache_dtype="fp8"``
 (``fp8_e4m3``, ``fp8_e5m2``), float8: keys and values are rounded to it when
 written (divided by the checkpoint's calibrated ``k_scale`` / ``v_scale`` where it has them,
-else scale 1.0; saturating) and upcast to the model's dtype when read, the scales folded into
-the softmax scale and the output (``TorchAttentionImpl.kv_cache_domain``).
+per layer or per KV head, else scale 1.0; saturating) and upcast to the model's dtype when read,
+the scales folded into the softmax scale (per head: the query) and the output
+(``TorchAttentionImpl.kv_cache_domain``).
 
 A step mixes prefills and decodes. Every request with one query token (a
 decode) is served by one batched call: its keys and values are gathered through
@@ -193,18 +194,25 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 class TorchAttentionImpl(AttentionImpl):
     supports_kv_cache_scales = True  # plugin API 1.19: calibrated k_scale / v_scale, see kv_cache_domain
+    supports_per_head_kv_scales = True  # plugin API 1.22: per KV head, likewise
 
     def kv_cache_domain(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-        """Key, value, softmax scale and output factor in the cache's domain: with a float8
-        cache and calibrated scales, key / k_scale and value / v_scale in float32 (rounded once
-        into float8 when stored), attention over the float8 values with k_scale folded into
-        the softmax scale and v_scale into the output (``output * v_scale``); else as they are
-        (factor 1.0)."""
-        if not is_fp8(kv_cache.dtype) or (self.k_scale == 1.0 and self.v_scale == 1.0):
-            return key, value, self.scale, 1.0
-        return key.float() / self.k_scale, value.float() / self.v_scale, self.scale * self.k_scale, self.v_scale
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float | torch.Tensor]:
+        """Query, key, value, softmax scale and output factor in the cache's domain: with a
+        float8 cache and calibrated scales, key / k_scale and value / v_scale in float32
+        (rounded once into float8 when stored), attention over the float8 values with k_scale
+        folded into the softmax scale and v_scale into the output (``output * v_scale``). Per
+        KV head (``k_head_scales``), ``fold_kv_head_scales``: each head's keys and values over
+        its own scales, the query heads of KV head ``h`` times ``k_head_scales[h]`` and their
+        outputs times ``v_head_scales[h]`` (the factor ``[H, 1]``). Else as they are (factor 1.0)."""
+        if not is_fp8(kv_cache.dtype) or not self.has_kv_cache_scales:
+            return query, key, value, self.scale, 1.0
+        if self.k_head_scales is None and self.v_head_scales is None:
+            return (query, key.float() / self.k_scale, value.float() / self.v_scale, self.scale * self.k_scale,
+                    self.v_scale)
+        query, key, value, factor = self.fold_kv_head_scales(query, key, value)
+        return query, key, value, self.scale, factor
 
     def forward(
         self,
@@ -222,7 +230,7 @@ class TorchAttentionImpl(AttentionImpl):
             meta = TorchAttentionMetadata.from_common(meta.common, self.sliding_window)
 
         output = torch.zeros_like(query)  # padding rows past n stay zero
-        key, value, scale, factor = self.kv_cache_domain(key, value, kv_cache)
+        query, key, value, scale, factor = self.kv_cache_domain(query, key, value, kv_cache)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         if meta.prefills:
             attend_prefills(output, query, key, value, *kv_cache_views(kv_cache), meta.prefills, scale)
@@ -238,7 +246,12 @@ class TorchAttentionImpl(AttentionImpl):
             v = gather_blocks(kv_cache[1], dec, query.dtype).view(kv_shape).transpose(1, 2)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=dec.mask, scale=scale)
             output.index_copy_(0, dec.token_idx, out.reshape(n, self.num_heads, self.head_size))
-        return output if factor == 1.0 else output.mul_(factor)
+        return scaled_output(output, factor)
+
+
+def scaled_output(output: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
+    """``output`` times ``kv_cache_domain``'s factor (a float, or ``[H, 1]`` per query head), in place."""
+    return output if isinstance(factor, float) and factor == 1.0 else output.mul_(factor)
 
 
 def write_kv_cache(

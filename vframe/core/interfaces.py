@@ -130,11 +130,23 @@ class AttentionImpl(ABC):
     says so with ``supports_kv_cache_scales = True``; an engine with
     ``kv_cache_dtype="fp8..."`` refuses a checkpoint whose scales are not all 1.0
     on any other (with ``kv_cache_dtype="auto"`` they go unused).
+
+    Per KV head (plugin API 1.22: llm-compressor's ``kv_cache_scheme`` with
+    ``strategy: attn_head``): the loader sets ``k_head_scales`` / ``v_head_scales``
+    instead, float32 ``[num_kv_heads]`` tensors on the CPU (this rank's heads;
+    ``k_scale`` / ``v_scale`` stay 1.0), and a float8 cache stores head ``h``'s
+    keys as ``fp8(key[:, h] / k_head_scales[h])``, values likewise. A backend
+    that applies them says so with ``supports_per_head_kv_scales = True``; an
+    engine refuses them with a float8 cache on any other. ``kv_head_scales``
+    gives either kind per KV head, for a backend that handles both one way.
     """
 
     supports_kv_cache_scales: ClassVar[bool] = False
+    supports_per_head_kv_scales: ClassVar[bool] = False
     k_scale: float = 1.0
     v_scale: float = 1.0
+    k_head_scales: torch.Tensor | None = None
+    v_head_scales: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -149,6 +161,41 @@ class AttentionImpl(ABC):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
+
+    @property
+    def has_kv_cache_scales(self) -> bool:
+        """Whether the checkpoint gave this layer calibrated scales (per tensor or per head)."""
+        return self.k_head_scales is not None or (self.k_scale, self.v_scale) != (1.0, 1.0)
+
+    def kv_head_scales(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The calibrated scales per KV head, float32 ``[num_kv_heads]`` each on ``device``:
+        ``k_head_scales`` / ``v_head_scales`` where the checkpoint gave them per head, else
+        ``k_scale`` / ``v_scale`` repeated (plugin API 1.22). Kept per device once made."""
+        import torch
+
+        device = torch.device(device)
+        kept = vars(self).get("_kv_head_scales")
+        if kept is None or kept[0].device != device:
+            k = self.k_head_scales if self.k_head_scales is not None else torch.full((self.num_kv_heads,), self.k_scale)
+            v = self.v_head_scales if self.v_head_scales is not None else torch.full((self.num_kv_heads,), self.v_scale)
+            kept = self._kv_head_scales = (k.float().to(device), v.float().to(device))
+        return kept
+
+    def fold_kv_head_scales(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-KV-head scales applied around kernels that take one scale a layer (plugin API
+        1.22), for a float8 cache: ``key[:, h] / k[h]`` and ``value[:, h] / v[h]`` in float32
+        (what the cache stores, rounded once into float8), the query heads of KV head ``h``
+        times ``k[h]`` (in float32, then the query's dtype), and the factor ``[H, 1]``
+        (float32: ``v`` per query head) that multiplies the attention output, with ``k``, ``v``
+        this layer's ``kv_head_scales``. The kernels then attend at scale 1.0 (and the
+        layer's own softmax scale): ``softmax(scale * q k[h] . key / k[h]) value / v[h] * v[h]``."""
+        k_scales, v_scales = self.kv_head_scales(query.device)  # [KVH] each
+        group = self.num_heads // self.num_kv_heads
+        query = (query.float() * k_scales.repeat_interleave(group)[:, None]).to(query.dtype)
+        factor = v_scales.repeat_interleave(group)[:, None]  # [H, 1]: the output rounded once
+        return query, key.float() / k_scales[:, None], value.float() / v_scales[:, None], factor
 
     @abstractmethod
     def forward(

@@ -202,19 +202,21 @@ def _matches(name: str, target: str) -> bool:
 
 
 def _check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
-    """``kv_cache_scheme``: llm-compressor's calibrated KV cache. The one vLLM serves, static
-    per-tensor float8 scales (``type: float``, 8 bits, ``strategy: tensor``), arrives as each
-    attention layer's ``k_scale`` / ``v_scale`` tensors, which the loader hands to the layer's
-    attention impl: with ``kv_cache_dtype="fp8"`` its cache applies them, with ``"auto"`` they go
-    unused (docs/quantization.md, "FP8 KV cache"). Any other scheme is refused naming it."""
+    """``kv_cache_scheme``: llm-compressor's calibrated KV cache. The ones vLLM serves, static
+    float8 scales (``type: float``, 8 bits) per tensor (``strategy: tensor``) or per KV head
+    (``attn_head``, plugin API 1.22), arrive as each attention layer's ``k_scale`` / ``v_scale``
+    tensors, which the loader hands to the layer's attention impl: with ``kv_cache_dtype="fp8"``
+    its cache applies them, with ``"auto"`` they go unused (docs/quantization.md, "FP8 KV
+    cache"). Any other scheme is refused naming it."""
     if not scheme:
         return
-    wanted = {"type": "float", "num_bits": 8, "strategy": "tensor"}
+    wanted = {"type": "float", "num_bits": 8}
     found = {k: scheme.get(k) for k in wanted}
-    if found != wanted or scheme.get("dynamic") not in (None, False) or scheme.get("symmetric") is False:
+    if (found != wanted or scheme.get("strategy") not in ("tensor", "attn_head")
+            or scheme.get("dynamic") not in (None, False) or scheme.get("symmetric") is False):
         raise ConfigError(
-            f"quantization_config.kv_cache_scheme {scheme} is not supported: vframe applies static per-tensor float8 "
-            "scales (type 'float', num_bits 8, strategy 'tensor', dynamic false, symmetric), as vLLM does"
+            f"quantization_config.kv_cache_scheme {scheme} is not supported: vframe applies static float8 scales "
+            "(type 'float', num_bits 8, strategy 'tensor' or 'attn_head', dynamic false, symmetric), as vLLM does"
         )
 
 

@@ -113,6 +113,8 @@ CASES: tuple[AttentionCase, ...] = (
     AttentionCase("sliding-window", ((9, 3), (5, 1), (1, 1), (1, 1)), 4, 2, sliding_window=5),
 )
 QUICK_CASES = ("prefill-gqa", "cached-prefix-gqa", "mixed-gqa", "decode-mqa")
+# per_head_kv_scales: KV head h's calibrated scales are the given ones times factor h
+PER_HEAD_FACTORS = (1.0, 0.25, 4.0, 0.5)
 
 
 def check_attention_backend(
@@ -123,6 +125,7 @@ def check_attention_backend(
     quick: bool = False,
     kv_cache_dtype: str = "auto",
     kv_cache_scales: tuple[float, float] | None = None,
+    per_head_kv_scales: bool = False,
 ) -> None:
     """Run the attention conformance cases on ``backend`` (a registry name or
     the class); raise ``AssertionError`` naming the case, the dtype and the
@@ -135,7 +138,11 @@ def check_attention_backend(
     layer's impl gets them as a checkpoint's calibrated scales, the cache must
     hold ``fp8(key / k_scale)`` and ``fp8(value / v_scale)`` and the reference
     attends those times the scales; a backend whose impl does not declare
-    ``supports_kv_cache_scales`` fails.
+    ``supports_kv_cache_scales`` fails. ``per_head_kv_scales`` (plugin API
+    1.22, with ``kv_cache_scales``): the impls get ``k_head_scales`` /
+    ``v_head_scales`` instead, KV head ``h``'s the given scales times
+    ``PER_HEAD_FACTORS[h]``, and the cache must hold each head over its own;
+    a backend whose impl does not declare ``supports_per_head_kv_scales`` fails.
 
     Every head size in ``HEAD_SIZES`` and block size in ``BLOCK_SIZES`` (or,
     when it accepts none of those, ``LARGE_BLOCK_SIZES``) that
@@ -157,8 +164,15 @@ def check_attention_backend(
             f"dtype={dtype}: no stated tolerance; ATTENTION_TOLERANCES has "
             + ", ".join(str(d) for d in ATTENTION_TOLERANCES)
         )
+    if per_head_kv_scales and kv_cache_scales is None:
+        raise ValueError("per_head_kv_scales spreads kv_cache_scales over the heads: pass kv_cache_scales too")
     cls = _load_for_check(backend, kv_cache_dtype, "kv_cache_scales" if kv_cache_scales is not None else None,
                           lambda c: c.get_impl_cls(), "impl")
+    if per_head_kv_scales and not cls.get_impl_cls().supports_per_head_kv_scales:
+        raise AssertionError(
+            f"attention backend {cls.name!r}: its impl {cls.get_impl_cls().__qualname__} does not declare "
+            "supports_per_head_kv_scales, so an engine refuses calibrated FP8 KV-cache scales per KV head on it"
+        )
     device = torch.device(device)
     configs, refusals = accepted_configurations(cls, dtype, device, quick, kv_cache_dtype)
     if not configs:
@@ -173,7 +187,8 @@ def check_attention_backend(
         for head_size, block_size in configs:
             builder = cls.get_metadata_builder_cls()(_engine_config(cls, dtype, device, block_size), device)
             for case in cases:
-                _run_case(cls, builder, case, head_size, block_size, dtype, device, kv_cache_dtype, kv_cache_scales)
+                _run_case(cls, builder, case, head_size, block_size, dtype, device, kv_cache_dtype, kv_cache_scales,
+                          per_head_kv_scales)
 
 
 def accepted_configurations(
@@ -278,8 +293,8 @@ class _Layer:
     value: list[torch.Tensor]
     cached_key: list[torch.Tensor]  # key as the cache holds it: rounded to its dtype (float8: key / k_scale)
     cached_value: list[torch.Tensor]
-    k_scale: float = 1.0  # calibrated FP8 KV-cache scales the impl was given
-    v_scale: float = 1.0
+    k_scale: float | torch.Tensor = 1.0  # calibrated FP8 KV-cache scales the impl was given ([KVH]: per head)
+    v_scale: float | torch.Tensor = 1.0
 
 
 def _run_case(
@@ -292,11 +307,13 @@ def _run_case(
     device: torch.device,
     kv_cache_dtype: str = "auto",
     kv_cache_scales: tuple[float, float] | None = None,
+    per_head_kv_scales: bool = False,
 ) -> None:
     k_scale, v_scale = kv_cache_scales or (1.0, 1.0)
     label = (
         f"attention backend {cls.name!r}, case {case.name!r} ({dtype}, {_kv_label(kv_cache_dtype)}"
-        + (f"k_scale={k_scale:g}, v_scale={v_scale:g}, " if kv_cache_scales else "")
+        + (f"k_scale={k_scale:g}, v_scale={v_scale:g}{' per head' if per_head_kv_scales else ''}, "
+           if kv_cache_scales else "")
         +
         f"head_size={head_size}, "
         f"block_size={block_size}, H={case.num_heads}, KVH={case.num_kv_heads})"
@@ -320,8 +337,14 @@ def _run_case(
         if case.sliding_window is None:
             raise
         return  # the backend says it has no sliding windows: nothing to check here
+    if per_head_kv_scales:  # KV head h: the scales times PER_HEAD_FACTORS[h]
+        factors = torch.tensor(PER_HEAD_FACTORS[: case.num_kv_heads])
+        k_scale, v_scale = k_scale * factors, v_scale * factors.flip(0)
     for impl in impls:
-        impl.k_scale, impl.v_scale = k_scale, v_scale
+        if per_head_kv_scales:
+            impl.k_head_scales, impl.v_head_scales = k_scale.clone(), v_scale.clone()
+        else:
+            impl.k_scale, impl.v_scale = k_scale, v_scale
 
     def rand(n: int, heads: int) -> torch.Tensor:  # [n, heads, D] in dtype, on device
         return torch.randn(n, heads, head_size, generator=gen).to(dtype).to(device)
@@ -423,8 +446,8 @@ def _reference(
 ) -> torch.Tensor:  # [end - start, H, D] float32, on the CPU
     """Positions ``start .. end-1`` of request ``r`` over its keys ``0 .. end-1``."""
     key, value = layer.cached_key[r][:end], layer.cached_value[r][:end]
-    if layer.k_scale != 1.0 or layer.v_scale != 1.0:  # the stored float8 values times the calibrated scales
-        key, value = key.float() * layer.k_scale, value.float() * layer.v_scale
+    if _scaled(layer.k_scale) or _scaled(layer.v_scale):  # the stored float8 values times the calibrated scales
+        key, value = key.float() * _per_row(layer.k_scale), value.float() * _per_row(layer.v_scale)
     return reference_attention(layer.query[r][start:end], key, value, scale, sliding_window)
 
 
@@ -433,13 +456,23 @@ def _kv_label(kv_cache_dtype: str) -> str:
     return "" if kv_cache_dtype == "auto" else f"kv_cache_dtype={kv_cache_dtype!r}, "
 
 
-def _rounded(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+def _scaled(scale: float | torch.Tensor) -> bool:
+    return isinstance(scale, torch.Tensor) or scale != 1.0
+
+
+def _per_row(scale: float | torch.Tensor) -> float | torch.Tensor:
+    """A scale as it multiplies ``[S, KVH, D]`` rows: per head ``[KVH, 1]``."""
+    return scale[:, None] if isinstance(scale, torch.Tensor) else scale
+
+
+def _rounded(x: torch.Tensor, cache_dtype: torch.dtype, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """``x`` as a cache of ``cache_dtype`` holds it, in ``cache_dtype``: float8
-    ``x / scale`` (in float32) saturated at its largest finite value (vLLM's cache write)."""
+    ``x / scale`` (in float32; per KV head where ``scale`` is ``[KVH]``) saturated at its
+    largest finite value (vLLM's cache write)."""
     if not is_fp8(cache_dtype):
         return x.to(cache_dtype)
     limit = torch.finfo(cache_dtype).max
-    return (x.float() / scale).clamp(-limit, limit).to(cache_dtype)
+    return (x.float() / _per_row(scale)).clamp(-limit, limit).to(cache_dtype)
 
 
 def reference_attention(

@@ -38,6 +38,7 @@ from vframe.backends.torch_attn import (
     attend_prefills,
     kv_cache_views,
     plan_prefill,
+    scaled_output,
     write_kv_cache,
 )
 from vframe.core.interfaces import AttentionImpl, AttentionMetadataBuilder, CommonAttentionMetadata
@@ -139,7 +140,7 @@ class CpuPagedAttentionImpl(TorchAttentionImpl):
         output = torch.empty_like(query)  # every token's row is written below (a decode or a prefill)
         if meta.num_actual_tokens < output.shape[0]:
             output[meta.num_actual_tokens :] = 0  # padding rows past the step's tokens stay zero
-        key, value, scale, factor = self.kv_cache_domain(key, value, kv_cache)
+        query, key, value, scale, factor = self.kv_cache_domain(query, key, value, kv_cache)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         views = self._kv_views
         if views is None or views[0] is not kv_cache:
@@ -162,7 +163,7 @@ class CpuPagedAttentionImpl(TorchAttentionImpl):
                 output, query, key_cache, value_cache, meta.block_table, meta.seq_lens,
                 meta.decode_req_ids, meta.decode_rows, scale, window,
             )  # fmt: skip
-        return output if factor == 1.0 else output.mul_(factor)
+        return scaled_output(output, factor)
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):

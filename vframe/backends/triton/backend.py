@@ -38,6 +38,7 @@ from vframe.core.interfaces import (
     CommonAttentionMetadata,
     MLAAttentionImpl,
 )
+from vframe.core.kv_cache_spec import is_fp8
 from vframe.utils import triton_mode
 
 PREFILL_BLOCK_Q = 16  # query tokens per program when some request has more than one
@@ -103,6 +104,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 class TritonAttentionImpl(AttentionImpl):
     supports_kv_cache_scales = True  # plugin API 1.19: the kernels write over and read times them
+    supports_per_head_kv_scales = True  # plugin API 1.22: per KV head, around the kernels (fold_kv_head_scales)
 
     def __init__(
         self,
@@ -134,7 +136,12 @@ class TritonAttentionImpl(AttentionImpl):
         n = meta.num_actual_tokens
         # The kernels index the head dimension with unit stride.
         query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
-        self.kernels.write_kv(key[:n], value[:n], kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        k_scale, v_scale, factor = self.k_scale, self.v_scale, None
+        if is_fp8(kv_cache.dtype) and (self.k_head_scales is not None or self.v_head_scales is not None):
+            # per KV head (plugin API 1.22): applied around the kernels, which then run at scale 1.0
+            query, key, value, factor = self.fold_kv_head_scales(query, key, value)
+            k_scale = v_scale = 1.0
+        self.kernels.write_kv(key[:n], value[:n], kv_cache, meta.slot_mapping, k_scale, v_scale)
         output = torch.empty_like(query)
         if output.shape[0] > n:
             output[n:].zero_()  # padding rows
@@ -151,10 +158,10 @@ class TritonAttentionImpl(AttentionImpl):
             scale=self.scale,
             sliding_window=self.sliding_window,
             num_splits=self.num_splits(meta),
-            k_scale=self.k_scale,
-            v_scale=self.v_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
-        return output
+        return output if factor is None else output.mul_(factor)
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -209,7 +209,8 @@ class TorchModelRunner(ModelRunner):
         if kv_cache_dtype != "auto" and getattr(self.quant_config, "calibrated_kv_cache", False):
             # the loader sets a scale on the impl (an instance attribute) only from a checkpoint tensor
             needed = [("k_scale",) if isinstance(impl, MLAAttentionImpl) else ("k_scale", "v_scale") for impl in impls]
-            missing = [i for i, (impl, names) in enumerate(zip(impls, needed)) if not set(names) <= vars(impl).keys()]
+            missing = [i for i, (impl, names) in enumerate(zip(impls, needed))
+                       if not all(n in vars(impl) or n.replace("_scale", "_head_scales") in vars(impl) for n in names)]
             if missing:
                 raise ConfigError(
                     f"quantization_config.kv_cache_scheme says the checkpoint carries calibrated FP8 KV-cache "
@@ -217,7 +218,10 @@ class TorchModelRunner(ModelRunner):
                     f"layer {missing[0]}); a float8 cache would run them at scale 1.0. Use kv_cache_dtype='auto', "
                     "or a checkpoint with every layer's k_scale / v_scale"
                 )
-        scaled = [impl for impl in impls if (impl.k_scale, impl.v_scale) != (1.0, 1.0)]
+        def per_head(impl: object) -> bool:  # MLA impls have no per-head scales
+            return getattr(impl, "k_head_scales", None) is not None or getattr(impl, "v_head_scales", None) is not None
+
+        scaled = [impl for impl in impls if (impl.k_scale, impl.v_scale) != (1.0, 1.0) or per_head(impl)]
         if not scaled:
             return
         if kv_cache_dtype == "auto":
@@ -231,15 +235,22 @@ class TorchModelRunner(ModelRunner):
                     f"k_scale={impl.k_scale:g}; its float8 cache holds one latent, scaled by k_scale (as vLLM's), so "
                     "a different v_scale cannot be applied; use kv_cache_dtype='auto' (the scales then go unused)"
                 )
-        refused = sorted({type(impl).__qualname__ for impl in scaled if not type(impl).supports_kv_cache_scales})
-        if refused:
-            raise ConfigError(
-                f"the checkpoint carries calibrated FP8 KV-cache scales (k_scale / v_scale, e.g. "
-                f"{scaled[0].k_scale:g} / {scaled[0].v_scale:g}) and attention backend {self.attn_backend.name!r} "
-                f"({', '.join(refused)}) does not apply them to its kv_cache_dtype={kv_cache_dtype!r} cache; use "
-                "kv_cache_dtype='auto' (the scales then go unused), or a backend that applies them (torch, "
-                "cpu_paged, triton)"
-            )
+        headed = [impl for impl in scaled if per_head(impl)]
+        checks = (  # (the impls, the class attribute that says it applies their scales, what they carry, what it lacks)
+            (headed, "supports_per_head_kv_scales",
+             f"calibrated FP8 KV-cache scales per KV head (kv_cache_scheme strategy 'attn_head'; {len(headed)} layers)",
+             "per-head scales"),
+            (scaled, "supports_kv_cache_scales", f"calibrated FP8 KV-cache scales (k_scale / v_scale, e.g. "
+             f"{scaled[0].k_scale:g} / {scaled[0].v_scale:g})", "them"),
+        )
+        for group, flag, carried, what in checks:
+            if refused := sorted({type(impl).__qualname__ for impl in group if not getattr(type(impl), flag)}):
+                raise ConfigError(
+                    f"the checkpoint carries {carried} and attention backend {self.attn_backend.name!r} "
+                    f"({', '.join(refused)}) does not apply {what} to its kv_cache_dtype={kv_cache_dtype!r} cache; use "
+                    "kv_cache_dtype='auto' (the scales then go unused), or a backend that applies them (torch, "
+                    "cpu_paged, triton)"
+                )
 
     def _build_lora_manager(self) -> LoRAManager:
         from vframe.lora.manager import LoRAManager

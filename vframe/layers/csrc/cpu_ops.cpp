@@ -778,6 +778,13 @@ struct MoeMlp {
   int64_t layout;
 };
 
+// Calibrated FP8 KV-cache scales per KV head (plugin API 1.22), float32, shaped to broadcast as
+// AttentionImpl.fold_kv_head_scales applies them: keys / k and values / v ([KVH, 1] against [T, KVH, D]),
+// the query heads times their KV head's k ([H, 1] against [T, H, D]), the output times its v ([H, 1]).
+struct HeadScales {
+  at::Tensor k, v, query, output;
+};
+
 struct PlanLayer {
   at::Tensor input_norm, post_norm;
   int64_t sliding_window;  // 0: none
@@ -785,6 +792,7 @@ struct PlanLayer {
   std::vector<BoundCall> linears;  // qkv, o, gate_up, down; qkv, o where moe is set
   std::optional<MoeMlp> moe;
   std::optional<at::Tensor> silu_pairs;  // gate_up's weight as bf16 pairs: bf16_gemm_silu in place of linears[2]
+  std::optional<HeadScales> head_scales;  // per KV head, in place of k_scale / v_scale
 };
 
 struct DecodePlan : torch::CustomClassHolder {
@@ -800,7 +808,20 @@ struct DecodePlan : torch::CustomClassHolder {
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t sliding_window, double k_scale, double v_scale) {
     layers.push_back(PlanLayer{std::move(input_norm), std::move(post_norm), sliding_window, k_scale, v_scale, {}, std::nullopt,
-                               std::nullopt});
+                               std::nullopt, std::nullopt});
+  }
+
+  // The last layer's calibrated FP8 KV-cache scales per KV head, k and v float32 [KVH] (its attention
+  // impl's kv_head_scales).
+  void set_head_scales(const at::Tensor& k, const at::Tensor& v) {
+    TORCH_CHECK(!layers.empty(), "DecodePlan.set_head_scales: add_layer first");
+    for (const auto* t : {&k, &v})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == kv_heads,
+                  "DecodePlan.set_head_scales: k and v must be float32 [", kv_heads, "]");
+    const int64_t group = heads / kv_heads;
+    layers.back().head_scales = HeadScales{k.contiguous().view({kv_heads, 1}), v.contiguous().view({kv_heads, 1}),
+                                           k.repeat_interleave(group).view({heads, 1}),
+                                           v.repeat_interleave(group).view({heads, 1})};
   }
 
   static BoundCall bound_call(const std::string& name, const std::string& overload, std::vector<c10::IValue> args,
@@ -863,15 +884,24 @@ struct DecodePlan : torch::CustomClassHolder {
       rotary_neox_(positions, q, k, cos_sin);
       // a float8 cache with calibrated scales: K / k_scale and V / v_scale stored (float32 division, rounded
       // once: the bits of TorchAttentionImpl.kv_cache_domain's x.float() / scale), k_scale folded into the
-      // softmax scale and v_scale into the output
-      const bool scaled = (kv.scalar_type() == at::kFloat8_e4m3fn || kv.scalar_type() == at::kFloat8_e5m2) &&
-                          (layer.k_scale != 1.0 || layer.v_scale != 1.0);
-      store_kv(k, v, kv, slots, scaled ? layer.k_scale : 1.0, scaled ? layer.v_scale : 1.0);
+      // softmax scale and v_scale into the output; per KV head (fold_kv_head_scales' operations, so its bits)
+      // K and V divided per head in float32, the query heads times their k, the output times their v
+      const bool fp8 = kv.scalar_type() == at::kFloat8_e4m3fn || kv.scalar_type() == at::kFloat8_e5m2;
+      const HeadScales* per_head = fp8 && layer.head_scales ? &*layer.head_scales : nullptr;
+      const bool scaled = fp8 && !per_head && (layer.k_scale != 1.0 || layer.v_scale != 1.0);
+      at::Tensor query = q;
+      if (per_head) {
+        store_kv(k.to(at::kFloat).div(per_head->k), v.to(at::kFloat).div(per_head->v), kv, slots, 1.0, 1.0);
+        query = q.to(at::kFloat).mul(per_head->query).to(q.scalar_type());
+      } else {
+        store_kv(k, v, kv, slots, scaled ? layer.k_scale : 1.0, scaled ? layer.v_scale : 1.0);
+      }
       at::Tensor attended = at::empty_like(q);
-      torch::jit::Stack stack{attended, q, kv.select(0, 0), kv.select(0, 1), block_table, seq_lens,
+      torch::jit::Stack stack{attended, query, kv.select(0, 0), kv.select(0, 1), block_table, seq_lens,
                               req_ids, query_rows, scaled ? scale * layer.k_scale : scale, layer.sliding_window};
       attention.callBoxed(stack);
       if (scaled) attended.mul_(layer.v_scale);
+      if (per_head) attended.mul_(per_head->output);
       at::Tensor h = at::add(x, layer.linears[1](attended.reshape({tokens, heads * head_dim})));
       const at::Tensor normed = rms_norm(h, layer.post_norm, eps);
       at::Tensor mlp;
@@ -910,6 +940,7 @@ TORCH_LIBRARY(vframe_cpu_ops, m) {
       .def("add_linear", &DecodePlan::add_linear)
       .def("add_moe", &DecodePlan::add_moe)
       .def("set_silu_pairs", &DecodePlan::set_silu_pairs)
+      .def("set_head_scales", &DecodePlan::set_head_scales)
       .def("num_layers", &DecodePlan::num_layers)
       .def("run", &DecodePlan::run);
 }

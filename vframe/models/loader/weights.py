@@ -100,18 +100,35 @@ def set_kv_cache_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> Non
     ``AttentionImpl.k_scale`` / ``v_scale``; ``kv_scale`` sets both). The names the tools write:
     ``<attention>.k_scale`` (llm-compressor, vLLM), ``<attention>.k_proj.k_scale`` (ModelOpt),
     ``<attention>.attn.k_scale``: the nearest module on the name's path that holds one
-    attention impl takes it. One positive finite value per layer."""
+    attention impl takes it. One positive finite value per layer, or (plugin API 1.22,
+    llm-compressor's ``strategy: attn_head``, ``[KVH, 1, 1]``) one per KV head of the model:
+    the impl's ``k_head_scales`` / ``v_head_scales`` then hold this rank's heads."""
     kind = name.rpartition(".")[2]
-    if tensor.numel() != 1:
+    values = tensor.detach().float().reshape(-1)
+    bad = values[~((values > 0) & (values < float("inf")))]
+    if values.numel() == 0 or bad.numel():
         raise ModelLoadError(
-            f"checkpoint tensor {name!r} holds {tensor.numel()} FP8 KV-cache scales (shape {tuple(tensor.shape)}); "
-            "vframe reads one per layer (per-tensor, as vLLM does), not per head or per channel"
+            f"checkpoint tensor {name!r} is a KV-cache scale of {float(bad[0]) if bad.numel() else 'nothing'}; "
+            "a scale must be positive and finite"
         )
-    value = float(tensor.float().reshape(()))
-    if not (value > 0 and value < float("inf")):
-        raise ModelLoadError(
-            f"checkpoint tensor {name!r} is a KV-cache scale of {value}; a scale must be positive and finite"
-        )
+    impl = _scaled_attention_impl(model, name)
+    if values.numel() == 1:
+        value = float(values[0])
+        if kind in ("k_scale", "kv_scale"):
+            impl.k_scale = value
+        if kind in ("v_scale", "kv_scale"):
+            impl.v_scale = value
+        return
+    heads = _rank_heads(impl, values, name, tuple(tensor.shape))
+    if kind in ("k_scale", "kv_scale"):
+        impl.k_head_scales = heads
+    if kind in ("v_scale", "kv_scale"):
+        impl.v_head_scales = heads
+
+
+def _scaled_attention_impl(model: nn.Module, name: str) -> object:
+    """The one attention impl (``AttentionImpl`` / ``MLAAttentionImpl``) the nearest module on
+    ``name``'s path holds."""
     parts = name.split(".")[:-1]
     while parts:
         try:
@@ -121,14 +138,34 @@ def set_kv_cache_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> Non
             continue
         impls = attention_impls(module)
         if len(impls) == 1:
-            if kind in ("k_scale", "kv_scale"):
-                impls[0].k_scale = value
-            if kind in ("v_scale", "kv_scale"):
-                impls[0].v_scale = value
-            return
+            return impls[0]
         parts.pop()
     raise ModelLoadError(f"checkpoint tensor {name!r} is a KV-cache scale with no attention layer on its path in "
                          f"{type(model).__name__}")
+
+
+def _rank_heads(impl: object, values: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's share of per-KV-head scales ``values`` ([total KV heads]), as the q / k / v
+    projection splits the heads: ``num_kv_heads`` consecutive heads a rank, or with more ranks
+    than heads, each head on ``tp / heads`` consecutive ranks."""
+    from vframe.core.interfaces import AttentionImpl
+    from vframe.layers.parallel import get_tp_rank, get_tp_size
+
+    if not isinstance(impl, AttentionImpl):
+        raise ModelLoadError(
+            f"checkpoint tensor {name!r} holds {values.numel()} FP8 KV-cache scales (shape {shape}) for a multi-head "
+            "latent attention layer, whose cache holds one latent per token: it takes one scale"
+        )
+    total, rank, tp, mine = values.numel(), get_tp_rank(), get_tp_size(), impl.num_kv_heads
+    if tp <= total and total == mine * tp:
+        return values[rank * mine : (rank + 1) * mine].clone()
+    if tp > total and tp % total == 0 and mine == 1:
+        return values[rank // (tp // total)].reshape(1).clone()
+    raise ModelLoadError(
+        f"checkpoint tensor {name!r} holds {total} FP8 KV-cache scales (shape {shape}), and its attention layer has "
+        f"{mine} KV head{'s' if mine != 1 else ''}" + (f" on each of {tp} tensor-parallel ranks" if tp > 1 else "")
+        + ": a calibrated scale is one value per layer, or one per KV head of the model"
+    )
 
 
 def _why(model: nn.Module, target: str) -> str:

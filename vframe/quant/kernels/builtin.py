@@ -572,7 +572,24 @@ class Int8PairsKernel(_PairsKernel):
     STEP = 4
 
 
-class Fp4PairsKernel(_OnPairs, _DequantizedGemm, QuantLinearKernel):
+class _LookupPairs(_OnPairs, _DequantizedGemm, QuantLinearKernel):
+    """What the pairs kernels whose codes are looked up in a table (``fp4_pairs``, ``lut4_pairs``)
+    share: bfloat16 on the CPU, blocks of 16 outputs and steps of 8 inputs, the weight read back
+    row by row (``dequantize_rows``, which each defines)."""
+
+    @classmethod
+    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        if spec.device.type != "cpu" or spec.dtype != torch.bfloat16:
+            return "it runs bfloat16 activations on the CPU only"
+        if spec.out_features % 16 or spec.in_features % 8:
+            return "it needs a multiple of 16 outputs and of 8 inputs"
+        return pairs_available()
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
+        return self.dequantize_rows(layer, torch.arange(self.spec.out_features, device=self.get(layer, "q").device))
+
+
+class Fp4PairsKernel(_LookupPairs):
     """FP4 weights (NVFP4, MXFP4) in bfloat16 on a CPU with AVX512-BF16 (``csrc/woq_gemm.cpp``'s
     ``fp4_pairs_gemm``): the e2m1 codes in ``int4_pairs``' layout, each nibble plane looked up as
     bfloat16 (``vpermw``, exact) for ``vdpbf16ps``, each group's sum times ``scale(byte) /
@@ -583,14 +600,6 @@ class Fp4PairsKernel(_OnPairs, _DequantizedGemm, QuantLinearKernel):
 
     priority = 35  # above fp4_cpu (20), which reads the codes eight at a time in float32
     weight_types = (NVFP4, MXFP4)
-
-    @classmethod
-    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
-        if spec.device.type != "cpu" or spec.dtype != torch.bfloat16:
-            return "it runs bfloat16 activations on the CPU only"
-        if spec.out_features % 16 or spec.in_features % 8:
-            return "it needs a multiple of 16 outputs and of 8 inputs"
-        return pairs_available()
 
     def prepare(self, layer: nn.Module, weight: Fp4Weight) -> None:
         Fp4CpuKernel.refuse_nan_scales(weight, self.spec.layer)
@@ -612,9 +621,6 @@ class Fp4PairsKernel(_OnPairs, _DequantizedGemm, QuantLinearKernel):
     def _dequantized_pairs(self, layer: nn.Module, blocks: slice) -> torch.Tensor:
         q, scales, global_scale, group, scale_format = self._args(layer)
         return _woq_ops().fp4_pairs_dequantize(q[blocks], scales[blocks], global_scale[blocks], group, scale_format)
-
-    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
-        return self.dequantize_rows(layer, torch.arange(self.spec.out_features, device=self.get(layer, "q").device))
 
     def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         """``Fp4Weight.dequantize`` of the rows read back from the layout."""
@@ -780,7 +786,7 @@ class Lut4CpuKernel(_DequantizedGemm, QuantLinearKernel):
         return _woq_ops().lut4_dequantize(q, scales, self.get(layer, "table"), self.group_size, dtype)
 
 
-class Lut4PairsKernel(_OnPairs, _DequantizedGemm, QuantLinearKernel):
+class Lut4PairsKernel(_LookupPairs):
     """``Lut4Weight``s (bitsandbytes' NF4 / FP4) in bfloat16 on a CPU with AVX512-BF16
     (``csrc/woq_gemm.cpp``'s ``lut4_pairs_gemm``): the codes in ``int4_pairs``' layout, each nibble
     plane looked up (``vpermw``) in the table rounded to bfloat16 as ``vdpbf16ps`` operands, each
@@ -795,13 +801,9 @@ class Lut4PairsKernel(_OnPairs, _DequantizedGemm, QuantLinearKernel):
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
-        if spec.device.type != "cpu" or spec.dtype != torch.bfloat16:
-            return "it runs bfloat16 activations on the CPU only"
-        if spec.out_features % 16 or spec.in_features % 8:
-            return "it needs a multiple of 16 outputs and of 8 inputs"
         if spec.group_size % 8 or spec.in_features % spec.group_size:
             return f"it needs groups of a multiple of 8 inputs that divide the {spec.in_features} inputs"
-        return pairs_available()
+        return super().can_implement(spec)
 
     def prepare(self, layer: nn.Module, weight: Lut4Weight) -> None:
         blocks, groups = weight.q.shape[0] // 16, weight.scales.shape[1]
@@ -819,9 +821,6 @@ class Lut4PairsKernel(_OnPairs, _DequantizedGemm, QuantLinearKernel):
     def _dequantized_pairs(self, layer: nn.Module, blocks: slice) -> torch.Tensor:
         q, scales, table, group = self._args(layer)
         return _woq_ops().lut4_pairs_dequantize(q[blocks], scales[blocks], table, group)
-
-    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:
-        return self.dequantize_rows(layer, torch.arange(self.spec.out_features, device=self.get(layer, "q").device))
 
     def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         """``Lut4Weight.dequantize`` of the rows read back from the layout."""
