@@ -598,3 +598,18 @@ def test_a_latent_cache_refuses_per_head_scales(tiny_deepseek: str, tmp_path: Pa
             "checkpoint tensor 'model.layers.0.self_attn.k_scale' holds 4 FP8 KV-cache scales (shape (4, 1, 1)) for a "
             "multi-head latent attention layer, whose cache holds one latent per token: it takes one scale")):
         LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=64)
+
+
+def test_kv_head_scales_gives_either_kind_per_kv_head() -> None:
+    from vframe.backends.torch_attn import TorchAttentionImpl
+
+    impl = TorchAttentionImpl(4, 8, 0.5, 2)
+    assert not impl.has_kv_cache_scales
+    impl.k_scale, impl.v_head_scales = 0.5, torch.tensor([2.0, 0.25])  # a per-layer k, per-head v
+    assert impl.has_kv_cache_scales
+    k, v = impl.kv_head_scales("cpu")
+    assert k.tolist() == [0.5, 0.5] and v.tolist() == [2.0, 0.25] and k.dtype == v.dtype == torch.float32
+    query, key, value = torch.ones(1, 4, 8), torch.ones(1, 2, 8), torch.ones(1, 2, 8)
+    query, key, value, factor = impl.fold_kv_head_scales(query, key, value)
+    assert query[0, :, 0].tolist() == [0.5] * 4 and key[0, :, 0].tolist() == [2.0, 2.0]
+    assert value[0, :, 0].tolist() == [0.5, 4.0] and factor[:, 0].tolist() == [2.0, 2.0, 0.25, 0.25]
