@@ -613,3 +613,55 @@ def test_kv_head_scales_gives_either_kind_per_kv_head() -> None:
     query, key, value, factor = impl.fold_kv_head_scales(query, key, value)
     assert query[0, :, 0].tolist() == [0.5] * 4 and key[0, :, 0].tolist() == [2.0, 2.0]
     assert value[0, :, 0].tolist() == [0.5, 4.0] and factor[:, 0].tolist() == [2.0, 2.0, 0.25, 0.25]
+
+
+def _attention_quantized(src: str, dst: Path, zero_point: float = 0.0) -> str:
+    """``src`` (grown_heads) as llm-compressor's attention quantization saves it: a weightless
+    config group targeting LlamaAttention with float8 inputs per head, the kv_cache_scheme it
+    implies, and beside each layer's k / v scales a q_scale and zero points (llm-compressor 0.14
+    on a CPU leaves q_scale uncalibrated: zeros and denormals here, as it wrote them)."""
+    import json
+
+    fp8_head = {"num_bits": 8, "type": "float", "strategy": "attn_head", "dynamic": False, "symmetric": True}
+    scales = {}
+    for i in (0, 1):
+        prefix = f"model.layers.{i}.self_attn"
+        scales |= {f"{prefix}.q_scale": torch.tensor([0.0, 1e-44, 0.0, 3e-30]).reshape(4, 1, 1)}
+        scales |= {f"{prefix}.{x}_zero_point": torch.zeros(n, 1, 1, dtype=torch.float8_e4m3fn)
+                   for x, n in (("q", 4), ("k", 2), ("v", 2))}
+    scales["model.layers.1.self_attn.v_zero_point"] = torch.full((2, 1, 1), zero_point).to(torch.float8_e4m3fn)
+    kept = {k: v for k, v in load_file(Path(src) / "model.safetensors").items() if k.endswith("_scale")}
+    path = _with_scales(src, dst, kept | scales)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "dense", "quantization_status": "compressed",
+        "config_groups": {"attention": {"targets": ["LlamaAttention"], "weights": None,
+                                        "input_activations": fp8_head, "format": "dense"}},
+        "ignore": [], "kv_cache_scheme": fp8_head,
+    }
+    (dst / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_attention_quantization_serves_as_its_per_head_kv_scales(grown_heads: tuple[str, dict], tmp_path: Path) -> None:
+    """llm-compressor's attention quantization: the linears float, the k / v scales per head
+    applied by a float8 cache (the same answers as the checkpoint with the scales alone), the
+    queries' scales and the zero points read and not used."""
+    path, scales = grown_heads
+    quantized = _attention_quantized(path, tmp_path)
+    common = dict(skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=128, num_threads=2)
+    llm = LLM(model=quantized, **common)
+    layer = llm.llm_engine.model_runner.model.model.layers[1].self_attn
+    assert type(layer.qkv_proj.quant_method).__name__ == "UnquantizedLinearMethod"
+    assert torch.equal(layer.attn.k_head_scales, scales[1][0]) and torch.equal(layer.attn.v_head_scales, scales[1][1])
+    plain = LLM(model=path, **common)
+    for prompt in PROMPTS:
+        assert torch.equal(_prompt_logprobs(llm, prompt), _prompt_logprobs(plain, prompt))
+
+
+def test_a_nonzero_kv_zero_point_is_refused(grown_heads: tuple[str, dict], tmp_path: Path) -> None:
+    path = _attention_quantized(grown_heads[0], tmp_path, zero_point=1.0)
+    with pytest.raises(ModelLoadError, match=re.escape(
+            "checkpoint tensor 'model.layers.1.self_attn.v_zero_point' is a nonzero zero point: vframe's float8 KV "
+            "cache is symmetric (scales only), as vLLM's")):
+        LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=64)

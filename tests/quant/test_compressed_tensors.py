@@ -365,6 +365,12 @@ def test_fused_shards_quantized_differently_are_refused() -> None:
         (quant_config("pack-quantized", weights(4, "int", "group", 128), INT8_TOKEN),
          r"group_0 .*: input_activations with packed weights \(W4A8\) are not supported"),
         (quant_config("pack-quantized", weights(3, "int", "group", 128)), r"group_0 \(pack-quantized, int3 weights"),
+        (quant_config("dense", None), r"config_groups.group_0.weights is null: vframe serves weight-quantized schemes"),
+        # attention quantization with int8 (or dynamic) inputs: not a float8 KV cache
+        (quant_config("dense", None, {**FP8_STATIC, "type": "int"}, targets=["LlamaAttention"]),
+         r"config_groups.group_0.input_activations .* is not supported: vframe applies static float8 scales"),
+        (quant_config("dense", None, FP8_TOKEN, targets=["LlamaAttention"]),
+         r"config_groups.group_0.input_activations .* is not supported"),
         (quant_config("nvfp4-pack-quantized", weights(4, "float", "tensor_group", 32)),
          r"nvfp4-pack-quantized weights are served as float4, strategy 'tensor_group', group_size 16, symmetric; got .*group_size=32"),
         (quant_config("mxfp4-pack-quantized", weights(4, "float", "group", 16)),
@@ -385,6 +391,20 @@ def test_fused_shards_quantized_differently_are_refused() -> None:
 def test_what_it_cannot_serve_is_refused_naming_the_scheme(q: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         CompressedTensorsConfig.from_config(q)
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
+def test_attention_quantization_leaves_the_linears_float_and_reads_the_kv_scales(strategy: str) -> None:
+    """llm-compressor's attention quantization: a weightless group targeting the attention modules
+    with float8 inputs (q / k / v scales), and the kv_cache_scheme it implies; linears beside it
+    quantized by their own groups."""
+    inputs = {**FP8_STATIC, "strategy": strategy}
+    attention = {"targets": ["LlamaAttention"], "weights": None, "input_activations": inputs, "format": "dense"}
+    q = quant_config("pack-quantized", weights(4), kv_cache_scheme=inputs)
+    config = CompressedTensorsConfig.from_config({**q, "config_groups": {"attention": attention}})
+    assert config.schemes == [] and config.calibrated_kv_cache
+    mixed = CompressedTensorsConfig.from_config({**q, "config_groups": {**q["config_groups"], "attention": attention}})
+    assert [s.group for _, s in mixed.schemes] == ["group_0"] and mixed.calibrated_kv_cache
 
 
 @pytest.mark.parametrize("strategy", ["tensor", "attn_head"])

@@ -86,6 +86,9 @@ SCHEMES = {
                  "KV-cache scales: k_scale / v_scale per layer)",
     "ct-fp8-kv-head": "llm-compressor QuantizationModifier FP8_DYNAMIC with kv_cache_scheme strategy attn_head "
                       "(static FP8 KV-cache scales per KV head: k_scale / v_scale [heads] per layer)",
+    "ct-fp8-attn-head": "llm-compressor QuantizationModifier attention quantization (a config group targeting "
+                        "LlamaAttention, float8 input activations per head; the weights left float): q / k / v "
+                        "scales per head, the kv_cache_scheme it implies",
     "ct-w8a8": "llm-compressor SmoothQuantModifier + GPTQModifier W8A8 (int8 channel weights, dynamic int8 tokens)",
     "ct-w8a16": "llm-compressor GPTQModifier W8A16 (int8, groups of 64)",
     "ct-w8a16-head": "llm-compressor GPTQModifier W8A16 (int8, groups of 64), lm_head not ignored: quantized too",
@@ -123,6 +126,7 @@ CT_PRESETS = {
     "ct-fp8-block": ("quantization", "FP8_BLOCK"),
     "ct-fp8-kv": ("quantization", "FP8_DYNAMIC"),
     "ct-fp8-kv-head": ("quantization", "FP8_DYNAMIC"),
+    "ct-fp8-attn-head": ("quantization", "ATTENTION"),
     "ct-w8a8": ("gptq", "W8A8"),
     "ct-w8a16": ("gptq", 8),
     "ct-w8a16-head": ("gptq", 8),
@@ -205,6 +209,9 @@ def make_llm_compressor(scheme: str, dense: Path, out: Path, reference: Path) ->
     if isinstance(preset, int):  # WnA16, groups of 64
         weights = {"num_bits": preset, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64}
         how = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+    elif preset == "ATTENTION":  # llm-compressor's attention quantization example, per head
+        inputs = {"num_bits": 8, "type": "float", "strategy": "attn_head"}
+        how = {"config_groups": {"attention": {"targets": ["LlamaAttention"], "input_activations": inputs}}}
     else:
         how = {"targets": "Linear", "scheme": preset}
     ignore = [] if scheme in HEAD_QUANTIZED else ["lm_head"]

@@ -40,7 +40,10 @@ int8 (int-quantized, channel or tensor weights, dynamic per-token int8
 activations), FP8 weights (float-quantized, tensor, channel or block;
 activations stay in the model's dtype), MXFP8 weights (MXFP8A16) and FP4 weights
 (NVFP4A16, MXFP4A16; a W4A4 or MXFP8 checkpoint's activations stay in the model's dtype
-too, with a warning, as FP8's static ones do). Everything else is refused naming the group.
+too, with a warning, as FP8's static ones do), and llm-compressor's attention quantization (a
+weightless group targeting the attention modules with static float8 inputs: its key and value
+scales are the KV cache's, per tensor or per head; the queries' are read and not used). Everything
+else is refused naming the group.
 """
 
 from __future__ import annotations
@@ -143,7 +146,14 @@ class CompressedTensorsConfig(QuantizationConfig):
         groups = q.get("config_groups") or {}
         if not groups:
             raise ConfigError("quantization_config.config_groups is empty: nothing says how layers are quantized")
-        schemes = [(list(g.get("targets") or []), _scheme(name, g, q.get("format"))) for name, g in groups.items()]
+        attention = {name: g for name, g in groups.items() if _attention_group(name, g)}
+        if attention:
+            logger.info(
+                "attention quantization (quantization_config.config_groups %s): the keys' and values' scales go to a "
+                "float8 KV cache (kv_cache_dtype='fp8'); the queries' (q_scale) are read and not used: vframe attends "
+                "in the model's dtype, as vLLM does outside FlashAttention 3", ", ".join(attention))
+        schemes = [(list(g.get("targets") or []), _scheme(name, g, q.get("format")))
+                   for name, g in groups.items() if name not in attention]
         if any(s.activations in (NVFP4, MXFP4) for _, s in schemes):
             logger.warning(
                 "FP4 W4A4 checkpoint (NVFP4 / MXFP4): vframe multiplies its FP4 weights by activations in the "
@@ -201,7 +211,7 @@ def _matches(name: str, target: str) -> bool:
     return target == "Linear" or target == name
 
 
-def _check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
+def _check_kv_cache_scheme(scheme: dict[str, Any] | None, where: str = "quantization_config.kv_cache_scheme") -> None:
     """``kv_cache_scheme``: llm-compressor's calibrated KV cache. The ones vLLM serves, static
     float8 scales (``type: float``, 8 bits) per tensor (``strategy: tensor``) or per KV head
     (``attn_head``, plugin API 1.22), arrive as each attention layer's ``k_scale`` / ``v_scale``
@@ -215,9 +225,21 @@ def _check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
     if (found != wanted or scheme.get("strategy") not in ("tensor", "attn_head")
             or scheme.get("dynamic") not in (None, False) or scheme.get("symmetric") is False):
         raise ConfigError(
-            f"quantization_config.kv_cache_scheme {scheme} is not supported: vframe applies static float8 scales "
+            f"{where} {scheme} is not supported: vframe applies static float8 scales "
             "(type 'float', num_bits 8, strategy 'tensor' or 'attn_head', dynamic false, symmetric), as vLLM does"
         )
+
+
+def _attention_group(name: str, group: dict[str, Any]) -> bool:
+    """Whether config group ``name`` is llm-compressor's attention quantization: no weights, static
+    float8 scales for the attention's inputs (``targets`` the attention modules, e.g.
+    ``LlamaAttention``; ``q_scale`` / ``k_scale`` / ``v_scale`` per tensor or per head), which
+    comes with the same ``kv_cache_scheme``. Other weightless groups are ``_scheme``'s to refuse."""
+    a = group.get("input_activations")
+    if group.get("weights") or not a:
+        return False
+    _check_kv_cache_scheme(a, f"quantization_config.config_groups.{name}.input_activations")
+    return True
 
 
 def _scheme(name: str, group: dict[str, Any], default_format: str | None) -> Scheme:

@@ -15,8 +15,10 @@ from torch import nn
 
 from vframe.errors import ModelLoadError
 
-# Per-layer KV-cache scales that FP8 checkpoints (vLLM's, ModelOpt's) may carry, by tensor name.
-KV_CACHE_SCALES = ("k_scale", "v_scale", "kv_scale")
+# Per-layer KV-cache scales that FP8 checkpoints (vLLM's, ModelOpt's) may carry, by tensor name; and what
+# llm-compressor's attention quantization writes beside them: the query's scale (read, not used: attention
+# runs in the model's dtype) and each one's zero point (symmetric: zeros).
+KV_CACHE_SCALES = ("k_scale", "v_scale", "kv_scale", "q_scale", "q_zero_point", "k_zero_point", "v_zero_point")
 
 # (fused parameter's module, checkpoint module, shard id): ("qkv_proj", "q_proj", "q")
 StackedParams = Sequence[tuple[str, str, str | int]]
@@ -102,8 +104,20 @@ def set_kv_cache_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> Non
     ``<attention>.attn.k_scale``: the nearest module on the name's path that holds one
     attention impl takes it. One positive finite value per layer, or (plugin API 1.22,
     llm-compressor's ``strategy: attn_head``, ``[KVH, 1, 1]``) one per KV head of the model:
-    the impl's ``k_head_scales`` / ``v_head_scales`` then hold this rank's heads."""
+    the impl's ``k_head_scales`` / ``v_head_scales`` then hold this rank's heads. A ``q_scale``
+    (llm-compressor's attention quantization: the query's, for attention computed in float8, as
+    vLLM's FlashAttention 3 does) needs an attention layer on its path and is not kept (nor its
+    values checked: llm-compressor 0.14 on a CPU writes them uncalibrated); so are the zero points
+    it writes beside each scale, which must be zero for keys and values (symmetric float8)."""
     kind = name.rpartition(".")[2]
+    if kind.startswith("q_") or kind.endswith("_zero_point"):
+        _scaled_attention_impl(model, name)
+        if kind in ("k_zero_point", "v_zero_point") and bool(tensor.float().ne(0).any()):
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r} is a nonzero zero point: vframe's float8 KV cache is symmetric (scales "
+                "only), as vLLM's"
+            )
+        return
     values = tensor.detach().float().reshape(-1)
     bad = values[~((values > 0) & (values < float("inf")))]
     if values.numel() == 0 or bad.numel():
