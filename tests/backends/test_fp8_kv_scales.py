@@ -665,3 +665,100 @@ def test_a_nonzero_kv_zero_point_is_refused(grown_heads: tuple[str, dict], tmp_p
             "checkpoint tensor 'model.layers.1.self_attn.v_zero_point' is a nonzero zero point: vframe's float8 KV "
             "cache is symmetric (scales only), as vLLM's")):
         LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=64)
+
+
+# --------------------------------------------------------------------------- #
+# calculate_kv_scales: computed at start-up from a batch of random tokens (vLLM's option)
+# --------------------------------------------------------------------------- #
+
+
+def _calculated_scales(path: str, ids: list[int]) -> dict[int, tuple[float, float]]:
+    """vLLM's calculate_kv_scales on transformers: in one forward of ``ids``, each layer's scales
+    from its keys (after rope) and values, max |K| / 200 and max |V| / 100, then its attention
+    over them rounded as a float8 cache holds them (so the next layer's keys are the ones an
+    engine computing them sees)."""
+    from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    from vframe.core.worker.kv_scales import K_SCALE_CONSTANT, V_SCALE_CONSTANT
+
+    scales = {}
+
+    def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return (x.float() / scale).clamp(-LIMIT, LIMIT).to(torch.float8_e4m3fn).float() * scale
+
+    def calculate(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        k, v = float(key.abs().max()) / K_SCALE_CONSTANT, float(value.abs().max()) / V_SCALE_CONSTANT
+        scales[module.layer_idx] = (k, v)
+        return sdpa_attention_forward(module, query, rounded(key, k), rounded(value, v), attention_mask, **kwargs)
+
+    AttentionInterface.register("vframe_calculate_kv_scales", calculate)
+    AttentionMaskInterface.register("vframe_calculate_kv_scales", sdpa_mask)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="vframe_calculate_kv_scales")
+    with torch.no_grad():
+        model.eval()(torch.tensor([ids]))
+    return scales
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu_paged"])
+def test_calculated_kv_scales_are_a_random_batch_s_max_over_200_and_100(
+    grown_heads: tuple[str, dict], backend: str, tmp_path: Path
+) -> None:
+    """The checkpoint's scales dropped (at scale 1.0 its keys and values, up to ~GROWTH, would
+    saturate): calculate_kv_scales=True sets each layer's from one forward of 128 random tokens
+    (seed 0: max_model_len caps the batch), max |K| / 200 and max |V| / 100 as vLLM computes them,
+    and the float8 cache then gives transformers' answers over the same rounding; the decode
+    plan (cpu_paged) is built again with them."""
+    from vframe.core.worker.kv_scales import CALIBRATION_TOKENS, SEED
+
+    path = _with_scales(grown_heads[0], tmp_path, {})
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True,
+              attention_backend=backend, max_model_len=128, num_threads=2, enable_prefix_caching=False)
+    batch = torch.randint(0, 128, (min(CALIBRATION_TOKENS, 128),), generator=torch.Generator().manual_seed(SEED))
+    expected = _calculated_scales(path, batch.tolist())
+    impls = [layer.self_attn.attn for layer in llm.llm_engine.model_runner.model.model.layers]
+    assert [(impl.k_scale, impl.v_scale) for impl in impls] == [pytest.approx(expected[i], rel=1e-5) for i in (0, 1)]
+    assert all(impl.k_head_scales is None and "forward" not in vars(impl) for impl in impls)
+    if backend == "cpu_paged":
+        assert llm.llm_engine.model_runner.model.model.decode_plan is not None
+    reference = _reference(path, {i: (impls[i].k_scale, impls[i].v_scale) for i in (0, 1)})
+    for prompt in PROMPTS:
+        deltas = (_prompt_logprobs(llm, prompt) - _reference_logprobs(reference, prompt)).abs()
+        assert float(deltas.max()) < 1e-4, deltas
+    _decode_against_reference(llm, reference)
+
+
+def test_calculated_kv_scales_replace_the_checkpoint_s_per_head_ones(grown_heads: tuple[str, dict]) -> None:
+    llm = LLM(model=grown_heads[0], skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8",
+              calculate_kv_scales=True, max_model_len=64)
+    impl = llm.llm_engine.model_runner.model.model.layers[0].self_attn.attn
+    assert impl.k_head_scales is None and impl.v_head_scales is None and impl.k_scale != 1.0
+    assert impl.kv_head_scales("cpu")[0].tolist() == pytest.approx([impl.k_scale] * 2)
+
+
+def test_calculate_kv_scales_needs_a_float8_cache_and_a_backend_that_applies_scales(
+    grown: tuple[str, dict], plain_backend: None
+) -> None:
+    common = dict(model=grown[0], skip_tokenizer_init=True, dtype="float32", max_model_len=64, calculate_kv_scales=True)
+    with pytest.raises(ConfigError, match=re.escape(
+            "calculate_kv_scales=True computes the scales of a float8 KV cache; set kv_cache_dtype='fp8' (or "
+            "'fp8_e5m2'), or leave calculate_kv_scales off")):
+        LLM(**common)
+    with pytest.raises(ConfigError, match=re.escape(
+            "calculate_kv_scales=True sets each layer's k_scale / v_scale, and attention backend 'plain' (PlainImpl) "
+            "does not apply them to its kv_cache_dtype='fp8' cache")):
+        LLM(kv_cache_dtype="fp8", attention_backend="plain", **common)
+
+
+def test_a_latent_cache_s_calculated_scale_is_its_max_over_200(tiny_deepseek: str) -> None:
+    llm = LLM(model=tiny_deepseek, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8",
+              calculate_kv_scales=True, max_model_len=64)
+    impls = [layer.self_attn.attn for layer in llm.llm_engine.model_runner.model.model.layers]
+    # the latent (normed c_kv and the rotated key) is of order 1: its max over 200 is of order 1/200
+    assert all(0.001 < impl.k_scale < 0.05 and impl.v_scale == 1.0 for impl in impls), [i.k_scale for i in impls]
+    prompt = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    exact = _prompt_logprobs(LLM(model=tiny_deepseek, skip_tokenizer_init=True, dtype="float32", max_model_len=64),
+                             prompt)
+    assert float((_prompt_logprobs(llm, prompt) - exact).abs().mean()) < 0.05

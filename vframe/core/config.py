@@ -203,6 +203,11 @@ class CacheSection(BaseModel):
         "with the checkpoint's calibrated k_scale / v_scale (else 1.0), on the torch, triton (NVIDIA GPUs) and "
         "cpu_paged attention backends",
     )
+    calculate_kv_scales: bool = Field(
+        False,
+        description="with a float8 KV cache: each layer's k_scale / v_scale computed at start-up from one batch of "
+        "random tokens (max |K| / 200, max |V| / 100, as vLLM's option of that name), in place of the checkpoint's",
+    )
     cpu_offload_gb: float = Field(0.0, ge=0.0, description="only 0: weights stay on the device")
     prefix_caching_hash_algo: Literal["builtin", "sha256"] = Field(
         "builtin", description="block hash: Python's builtin (fast) or sha256 (collision-resistant)"
@@ -232,6 +237,15 @@ class CacheSection(BaseModel):
                 + " ('auto' caches the model's dtype, the fp8 ones float8 K/V)"
             )
         return v
+
+    @model_validator(mode="after")
+    def _calculated_scales_need_float8(self) -> CacheSection:
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError(
+                "calculate_kv_scales=True computes the scales of a float8 KV cache; set kv_cache_dtype='fp8' (or "
+                "'fp8_e5m2'), or leave calculate_kv_scales off"
+            )
+        return self
 
     @field_validator("cpu_offload_gb")
     @classmethod

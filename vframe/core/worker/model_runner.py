@@ -206,6 +206,19 @@ class TorchModelRunner(ModelRunner):
 
         impls = [impl for module in self.model.modules() for impl in attention_impls(module)]
         kv_cache_dtype = self.config.cache.kv_cache_dtype
+        if self.config.cache.calculate_kv_scales:  # computed at start-up (initialize_kv_cache), per layer
+            refused = sorted({type(impl).__qualname__ for impl in impls if not type(impl).supports_kv_cache_scales})
+            if refused:
+                raise ConfigError(
+                    f"calculate_kv_scales=True sets each layer's k_scale / v_scale, and attention backend "
+                    f"{self.attn_backend.name!r} ({', '.join(refused)}) does not apply them to its "
+                    f"kv_cache_dtype={kv_cache_dtype!r} cache; use a backend that applies them (torch, cpu_paged, "
+                    "triton), or leave calculate_kv_scales off"
+                )
+            if getattr(self.quant_config, "calibrated_kv_cache", False):
+                logger.info("calculate_kv_scales=True: the checkpoint's calibrated FP8 KV-cache scales are replaced "
+                            "by scales computed at start-up")
+            return
         if kv_cache_dtype != "auto" and getattr(self.quant_config, "calibrated_kv_cache", False):
             # the loader sets a scale on the impl (an instance attribute) only from a checkpoint tensor
             needed = [("k_scale",) if isinstance(impl, MLAAttentionImpl) else ("k_scale", "v_scale") for impl in impls]
@@ -422,8 +435,34 @@ class TorchModelRunner(ModelRunner):
             self.kv_caches.append(alloc(shape, dtype=spec.dtype, device=self.device))
         if self.config.cache.debug_verify_kv_tokens:
             self.kv_token_check = KVTokenCheck(num_blocks * self.block_size)
+        if self.config.cache.calculate_kv_scales:  # before graphs are captured: they read the scales
+            self._calculate_kv_scales(num_blocks)
         if graph_sizes:
             self._capture_decode_graphs(graph_sizes, scratch_block=num_blocks)
+
+    def _calculate_kv_scales(self, num_blocks: int) -> None:
+        """``cache.calculate_kv_scales``: each layer's k_scale / v_scale from one forward of random
+        tokens (``vframe/core/worker/kv_scales.py``); the model bound again, so that what it
+        built from the old scales (cpu_paged's decode plan) takes the new ones."""
+        from vframe.core.worker.kv_scales import calculate_kv_scales
+        from vframe.layers.binding import bind_model
+        from vframe.models.loader.weights import attention_impls
+
+        impls = [impl for module in self.model.modules() for impl in attention_impls(module)]
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step([])  # the base model's scales
+        start = time.perf_counter()
+        tokens = calculate_kv_scales(
+            self.model, impls, self.kv_caches, self.attn_metadata_builder, block_size=self.block_size,
+            num_blocks=num_blocks, vocab_size=self.vocab_size,
+            max_len=self.config.model.max_model_len or self.max_position_embeddings, device=self.device,
+        )  # fmt: skip
+        bind_model(self.model)
+        scales = [(impl.k_scale, impl.v_scale) for impl in impls]
+        logger.info(
+            "calculate_kv_scales: k_scale / v_scale of %d layers from %d random tokens in %.2f s (layer 0: %.4g / "
+            "%.4g)", len(impls), tokens, time.perf_counter() - start, *scales[0],
+        )
 
     def _decode_graph_sizes(self) -> list[int]:
         """The batch sizes of decode steps to capture in CUDA graphs; empty where this
