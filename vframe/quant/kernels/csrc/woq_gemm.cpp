@@ -860,22 +860,7 @@ float quantize_row(const float* row, int64_t k, uint8_t* q) {
   return scale;
 }
 
-#if defined(__AVX512VNNI__)
-// 16 int32 vectors' lanes added: lane j of the result is the sum of v[j]'s 16 lanes (exact).
-inline __m512i reduce16_epi32(const __m512i* v) {
-  __m512i t[8], u[4];
-  for (int i = 0; i < 8; ++i)
-    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-  for (int j = 0; j < 4; ++j)
-    u[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * j], t[2 * j + 1]), _mm512_unpackhi_epi64(t[2 * j], t[2 * j + 1]));
-  const __m512i x0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                      _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512i x1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                      _mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
+#if defined(__AVX512F__)
 // 16 floats stored as T, each rounded as static_cast<T> rounds: float16 by vcvtps2ph (to nearest even),
 // bfloat16 by c10's round_to_nearest_even in integer arithmetic (a NaN as 0x7FC0; vcvtneps2bf16 would
 // flush subnormals).
@@ -890,6 +875,23 @@ inline void store_as(at::BFloat16* out, __m512 v) {
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+// 16 int32 vectors' lanes added: lane j of the result is the sum of v[j]'s 16 lanes (exact).
+inline __m512i reduce16_epi32(const __m512i* v) {
+  __m512i t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)
+    u[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * j], t[2 * j + 1]), _mm512_unpackhi_epi64(t[2 * j], t[2 * j + 1]));
+  const __m512i x0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                      _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i x1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                      _mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // W8A8 for a few rows on AVX512-VNNI, quantization, products and scaling in one pass: the rows
@@ -1472,7 +1474,10 @@ at::Tensor lut4_gemm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   });
 }
 
-// The float weight [N, K] of out_dtype: table[q] * scale in float32 (Lut4Weight.dequantize()), then cast.
+// The float weight [N, K] of out_dtype: table[q] * scale in float32 (Lut4Weight.dequantize()), then cast:
+// sixteen values a step, looked up as lut4_gemm looks them up (AVX-512: one vpermps, stored by store_as;
+// AVX2: two words of eight), each product rounded once to out_dtype. SmolLM2's 120 layer shapes, random
+// NF4 codes, 2 threads, Zen 4: float32 26 -> 7-10 ms, bfloat16 85 -> 12 ms against the scalar loop's.
 at::Tensor lut4_dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& table, int64_t group,
                            at::ScalarType out_dtype) {
   check_lut4("lut4_dequantize", q, scales, table, group);
@@ -1480,14 +1485,34 @@ at::Tensor lut4_dequantize(const at::Tensor& q, const at::Tensor& scales, const 
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* tp = table.data_ptr<float>();
+#if defined(__AVX512F__)
+  const __m512 tab = _mm512_loadu_ps(tp);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 low = _mm256_loadu_ps(tp), high = _mm256_loadu_ps(tp + 8);
+#endif
   return rows_dequantize(q.options(), n, k, out_dtype, [&](int64_t o, auto* w) {
     using T = std::remove_pointer_t<decltype(w)>;
+    const uint8_t* row = qp + o * (k / 2);
     for (int64_t g = 0; g < groups; ++g) {
       const float scale = sp[o * groups + g];
-      for (int64_t i = g * group; i < (g + 1) * group; i += 2) {
-        const uint8_t b = qp[o * (k / 2) + i / 2];
-        w[i] = static_cast<T>(tp[b & 15] * scale);
-        w[i + 1] = static_cast<T>(tp[b >> 4] * scale);
+      for (int64_t i = g * group; i < (g + 1) * group; i += 16) {
+#if defined(__AVX512F__)
+        store_as(w + i, _mm512_mul_ps(lut16_16(row + i / 2, tab), _mm512_set1_ps(scale)));
+#else
+        alignas(32) float values[16];
+#if defined(__AVX2__) && defined(__FMA__)
+        uint32_t words[2];
+        std::memcpy(words, row + i / 2, sizeof(words));
+        _mm256_store_ps(values, _mm256_mul_ps(lut16_8(words[0], low, high), _mm256_set1_ps(scale)));
+        _mm256_store_ps(values + 8, _mm256_mul_ps(lut16_8(words[1], low, high), _mm256_set1_ps(scale)));
+#else
+        for (int64_t j = 0; j < 8; ++j) {
+          values[2 * j] = tp[row[i / 2 + j] & 15] * scale;
+          values[2 * j + 1] = tp[row[i / 2 + j] >> 4] * scale;
+        }
+#endif
+        for (int64_t j = 0; j < 16; ++j) w[i + j] = static_cast<T>(values[j]);
+#endif
       }
     }
   });
