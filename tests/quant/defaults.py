@@ -10,6 +10,7 @@ PAIRS = pairs_available() is None
 BF16_INT4 = "int4_pairs" if PAIRS else "int4_cpu"
 BF16_INT8 = "int8_pairs" if PAIRS else "woq_cpu"
 BF16_FP4 = "fp4_pairs" if PAIRS else "fp4_cpu"  # NVFP4 / MXFP4
+BF16_FP8 = "fp8_pairs" if PAIRS else "fp8_cpu"  # FP8 (e4m3) weights
 
 
 def bf16_int4_with_groups(group_size: int) -> str:

@@ -26,7 +26,7 @@ from vframe.quant.native_call import NativeCall, native_call, with_native
 from vframe.testing import check_quant_kernel
 
 from packers import gptq_quantize, write_quantized_llama
-from defaults import BF16_FP4, BF16_INT4, BF16_INT8, bf16_int4_with_groups
+from defaults import BF16_FP4, BF16_FP8, BF16_INT4, BF16_INT8, bf16_int4_with_groups
 from test_gptq import quant_config
 
 CPU = torch.device("cpu")
@@ -56,6 +56,8 @@ def _pairs_run() -> bool:
             not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16")) for name in ("int4_pairs", "int8_pairs")),
         pytest.param("fp4_pairs", NVFP4, torch.bfloat16, WEIGHT_ONLY, marks=pytest.mark.skipif(
             not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16")),
+        pytest.param("fp8_pairs", FP8_E4M3, torch.bfloat16, WEIGHT_ONLY, marks=pytest.mark.skipif(
+            not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16")),
     ],
 )
 def test_builtin_kernels_bind_to_their_buffers(kernel: str, weight_type: str, dtype: torch.dtype, activations: str) -> None:
@@ -83,7 +85,7 @@ def test_builtin_kernels_bind_to_their_buffers(kernel: str, weight_type: str, dt
     call = native_call(product)
     # where apply's path changes (int8_dynamic: one operator for every row count; int4_cpu and the pairs
     # kernels: from their PREFILL_ROWS rows bf16 GEMMs over the dequantized weight)
-    pairs = ("int4_pairs", "int8_pairs", "fp4_pairs")
+    pairs = ("int4_pairs", "int8_pairs", "fp4_pairs", "fp8_pairs")
     max_rows = {"int8_dynamic": None, "int4_cpu": 127, **dict.fromkeys(pairs, 1023)}.get(
         kernel, 32 if dtype == torch.float32 else 16)
     assert call is not None and call.max_rows == max_rows
@@ -150,6 +152,9 @@ def test_a_kernel_whose_native_call_differs_from_its_bound_function_fails_the_ch
         # FP4 in bfloat16: NVFP4 and MXFP4, every code, scales from the subnormals up
         pytest.param("fp4_pairs", torch.bfloat16, 2, marks=pytest.mark.skipif(
             not _pairs_run(), reason="fp4_pairs needs a CPU with AVX512-BF16")),
+        # FP8 in bfloat16: a scale per row, per 64 inputs, per 128 with a shorter last group
+        pytest.param("fp8_pairs", torch.bfloat16, 3, marks=pytest.mark.skipif(
+            not _pairs_run(), reason="fp8_pairs needs a CPU with AVX512-BF16")),
         # NF4 table codes in bfloat16: groups of 64, 32 and per row, every code
         pytest.param("lut4_pairs", torch.bfloat16, 3, marks=pytest.mark.skipif(
             not _pairs_run(), reason="lut4_pairs needs a CPU with AVX512-BF16")),
@@ -223,7 +228,8 @@ def test_a_kernel_that_computes_wrong_fails_the_check() -> None:
         (spec(4, 32, activations=INT8_PER_BLOCK), "woq_cpu_a8"),  # GGUF's blocks: llama.cpp's numerics
         (spec(8, 32, activations=INT8_PER_BLOCK, dtype=torch.float32), "woq_cpu_a8"),
         (spec(4, 48, activations=INT8_PER_BLOCK), "reference"),  # a block of 32 would straddle two groups
-        (spec(8, 128, weight_type=FP8_E4M3), "fp8_cpu"),  # FP8 weights: only kernels that name the form
+        (spec(8, 128, weight_type=FP8_E4M3), BF16_FP8),  # FP8 weights: only kernels that name the form
+        (spec(8, 128, weight_type=FP8_E4M3, dtype=torch.float32), "fp8_cpu"),
         (spec(8, 192, weight_type=FP8_E4M3, device=torch.device("cuda")), "triton"),
         (spec(4, 16, weight_type=NVFP4, dtype=torch.float32), "fp4_cpu"),  # NVFP4: not woq_cpu's integers
         (spec(4, 32, weight_type=MXFP4), BF16_FP4),  # nor int4_cpu's: bfloat16, fp4_pairs with AVX512-BF16
@@ -329,7 +335,7 @@ def test_a_registered_kernel_of_higher_priority_runs_every_layer_and_quant_kerne
 
 
 def test_an_unknown_quant_kernel_is_refused_naming_the_known_ones(gptq_llama: Path) -> None:
-    with pytest.raises(Exception, match=r"fp4_cpu, fp4_pairs, fp8_cpu, int4_cpu, int4_pairs, int8_dynamic, int8_pairs, "
+    with pytest.raises(Exception, match=r"fp4_cpu, fp4_pairs, fp8_cpu, fp8_pairs, int4_cpu, int4_pairs, int8_dynamic, int8_pairs, "
                                         r"lut4_cpu, lut4_pairs, reference, triton, woq_cpu, woq_cpu_a8"):
         LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", quant_kernel="marlin")
 

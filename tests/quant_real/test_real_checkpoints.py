@@ -668,6 +668,9 @@ BF16_KERNELS = {
     "ct-w8a8": "int8_dynamic",
     "bnb-int8": "int8_pairs" if _PAIRS else "woq_cpu",  # LLM.int8's weights, weight-only
     "bnb-nf4": "lut4_pairs" if _PAIRS else "lut4_cpu",  # NF4 codes in place, float32 block scales
+    "ct-fp8-dynamic": "fp8_pairs" if _PAIRS else "fp8_cpu",  # e4m3, a scale per row
+    "ct-fp8-block": "fp8_pairs" if _PAIRS else "fp8_cpu",  # 128 x 128 blocks: 576 inputs held in groups of 64
+    "ct-mxfp8a16": "fp8_pairs" if _PAIRS else "fp8_cpu",  # e4m3, e8m0 scales per 32 inputs
     "ct-nvfp4a16": "fp4_pairs" if _PAIRS else "fp4_cpu",
     "ct-mxfp4a16": "fp4_pairs" if _PAIRS else "fp4_cpu",
     "modelopt-nvfp4": "fp4_pairs" if _PAIRS else "fp4_cpu",

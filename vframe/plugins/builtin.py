@@ -82,6 +82,7 @@ def vframe_register_quant_kernels(register: RegisterFn) -> None:
     register("int8_pairs", "vframe.quant.kernels.builtin:Int8PairsKernel")
     register("fp4_pairs", "vframe.quant.kernels.builtin:Fp4PairsKernel")
     register("lut4_pairs", "vframe.quant.kernels.builtin:Lut4PairsKernel")
+    register("fp8_pairs", "vframe.quant.kernels.builtin:Fp8PairsKernel")
     register("int4_cpu", "vframe.quant.kernels.builtin:TorchInt4CpuKernel")
     register("woq_cpu", "vframe.quant.kernels.builtin:WoqCpuKernel")
     register("woq_cpu_a8", "vframe.quant.kernels.builtin:WoqCpuA8Kernel")

@@ -378,12 +378,13 @@ class Mxfp8Method(Fp8KernelMethod):
         if bool((layer.weight_scale == 0xFF).any()):
             raise ModelLoadError(f"{layer.prefix or 'an MXFP8 layer'}: a scale byte is 0xFF, e8m0's NaN")
         self.attach_kernel(layer)
-        del layer.weight_scale  # the kernel holds the scales
+        if "weight_scale" in layer._parameters:
+            del layer.weight_scale  # the kernel holds the scales (float32 from the e8m0 bytes)
 
     def fp8_weight(self, layer: nn.Module) -> Fp8Weight:
         return Fp8Weight(layer.weight.view(torch.uint8), e8m0_to_float32(layer.weight_scale), MXFP8_GROUP)
 
-    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
+    def checkpoint_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
         if self.kernel is not None:
             return self.kernel.dequantize_weight(layer)
         return self.fp8_weight(layer).dequantize()
@@ -535,7 +536,7 @@ class NaiveMethod(Fp8KernelMethod):
             layer.input_scale = None
         self.attach_kernel(layer)
 
-    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
+    def checkpoint_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
         return layer.weight.float() * layer.weight_scale[:, None]
 
 

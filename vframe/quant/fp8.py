@@ -125,7 +125,11 @@ class Fp8Config(QuantizationConfig):
 class Fp8KernelMethod(LinearMethodBase):
     """An FP8 layer on a quant kernel: after loading, ``attach_kernel`` hands
     ``fp8_weight(layer)`` to the kernel the ``quant_kernel`` setting names, else the one
-    chosen by priority (``fp8_cpu`` on the CPU)."""
+    chosen by priority (``fp8_pairs`` in bfloat16 on CPUs with AVX512-BF16, ``fp8_cpu`` on
+    the CPU). A kernel that keeps the checkpoint's bytes as they are (``fp8_cpu``) shares
+    them; one that lays them out anew (``fp8_pairs``) leaves the checkpoint's parameters
+    to be dropped, and the weight is the kernel's from then on (``dequantize_weight``).
+    Subclasses define ``checkpoint_weight``: the exact float weight of the loaded tensors."""
 
     kernel: Any = None  # vframe.quant.kernels.QuantLinearKernel, once loaded
 
@@ -142,6 +146,18 @@ class Fp8KernelMethod(LinearMethodBase):
         from vframe.quant.kernels import attach_kernel
 
         self.kernel = attach_kernel(layer, self.fp8_weight(layer), name=self.kernel_name)
+        storage = layer.weight.untyped_storage().data_ptr()
+        if not any(buffer.untyped_storage().data_ptr() == storage for buffer in layer.buffers(recurse=False)):
+            for name in [n for n in layer._parameters if n != "bias"]:  # the kernel holds the weight now
+                delattr(layer, name)
+
+    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
+        if "weight" not in layer._parameters:  # dropped: the kernel's
+            return self.kernel.dequantize_weight(layer)
+        return self.checkpoint_weight(layer)
+
+    def checkpoint_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
+        raise NotImplementedError
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.kernel is None:  # not loaded yet
@@ -175,7 +191,7 @@ class Fp8OnTheFlyMethod(Fp8KernelMethod):
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)  # [out] float32
         self.attach_kernel(layer)
 
-    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
+    def checkpoint_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
         return layer.weight.float() * layer.weight_scale[:, None]
 
 
@@ -267,7 +283,7 @@ class BlockFp8Method(Fp8KernelMethod):
             row += rows
         return Fp8Weight(layer.weight.view(torch.uint8), torch.cat(parts).float(), block_k)
 
-    def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
+    def checkpoint_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, exact
         return dequantize_blocks(layer.weight, getattr(layer, self.scale_name), self.block, layer.output_partition_sizes)
 
 

@@ -63,6 +63,10 @@ Built-in kernels (``vframe.quant.kernels.builtin``; ``triton`` in ``vframe.quant
 * ``fp4_pairs`` (35): FP4 weights (NVFP4, MXFP4) the same way in bfloat16: the e2m1 codes in
   ``int4_pairs``' layout, each nibble plane looked up as bfloat16 (``vpermw``), each group's sum
   times its scale byte's value over the row's global scale; the checkpoint's scale bytes kept.
+* ``fp8_pairs`` (35): FP8 (e4m3) weights the same way in bfloat16: the bytes in ``int8_pairs``' layout,
+  each byte plane looked up as bfloat16 (``vpermt2w`` over the 128 magnitudes, the sign or-ed in),
+  two ``vdpbf16ps`` operands a step, each group's sum times its float32 scale (a shorter last
+  group held as groups of the greatest common divisor).
 * ``lut4_pairs`` (35): ``Lut4Weight``s (bitsandbytes' NF4 / FP4) the same way in bfloat16: each nibble
   plane looked up in the table rounded to bfloat16 (``vpermw``), each group's sum times its float32
   scale; up to 64 tokens in place, more on the weight dequantized exactly (rounded once).

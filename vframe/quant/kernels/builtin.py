@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
@@ -464,13 +465,12 @@ class _PairsKernel(_OnPairs, _PermutedGemm):
         weight = self._in_group_order(layer, weight)
         self.group_size = weight.group_size
         out_features, in_features = weight.q.shape
-        blocks, groups, steps = out_features // 16, in_features // weight.group_size, in_features // self.STEP
+        blocks, groups = out_features // 16, in_features // weight.group_size
         q = weight.q.to(torch.uint8)
         if self.BITS == 4:
             self.buffer(layer, "q", _nibble_words(q))
-        else:  # (b, n, p, byte, j): input 4p + 2 byte + j into byte `byte` of word 2n + j
-            q = q.reshape(blocks, 16, steps, 2, 2).transpose(3, 4)
-            self.buffer(layer, "q", q.permute(0, 2, 1, 3, 4).reshape(blocks, steps, 64).contiguous())
+        else:
+            self.buffer(layer, "q", _byte_words(q))
 
         def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N / 16, G, 16]
             return t.reshape(blocks, 16, groups).permute(0, 2, 1).contiguous()
@@ -529,6 +529,23 @@ def _nibble_words(codes: torch.Tensor) -> torch.Tensor:
     low, high = q[:, :, :, 0] | (q[:, :, :, 1] << 4), q[:, :, :, 2] | (q[:, :, :, 3] << 4)  # [b, n, p, j]
     words = torch.stack([low, high], dim=-1)  # (b, n, p, j, byte)
     return words.permute(0, 2, 1, 3, 4).reshape(blocks, steps, 64).contiguous()
+
+
+def _byte_words(codes: torch.Tensor) -> torch.Tensor:
+    """8-bit codes uint8 [N, K] (N a multiple of 16, K of 4) in the pairs layout [N / 16, K / 4, 64]:
+    per block of 16 outputs and step of 4 inputs, input 4p + 2 byte + j of output n in byte ``byte``
+    of the 16-bit word 2n + j."""
+    out_features, in_features = codes.shape
+    blocks, steps = out_features // 16, in_features // 4
+    q = codes.reshape(blocks, 16, steps, 2, 2).transpose(3, 4)  # (b, n, p, j, byte)
+    return q.permute(0, 2, 1, 3, 4).reshape(blocks, steps, 64).contiguous()
+
+
+def _byte_codes(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Output rows ``rows`` of ``_byte_words``' layout back as codes, uint8 [R, K]."""
+    blocks, steps, _ = q.shape
+    q = q.reshape(blocks, steps, 16, 2, 2)[rows // 16, :, rows % 16]  # [R, steps, j, byte]
+    return q.transpose(2, 3).reshape(len(rows), -1)  # input 4p + 2 byte + j
 
 
 def _nibble_codes(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -827,6 +844,63 @@ class Lut4PairsKernel(_LookupPairs):
         codes = _nibble_codes(self.get(layer, "q"), rows)  # [R, K]
         weight = Lut4Weight(codes[:, 0::2] | (codes[:, 1::2] << 4), self.get(layer, "scales")[rows // 16, :, rows % 16],
                             self.get(layer, "table"), self.group_size)
+        return weight.dequantize()
+
+
+class Fp8PairsKernel(_LookupPairs):
+    """FP8 (e4m3) weights in bfloat16 on a CPU with AVX512-BF16 (``csrc/woq_gemm.cpp``'s
+    ``fp8_pairs_gemm``): the checkpoint's bytes in ``int8_pairs``' layout, each byte plane looked up
+    as bfloat16 (``vpermt2w`` over the 128 magnitudes, the sign or-ed in: exact) for ``vdpbf16ps``,
+    two operands a 64-byte step, each group's float32 sum times its float32 scale (a scale per row, or
+    per block of inputs as block FP8's). Up to 12 tokens in place, more through the weight
+    dequantized (e4m3 times scale in float32, rounded once to bfloat16) for ``bf16_gemm``
+    (``_OnPairs``). A shorter last group (block FP8's 128 over SmolLM2's 576 inputs) is held as groups
+    of the greatest common divisor, each scale repeated (exact); the NaN byte is refused, as
+    ``fp8_cpu`` refuses it."""
+
+    priority = 35  # above fp8_cpu (20), which converts eight bytes at a time through float16
+    weight_types = (FP8_E4M3,)
+
+    @classmethod
+    def can_implement(cls, spec: QuantLinearSpec) -> str | None:
+        if spec.device.type != "cpu" or spec.dtype != torch.bfloat16:
+            return "it runs bfloat16 activations on the CPU only"
+        if spec.activations != WEIGHT_ONLY:
+            return "it runs weight-only FP8 only"
+        if spec.out_features % 16 or spec.in_features % 4:
+            return "it needs a multiple of 16 outputs and of 4 inputs"
+        if cls.held_group(spec.group_size, spec.in_features) % 4:
+            return f"it needs groups of a multiple of 4 inputs (and a last group of one), not {spec.group_size}"
+        return pairs_available()
+
+    @staticmethod
+    def held_group(group: int, inputs: int) -> int:
+        """The groups the kernel holds: ``group``, or where the last one is shorter, the greatest
+        common divisor of the two lengths."""
+        return math.gcd(group, inputs % group) if inputs % group else group
+
+    def prepare(self, layer: nn.Module, weight: Fp8Weight) -> None:
+        q = weight.q.view(torch.uint8)
+        if bool(((q & 0x7F) == 0x7F).any()):
+            raise ModelLoadError(f"{self.spec.layer or 'an FP8 layer'}: the FP8 weight holds NaN (e4m3 bytes 0x7F / 0xFF)")
+        out_features, in_features = q.shape
+        self.group_size = self.held_group(weight.group_size, in_features)
+        groups = in_features // self.group_size
+        scales = weight.scales.float().repeat_interleave(weight.group_size // self.group_size, dim=1)[:, :groups]
+        self.buffer(layer, "q", _byte_words(q))
+        self.buffer(layer, "scales", scales.reshape(out_features // 16, 16, groups).permute(0, 2, 1).contiguous())
+
+    def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
+        return _woq_ops().fp8_pairs_gemm.default, (self.get(layer, "q"), self.get(layer, "scales"), self.group_size)
+
+    def _dequantized_pairs(self, layer: nn.Module, blocks: slice) -> torch.Tensor:
+        q, scales = self.get(layer, "q"), self.get(layer, "scales")
+        return _woq_ops().fp8_pairs_dequantize(q[blocks], scales[blocks], self.group_size)
+
+    def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """``Fp8Weight.dequantize`` of the rows read back from the layout."""
+        codes = _byte_codes(self.get(layer, "q"), rows)
+        weight = Fp8Weight(codes, self.get(layer, "scales")[rows // 16, :, rows % 16], self.group_size)
         return weight.dequantize()
 
 

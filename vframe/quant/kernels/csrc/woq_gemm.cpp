@@ -1628,15 +1628,47 @@ struct PairsPrefetch {
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_scales(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
-// Codes looked up in a table of 16 bfloat16 values (LOOKUP: fp4_pairs_gemm, lut4_pairs_gemm): `codes`
+// What the pairs' words hold (CODES): integers (int4_pairs, int8_pairs: bits or-ed into bfloat16 values,
+// corrected by the inputs' sums), 4-bit codes looked up in a table (fp4_pairs, lut4_pairs) or e4m3 bytes
+// (fp8_pairs, the 8-bit layout), both signed values times a scale a group.
+enum : int { kIntCodes = 0, kTableCodes = 1, kFp8Codes = 2 };
+
+// Codes looked up in a table of 16 bfloat16 values (kTableCodes: fp4_pairs_gemm, lut4_pairs_gemm): `codes`
 // holds them (entries 0..15, for vpermw). FP4 (S uint8_t, the scale bytes): the rows' global scales per
 // block ([N / 16, 16] float32) and the scale bytes' values (e4m3_table / e8m0_table); LUT4 (S float): the
-// group scales as they are, these two unused.
+// group scales as they are, these two unused. kFp8Codes: `e4m3` the bfloat16 bits of each e4m3 magnitude
+// (0..127, 32 a register, for vpermt2w).
 struct PairsLookup {
   const float* global = nullptr;
   const float* table = nullptr;
   __m512i codes = _mm512_setzero_si512();
+  __m512i e4m3[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
 };
+
+// The bfloat16 bits of every e4m3 magnitude (exact: e4m3 has 4 significant bits), 32 a register
+inline const PairsLookup& e4m3_lookup() {
+  static const PairsLookup lookup = [] {
+    PairsLookup made;
+    alignas(64) uint16_t bits[128];
+    for (int i = 0; i < 128; ++i) {
+      uint32_t b;
+      std::memcpy(&b, &e4m3_table()[i], sizeof b);
+      bits[i] = static_cast<uint16_t>(b >> 16);
+    }
+    for (int r = 0; r < 4; ++r) made.e4m3[r] = _mm512_load_si512(bits + 32 * r);
+    return made;
+  }();
+  return lookup;
+}
+
+// 32 e4m3 codes (the low byte of each 16-bit lane, the high byte zero) as bfloat16 bits: the magnitude
+// looked up (vpermt2w reads the index's low six bits; bit 6 picks the upper two registers), bit 7 the sign.
+inline __m512i e4m3_bf16(__m512i c, const __m512i* table) {
+  const __m512i low = _mm512_permutex2var_epi16(table[0], c, table[1]);
+  const __m512i high = _mm512_permutex2var_epi16(table[2], c, table[3]);
+  const __m512i magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40)), low, high);
+  return _mm512_or_si512(magnitude, _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8));
+}
 
 // bfloat16 bits of every e2m1 code (bit 3 the sign), entries 16..31 unused
 inline __m512i e2m1_bf16_table() {
@@ -1652,7 +1684,7 @@ inline __m512i e2m1_bf16_table() {
 
 // xe: each row's bfloat16 input pairs (a step takes 4 at 4 bit, 2 at 8); xsum: each row's sum of inputs
 // per group. One or two rows keep two sums per output block (the planes' halves): vdpbf16ps' latency hidden.
-template <int BITS, int ROWS, int COLS, typename S, bool LOOKUP = false>
+template <int BITS, int ROWS, int COLS, typename S, int CODES = kIntCodes>
 inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum, int64_t groups, const uint8_t* q,
                        int64_t q_block, const S* scales, const S* zeros, int64_t s_block, int64_t group_steps,
                        at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf, bool zero_points, const PairsLookup& lookup) {
@@ -1683,7 +1715,10 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
       for (int c = 0; c < COLS; ++c) {
         const __m512i words = _mm512_loadu_si512(q + c * q_block + p * 64);
         __m512bh w[4];  // 0xEA: (a & b) | c
-        if constexpr (LOOKUP) {  // each nibble plane's codes looked up as bfloat16
+        if constexpr (CODES == kFp8Codes) {  // the low bytes (pair 2p), then the high ones (2p + 1)
+          w[0] = (__m512bh)e4m3_bf16(_mm512_and_si512(words, _mm512_set1_epi16(0xFF)), lookup.e4m3);
+          w[1] = (__m512bh)e4m3_bf16(_mm512_srli_epi16(words, 8), lookup.e4m3);
+        } else if constexpr (CODES == kTableCodes) {  // each nibble plane's codes looked up as bfloat16
           w[0] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(words, nibble), lookup.codes);
           w[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(words, 4), nibble), lookup.codes);
           w[2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(words, 8), nibble), lookup.codes);
@@ -1702,16 +1737,18 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
         }
         for (int r = 0; r < ROWS; ++r) {
           // 4 bit: plane t against pair 4p + t; 8 bit: planes 0, 1 against pair 2p, 2 and 3 against 2p + 1
+          // (FP8: plane 0 against pair 2p, 1 against 2p + 1)
           const uint32_t* xs = xe + r * xe_stride + (BITS == 4 ? 4 : 2) * p;
-          for (int t = 0; t < 4; ++t) {
-            __m512& sum = part[r][c][SPLIT == 2 ? t / 2 : 0];
-            const uint32_t pair = xs[BITS == 4 ? t : t / 2];
+          constexpr int planes = CODES == kFp8Codes ? 2 : 4;
+          for (int t = 0; t < planes; ++t) {
+            __m512& sum = part[r][c][SPLIT == 2 ? t * 2 / planes : 0];
+            const uint32_t pair = xs[BITS == 4 ? t : t * 2 / planes];
             sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), w[t]);
           }
         }
       }
     }
-    if constexpr (LOOKUP) {  // signed values: no inputs' sums, no zeros
+    if constexpr (CODES != kIntCodes) {  // signed values: no inputs' sums, no zeros
       for (int c = 0; c < COLS; ++c) {
         __m512 scale;
         if constexpr (std::is_same_v<S, uint8_t>) {  // FP4: the scale byte's value over the row's global scale
@@ -1748,7 +1785,7 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
 
 // All rows against one panel of COLS blocks, in tiles of ROWS rows (then fewer); the tiles share the
 // prefetch of the thread's next panel (its scales asked for by the first tile).
-template <int BITS, int COLS, int ROWS = 4, typename S, bool LOOKUP = false>
+template <int BITS, int COLS, int ROWS = 4, typename S, int CODES = kIntCodes>
 void pairs_rows(const uint32_t* xe, int64_t xe_stride, const float* xsum, int64_t groups, int64_t rows,
                 const uint8_t* q, int64_t q_block, const S* scales, const S* zeros, int64_t s_block,
                 int64_t group_steps, at::BFloat16* out, int64_t out_stride, PairsPrefetch<S> pf, bool zero_points,
@@ -1758,14 +1795,14 @@ void pairs_rows(const uint32_t* xe, int64_t xe_stride, const float* xsum, int64_
     for (; rows >= ROWS; rows -= ROWS, xe += ROWS * xe_stride, xsum += ROWS * groups, out += ROWS * out_stride) {
       PairsPrefetch<S> mine = pf;
       mine.n = std::min(share, pf.n);
-      pairs_tile<BITS, ROWS, COLS, S, LOOKUP>(xe, xe_stride, xsum, groups, q, q_block, scales, zeros, s_block,
+      pairs_tile<BITS, ROWS, COLS, S, CODES>(xe, xe_stride, xsum, groups, q, q_block, scales, zeros, s_block,
                                            group_steps, out, out_stride, mine, zero_points, lookup);
       pf.lines += 64 * mine.n;
       pf.n -= mine.n;
       pf.scales = pf.zeros = nullptr;
     }
     if (rows)
-      pairs_rows<BITS, COLS, ROWS - 1, S, LOOKUP>(xe, xe_stride, xsum, groups, rows, q, q_block, scales, zeros, s_block,
+      pairs_rows<BITS, COLS, ROWS - 1, S, CODES>(xe, xe_stride, xsum, groups, rows, q, q_block, scales, zeros, s_block,
                                             group_steps, out, out_stride, pf, zero_points, lookup);
   }
 }
@@ -1790,15 +1827,16 @@ void pairs_sums(const at::BFloat16* x, int64_t inputs, int64_t group, float* xsu
   }
 }
 
-// LOOKUP: the codes in the 4-bit layout looked up in `lookup` (FP4: S the scale bytes; LUT4: float
-// scales), no zeros, no inputs' sums (the values are signed).
-template <int BITS, typename S, bool LOOKUP = false>
+// kTableCodes: the codes in the 4-bit layout looked up in `lookup` (FP4: S the scale bytes; LUT4: float
+// scales); kFp8Codes: e4m3 bytes in the 8-bit layout (float scales); no zeros, no inputs' sums (the values
+// are signed).
+template <int BITS, typename S, int CODES = kIntCodes>
 void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros,
                    int64_t group, bool zero_points, at::Tensor& out, const PairsLookup& lookup = PairsLookup{}) {
   const int64_t rows = xc.size(0), inputs = xc.size(1), blocks = q.size(0), groups = scales.size(1);
   const at::BFloat16* xb = xc.const_data_ptr<at::BFloat16>();
   std::vector<float> xsum(rows * groups);
-  if constexpr (!LOOKUP)
+  if constexpr (CODES == kIntCodes)
     for (int64_t r = 0; r < rows; ++r) pairs_sums(xb + r * xc.stride(0), inputs, group, xsum.data() + r * groups);
   const uint32_t* xe = reinterpret_cast<const uint32_t*>(xb);
   const int64_t xe_stride = xc.stride(0) / 2;
@@ -1835,15 +1873,15 @@ void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& 
           PairsLookup tile_lookup = lookup;
           if (lookup.global != nullptr) tile_lookup.global = lookup.global + b * 16;
           if (width == 4 && b + 4 <= last) {
-            pairs_rows<BITS, 4, 2, S, LOOKUP>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
+            pairs_rows<BITS, 4, 2, S, CODES>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
                                            group_steps, ob, outputs, ahead, zero_points, tile_lookup);
             b += 4;
           } else if (b + 2 <= last) {
-            pairs_rows<BITS, 2, 4, S, LOOKUP>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
+            pairs_rows<BITS, 2, 4, S, CODES>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
                                            group_steps, ob, outputs, ahead, zero_points, tile_lookup);
             b += 2;
           } else {
-            pairs_rows<BITS, 1, 4, S, LOOKUP>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
+            pairs_rows<BITS, 1, 4, S, CODES>(xe, xe_stride, xsum.data(), groups, rows, qb, q_block, sb, zs, s_block,
                                            group_steps, ob, outputs, ahead, zero_points, tile_lookup);
             b += 1;
           }
@@ -2209,7 +2247,7 @@ at::Tensor fp4_pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
   lookup.table = fp4_scale_table(scale_format);
   lookup.codes = e2m1_bf16_table();
   if (xc.size(0) <= pairs_in_place_rows(4, true)) {
-    pairs_product<4, uint8_t, true>(xc, q, scales, at::empty({0}, q.options()), group, false, out, lookup);
+    pairs_product<4, uint8_t, kTableCodes>(xc, q, scales, at::empty({0}, q.options()), group, false, out, lookup);
   } else {
     dequantized_product(xc, q.size(0), [&](int64_t b, int64_t n, at::BFloat16* panel) {
       fp4_dequantize_blocks(q, scales, global, group, scale_format, b, n, panel);
@@ -2284,7 +2322,7 @@ at::Tensor lut4_pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::T
   if (xc.size(0) <= pairs_in_place_rows(4)) {
     PairsLookup lookup;  // the values rounded to bfloat16, entries 16..31 zero
     lookup.codes = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(table.const_data_ptr<float>())));
-    pairs_product<4, float, true>(xc, q, scales, at::empty({0}, q.options()), group, false, out, lookup);
+    pairs_product<4, float, kTableCodes>(xc, q, scales, at::empty({0}, q.options()), group, false, out, lookup);
   } else {
     dequantized_product(xc, q.size(0), [&](int64_t b, int64_t n, at::BFloat16* panel) {
       lut4_dequantize_blocks(q, scales, table, group, b, n, panel);
@@ -2310,6 +2348,94 @@ at::Tensor lut4_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, 
   return w;
 }
 
+// FP8 pairs (builtin.py's Fp8PairsKernel): e4m3 bytes in the 8-bit pairs layout (q [N / 16, K / 4, 64]: per
+// block of 16 outputs and step of 4 inputs, input 4p + 2 byte + j of output n in byte `byte` of the 16-bit
+// word 2n + j) and a float32 scale per group and output (scales [N / 16, K / group, 16]):
+//
+//   w[o, k] = e4m3(q[o, k]) * scales[o, k / group]
+//
+// Each byte plane's codes looked up as bfloat16 (two vpermt2w over the 128 magnitudes, the sign or-ed in:
+// exact) are vdpbf16ps operands, two a step (an integer byte needs two); each group's float32 sum times its
+// scale. More rows than 12: the weight dequantized (e4m3 times scale in float32, rounded once) for
+// bf16_gemm's multiplication.
+void check_fp8_pairs(const char* op, const at::Tensor& q, const at::Tensor& scales, int64_t group) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 64 && q.is_contiguous(), op,
+              ": q must be contiguous uint8 [N / 16, K / 4, 64]");
+  const int64_t inputs = q.size(1) * 4;
+  TORCH_CHECK(group > 0 && group % 4 == 0 && inputs % group == 0, op, ": the group (", group,
+              ") must be a multiple of 4 that divides the ", inputs, " inputs");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == q.size(0) && scales.size(1) == inputs / group && scales.size(2) == 16,
+              op, ": scales must be contiguous float32 [N / 16, K / group, 16]");
+}
+
+#if defined(__AVX512BF16__)
+namespace {
+
+// Blocks first .. first + blocks of an FP8 pairs weight as bfloat16 pairs into wp (what fp8_pairs_dequantize
+// stores for them): each value e4m3 times its group's scale in float32, rounded once.
+void fp8_dequantize_blocks(const at::Tensor& q, const at::Tensor& scales, int64_t group, int64_t first, int64_t blocks,
+                           at::BFloat16* wp) {
+  const int64_t steps = q.size(1), groups = scales.size(1), pairs = steps * 2, group_steps = group / 4;
+  const uint8_t* qp = q.const_data_ptr<uint8_t>() + first * steps * 64;
+  const float* sp = scales.const_data_ptr<float>() + first * groups * 16;
+  const PairsLookup& lookup = e4m3_lookup();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 s_lo, s_hi;
+        per_word(_mm512_loadu_ps(sp + (b * groups + g) * 16), s_lo, s_hi);
+        for (int64_t p = g * group_steps; p < (g + 1) * group_steps; ++p) {
+          const __m512i words = _mm512_loadu_si512(qp + (b * steps + p) * 64);
+          for (int t = 0; t < 2; ++t) {  // pair 2p + t: the low bytes, then the high ones
+            const __m512i codes = t == 0 ? _mm512_and_si512(words, _mm512_set1_epi16(0xFF)) : _mm512_srli_epi16(words, 8);
+            const __m512i values = e4m3_bf16(codes, lookup.e4m3);
+            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(values)), 16));
+            const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(values, 1)), 16));
+            _mm512_storeu_si512(wp + (b * pairs + 2 * p + t) * 32,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi), _mm512_mul_ps(lo, s_lo)));
+          }
+        }
+      }
+  });
+}
+
+}  // namespace
+#endif
+
+at::Tensor fp8_pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group,
+                          at::ScalarType out_dtype) {
+  check_fp8_pairs("fp8_pairs_gemm", q, scales, group);
+  auto [xc, out] = pairs_io("fp8_pairs_gemm", x, q, q.size(1) * 4, out_dtype);
+#if defined(__AVX512BF16__)
+  if (xc.size(0) == 0) return out;
+  if (xc.size(0) <= pairs_in_place_rows(8)) {
+    pairs_product<8, float, kFp8Codes>(xc, q, scales, at::empty({0}, q.options()), group, false, out, e4m3_lookup());
+  } else {
+    dequantized_product(xc, q.size(0), [&](int64_t b, int64_t n, at::BFloat16* panel) {
+      fp8_dequantize_blocks(q, scales, group, b, n, panel);
+    }, out);
+  }
+#else
+  TORCH_CHECK(false, "fp8_pairs_gemm: this build has no AVX512-BF16 (pairs_available() is false)");
+#endif
+  return out;
+}
+
+// The weight as bfloat16 pairs ([N / 16, K / 2, 16, 2], bf16_gemm's), each value e4m3 times the group's scale
+// in float32, rounded once: for prefills.
+at::Tensor fp8_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, int64_t group) {
+  check_fp8_pairs("fp8_pairs_dequantize", q, scales, group);
+  const int64_t blocks = q.size(0), steps = q.size(1);
+  at::Tensor w = at::empty({blocks, steps * 2, 16, 2}, q.options().dtype(at::kBFloat16));
+#if defined(__AVX512BF16__)
+  fp8_dequantize_blocks(q, scales, group, 0, blocks, w.mutable_data_ptr<at::BFloat16>());
+#else
+  TORCH_CHECK(false, "fp8_pairs_dequantize: this build has no AVX512-BF16 (pairs_available() is false)");
+#endif
+  return w;
+}
+
 TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("woq_gemm(Tensor x, Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("int8_dynamic_mm(Tensor x, Tensor weight, Tensor w_scale, Tensor? w_sums=None) -> Tensor");
@@ -2329,6 +2455,8 @@ TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("fp4_pairs_dequantize(Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format) -> Tensor");
   m.def("lut4_pairs_gemm(Tensor x, Tensor q, Tensor scales, Tensor table, int group, ScalarType out_dtype) -> Tensor");
   m.def("lut4_pairs_dequantize(Tensor q, Tensor scales, Tensor table, int group) -> Tensor");
+  m.def("fp8_pairs_gemm(Tensor x, Tensor q, Tensor scales, int group, ScalarType out_dtype) -> Tensor");
+  m.def("fp8_pairs_dequantize(Tensor q, Tensor scales, int group) -> Tensor");
   m.def("pairs_dequantize_rows(Tensor q, Tensor scales, Tensor zeros, int group, int bits, bool zero_points, Tensor rows) -> Tensor");
   m.def("pairs_available() -> bool", &pairs_available);
 }
@@ -2352,5 +2480,7 @@ TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
   m.impl("fp4_pairs_gemm", &fp4_pairs_gemm);
   m.impl("fp4_pairs_dequantize", &fp4_pairs_dequantize);
   m.impl("lut4_pairs_gemm", &lut4_pairs_gemm);
+  m.impl("fp8_pairs_gemm", &fp8_pairs_gemm);
+  m.impl("fp8_pairs_dequantize", &fp8_pairs_dequantize);
   m.impl("lut4_pairs_dequantize", &lut4_pairs_dequantize);
 }
