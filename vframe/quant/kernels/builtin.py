@@ -852,7 +852,7 @@ class Fp8PairsKernel(_LookupPairs):
     ``fp8_pairs_gemm``): the checkpoint's bytes in ``int8_pairs``' layout, each byte plane looked up
     as bfloat16 (``vpermt2w`` over the 128 magnitudes, the sign or-ed in: exact) for ``vdpbf16ps``,
     two operands a 64-byte step, each group's float32 sum times its float32 scale (a scale per row, or
-    per block of inputs as block FP8's). Up to 12 tokens in place, more through the weight
+    per block of inputs as block FP8's). Up to 24 tokens in place, more through the weight
     dequantized (e4m3 times scale in float32, rounded once to bfloat16) for ``bf16_gemm``
     (``_OnPairs``). A shorter last group (block FP8's 128 over SmolLM2's 576 inputs) is held as groups
     of the greatest common divisor, each scale repeated (exact); the NaN byte is refused, as
