@@ -47,8 +47,8 @@ from vframe.bench.throughput import model_workload_prompts
 from vframe.models.loader.resolve import default_cache_dir, embedded_default_gguf
 
 CHECKPOINTS = ("ct-w8a16", "ct-w8a16-head", "ct-w8a8", "ct-w4a16", "ct-w4a16-head", "ct-nvfp4a16", "ct-mxfp4a16",
-               "ct-fp8-dynamic", "ct-fp8-block",
-               "autoround-gptq", "autoround-gptq-head", "autoround-awq", "bnb-nf4", "bnb-int8")
+               "ct-fp8-dynamic", "ct-fp8-block", "ct-mxfp8a16",
+               "autoround-gptq", "autoround-gptq-head", "autoround-awq", "bnb-nf4", "bnb-fp4", "bnb-int8")
 KV_CACHE_BYTES = 256 << 20  # each open engine's KV budget: the workload needs 384 tokens
 
 
