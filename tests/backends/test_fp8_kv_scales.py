@@ -309,18 +309,25 @@ def test_the_names_tools_write_reach_the_layer(grown: tuple[str, dict], tmp_path
 
 
 @pytest.mark.parametrize(
-    ("scale", "message"),
+    ("model", "kind", "scale", "message"),
     [
-        (torch.tensor([0.5, 0.25]), "holds 2 FP8 KV-cache scales (shape (2,)), and its attention layer has 1 KV "
-                                    "head: a calibrated scale is one value per layer, or one per KV head of the model"),
-        (torch.tensor(-1.0), "is a KV-cache scale of -1.0; a scale must be positive and finite"),
-        (torch.tensor(float("nan")), "is a KV-cache scale of nan; a scale must be positive and finite"),
+        ("grown", "k_scale", torch.tensor([0.5, 0.25]), "holds 2 FP8 KV-cache scales (shape (2,)), and its attention "
+         "layer has 1 KV head: a calibrated scale is one value per layer, or one per KV head of the model"),
+        ("grown", "k_scale", torch.tensor(-1.0), "is a KV-cache scale of -1.0; a scale must be positive and finite"),
+        ("grown", "k_scale", torch.tensor(float("nan")),
+         "is a KV-cache scale of nan; a scale must be positive and finite"),
+        # per KV head (plugin API 1.22): a count other than the model's KV heads, a zero among them
+        ("grown_heads", "v_scale", torch.full((3, 1, 1), 0.5), "holds 3 FP8 KV-cache scales (shape (3, 1, 1)), and "
+         "its attention layer has 2 KV heads: a calibrated scale is one value per layer, or one per KV head of the "
+         "model"),
+        ("grown_heads", "v_scale", torch.tensor([[[0.5]], [[0.0]]]),
+         "is a KV-cache scale of 0.0; a scale must be positive and finite"),
     ],
 )
-def test_scales_vframe_cannot_apply_are_refused_at_load(grown: tuple[str, dict], tmp_path: Path,
-                                                        scale: torch.Tensor, message: str) -> None:
-    path = _with_scales(grown[0], tmp_path, {"model.layers.1.self_attn.k_scale": scale})
-    expected = f"checkpoint tensor 'model.layers.1.self_attn.k_scale' {message}"
+def test_scales_vframe_cannot_apply_are_refused_at_load(model: str, kind: str, scale: torch.Tensor, message: str,
+                                                        tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    path = _with_scales(request.getfixturevalue(model)[0], tmp_path, {f"model.layers.1.self_attn.{kind}": scale})
+    expected = f"checkpoint tensor 'model.layers.1.self_attn.{kind}' {message}"
     with pytest.raises(ModelLoadError, match=re.escape(expected)):
         LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=64)
 
@@ -543,23 +550,6 @@ def test_an_engine_refuses_per_head_scales_its_backend_does_not_apply(
         "them (torch, cpu_paged, triton)"
     )
     LLM(kv_cache_dtype="auto", **common)  # unused there: it loads
-
-
-@pytest.mark.parametrize(
-    ("scale", "message"),
-    [
-        (torch.full((3, 1, 1), 0.5), "holds 3 FP8 KV-cache scales (shape (3, 1, 1)), and its attention layer has 2 "
-                                     "KV heads: a calibrated scale is one value per layer, or one per KV head of the "
-                                     "model"),
-        (torch.tensor([[[0.5]], [[0.0]]]), "is a KV-cache scale of 0.0; a scale must be positive and finite"),
-    ],
-)
-def test_per_head_scales_of_the_wrong_count_or_value_are_refused(grown_heads: tuple[str, dict], tmp_path: Path,
-                                                                scale: torch.Tensor, message: str) -> None:
-    path = _with_scales(grown_heads[0], tmp_path, {"model.layers.1.self_attn.v_scale": scale})
-    expected = f"checkpoint tensor 'model.layers.1.self_attn.v_scale' {message}"
-    with pytest.raises(ModelLoadError, match=re.escape(expected)):
-        LLM(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_dtype="fp8", max_model_len=64)
 
 
 @pytest.mark.parametrize(("total_heads", "tp_size"), [(2, 1), (2, 2), (4, 2), (2, 4), (2, 8), (4, 8), (8, 4)])

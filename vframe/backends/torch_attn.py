@@ -208,7 +208,7 @@ class TorchAttentionImpl(AttentionImpl):
         outputs times ``v_head_scales[h]`` (the factor ``[H, 1]``). Else as they are (factor 1.0)."""
         if not is_fp8(kv_cache.dtype) or not self.has_kv_cache_scales:
             return query, key, value, self.scale, 1.0
-        if self.k_head_scales is None and self.v_head_scales is None:
+        if not self.has_kv_head_scales:
             return (query, key.float() / self.k_scale, value.float() / self.v_scale, self.scale * self.k_scale,
                     self.v_scale)
         query, key, value, factor = self.fold_kv_head_scales(query, key, value)

@@ -163,10 +163,14 @@ class AttentionImpl(ABC):
         self.sliding_window = sliding_window
 
     @property
+    def has_kv_head_scales(self) -> bool:
+        """Whether the checkpoint gave this layer calibrated scales per KV head (keys or values)."""
+        return self.k_head_scales is not None or self.v_head_scales is not None
+
+    @property
     def has_kv_cache_scales(self) -> bool:
         """Whether the checkpoint gave this layer calibrated scales (per tensor or per head)."""
-        per_head = self.k_head_scales is not None or self.v_head_scales is not None
-        return per_head or (self.k_scale, self.v_scale) != (1.0, 1.0)
+        return self.has_kv_head_scales or (self.k_scale, self.v_scale) != (1.0, 1.0)
 
     def kv_head_scales(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """The calibrated scales per KV head, float32 ``[num_kv_heads]`` each on ``device``:

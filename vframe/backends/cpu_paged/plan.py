@@ -111,7 +111,7 @@ class DecodePlan:
             attention = layer.attention
             handle.add_layer(layer.input_norm, layer.post_norm, attention.sliding_window or 0, attention.k_scale,
                              attention.v_scale)
-            if attention.k_head_scales is not None or attention.v_head_scales is not None:  # plugin API 1.22
+            if attention.has_kv_head_scales:  # plugin API 1.22
                 handle.set_head_scales(*attention.kv_head_scales("cpu"))
             for linear in layer.linears:
                 call = _native(linear)

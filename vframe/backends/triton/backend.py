@@ -137,7 +137,7 @@ class TritonAttentionImpl(AttentionImpl):
         # The kernels index the head dimension with unit stride.
         query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
         k_scale, v_scale, factor = self.k_scale, self.v_scale, None
-        if is_fp8(kv_cache.dtype) and (self.k_head_scales is not None or self.v_head_scales is not None):
+        if is_fp8(kv_cache.dtype) and self.has_kv_head_scales:
             # per KV head (plugin API 1.22): applied around the kernels, which then run at scale 1.0
             query, key, value, factor = self.fold_kv_head_scales(query, key, value)
             k_scale = v_scale = 1.0

@@ -202,9 +202,8 @@ class TorchModelRunner(ModelRunner):
         1.19): applied by a float8 cache on a backend that says it applies them, refused on any
         other; unused (and said so) with ``kv_cache_dtype="auto"``."""
         from vframe.core.interfaces import MLAAttentionImpl
-        from vframe.models.loader.weights import attention_impls
 
-        impls = [impl for module in self.model.modules() for impl in attention_impls(module)]
+        impls = self._attention_impls()
         kv_cache_dtype = self.config.cache.kv_cache_dtype
         if self.config.cache.calculate_kv_scales:  # computed at start-up (initialize_kv_cache), per layer
             refused = sorted({type(impl).__qualname__ for impl in impls if not type(impl).supports_kv_cache_scales})
@@ -232,7 +231,7 @@ class TorchModelRunner(ModelRunner):
                     "or a checkpoint with every layer's k_scale / v_scale"
                 )
         def per_head(impl: object) -> bool:  # MLA impls have no per-head scales
-            return getattr(impl, "k_head_scales", None) is not None or getattr(impl, "v_head_scales", None) is not None
+            return getattr(impl, "has_kv_head_scales", False)
 
         scaled = [impl for impl in impls if (impl.k_scale, impl.v_scale) != (1.0, 1.0) or per_head(impl)]
         if not scaled:
@@ -440,15 +439,20 @@ class TorchModelRunner(ModelRunner):
         if graph_sizes:
             self._capture_decode_graphs(graph_sizes, scratch_block=num_blocks)
 
+    def _attention_impls(self) -> list:
+        """Every attention impl of the model (``AttentionImpl`` / ``MLAAttentionImpl``), in module order."""
+        from vframe.models.loader.weights import attention_impls
+
+        return [impl for module in self.model.modules() for impl in attention_impls(module)]
+
     def _calculate_kv_scales(self, num_blocks: int) -> None:
         """``cache.calculate_kv_scales``: each layer's k_scale / v_scale from one forward of random
         tokens (``vframe/core/worker/kv_scales.py``); the model bound again, so that what it
         built from the old scales (cpu_paged's decode plan) takes the new ones."""
         from vframe.core.worker.kv_scales import calculate_kv_scales
         from vframe.layers.binding import bind_model
-        from vframe.models.loader.weights import attention_impls
 
-        impls = [impl for module in self.model.modules() for impl in attention_impls(module)]
+        impls = self._attention_impls()
         if self.lora_manager is not None:
             self.lora_manager.prepare_step([])  # the base model's scales
         start = time.perf_counter()

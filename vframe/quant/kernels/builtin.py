@@ -464,16 +464,8 @@ class _PairsKernel(_OnPairs, _PermutedGemm):
     def prepare(self, layer: nn.Module, weight: IntWeight) -> None:
         weight = self._in_group_order(layer, weight)
         self.group_size = weight.group_size
-        out_features, in_features = weight.q.shape
-        blocks, groups = out_features // 16, in_features // weight.group_size
         q = weight.q.to(torch.uint8)
-        if self.BITS == 4:
-            self.buffer(layer, "q", _nibble_words(q))
-        else:
-            self.buffer(layer, "q", _byte_words(q))
-
-        def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N / 16, G, 16]
-            return t.reshape(blocks, 16, groups).permute(0, 2, 1).contiguous()
+        self.buffer(layer, "q", _nibble_words(q) if self.BITS == 4 else _byte_words(q))
 
         # w = scale q + zero: the offset at code 0 (a GGUF Q4_1's m, exactly), or none (symmetric)
         scales = weight.scales.float()
@@ -487,8 +479,8 @@ class _PairsKernel(_OnPairs, _PermutedGemm):
             if points is not None:
                 zeros, self.zero_points = points, True
         dtype = torch.float16 if all(_exact_in_half(t) for t in (scales, zeros) if t is not None) else torch.float32
-        self.buffer(layer, "scales", per_block(scales.to(dtype)))
-        self.buffer(layer, "zeros", torch.empty(0, dtype=dtype) if zeros is None else per_block(zeros.to(dtype)))
+        self.buffer(layer, "scales", _per_block(scales.to(dtype)))
+        self.buffer(layer, "zeros", torch.empty(0, dtype=dtype) if zeros is None else _per_block(zeros.to(dtype)))
 
     def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
         return _woq_ops().pairs_gemm.default, (*self._pairs_args(layer), self.BITS, self.zero_points)
@@ -529,6 +521,12 @@ def _nibble_words(codes: torch.Tensor) -> torch.Tensor:
     low, high = q[:, :, :, 0] | (q[:, :, :, 1] << 4), q[:, :, :, 2] | (q[:, :, :, 3] << 4)  # [b, n, p, j]
     words = torch.stack([low, high], dim=-1)  # (b, n, p, j, byte)
     return words.permute(0, 2, 1, 3, 4).reshape(blocks, steps, 64).contiguous()
+
+
+def _per_block(t: torch.Tensor) -> torch.Tensor:
+    """Per-row values ``[N, G]`` (a scale per output and group) as the pairs operators read them:
+    ``[N / 16, G, 16]``, each block's 16 outputs side by side."""
+    return t.reshape(t.shape[0] // 16, 16, t.shape[1]).permute(0, 2, 1).contiguous()
 
 
 def _byte_words(codes: torch.Tensor) -> torch.Tensor:
@@ -590,9 +588,10 @@ class Int8PairsKernel(_PairsKernel):
 
 
 class _LookupPairs(_OnPairs, _DequantizedGemm, QuantLinearKernel):
-    """What the pairs kernels whose codes are looked up in a table (``fp4_pairs``, ``lut4_pairs``)
-    share: bfloat16 on the CPU, blocks of 16 outputs and steps of 8 inputs, the weight read back
-    row by row (``dequantize_rows``, which each defines)."""
+    """What the pairs kernels whose codes are looked up in a table (``fp4_pairs``, ``lut4_pairs``,
+    ``fp8_pairs``) share: bfloat16 on the CPU, blocks of 16 outputs, the weight read back row by row
+    (``dequantize_rows``, which each defines); 4-bit codes in steps of 8 inputs (``fp8_pairs``'
+    bytes: 4, its own ``can_implement``)."""
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
@@ -620,13 +619,11 @@ class Fp4PairsKernel(_LookupPairs):
 
     def prepare(self, layer: nn.Module, weight: Fp4Weight) -> None:
         Fp4CpuKernel.refuse_nan_scales(weight, self.spec.layer)
-        out_features = weight.q.shape[0]
-        blocks, groups = out_features // 16, weight.scales.shape[1]
         self.group_size, self.scale_format = weight.group_size, Fp4CpuKernel.SCALE_FORMATS[weight.format]
         self.format = weight.format
         self.buffer(layer, "q", _nibble_words(weight.codes()))
-        self.buffer(layer, "scales", weight.scales.reshape(blocks, 16, groups).permute(0, 2, 1).contiguous())
-        self.buffer(layer, "global_scale", weight.global_scale.float().reshape(blocks, 16).contiguous())
+        self.buffer(layer, "scales", _per_block(weight.scales))
+        self.buffer(layer, "global_scale", weight.global_scale.float().reshape(-1, 16).contiguous())
 
     def _args(self, layer: nn.Module) -> tuple:
         return (self.get(layer, "q"), self.get(layer, "scales"), self.get(layer, "global_scale"), self.group_size,
@@ -823,10 +820,9 @@ class Lut4PairsKernel(_LookupPairs):
         return super().can_implement(spec)
 
     def prepare(self, layer: nn.Module, weight: Lut4Weight) -> None:
-        blocks, groups = weight.q.shape[0] // 16, weight.scales.shape[1]
         self.group_size = weight.group_size
         self.buffer(layer, "q", _nibble_words(weight.codes()))
-        self.buffer(layer, "scales", weight.scales.float().reshape(blocks, 16, groups).permute(0, 2, 1).contiguous())
+        self.buffer(layer, "scales", _per_block(weight.scales.float()))
         self.buffer(layer, "table", weight.table.float().contiguous())
 
     def _args(self, layer: nn.Module) -> tuple:
@@ -883,12 +879,11 @@ class Fp8PairsKernel(_LookupPairs):
         q = weight.q.view(torch.uint8)
         if bool(((q & 0x7F) == 0x7F).any()):
             raise ModelLoadError(f"{self.spec.layer or 'an FP8 layer'}: the FP8 weight holds NaN (e4m3 bytes 0x7F / 0xFF)")
-        out_features, in_features = q.shape
+        in_features = q.shape[1]
         self.group_size = self.held_group(weight.group_size, in_features)
-        groups = in_features // self.group_size
-        scales = weight.scales.float().repeat_interleave(weight.group_size // self.group_size, dim=1)[:, :groups]
+        scales = weight.scales.float().repeat_interleave(weight.group_size // self.group_size, dim=1)
         self.buffer(layer, "q", _byte_words(q))
-        self.buffer(layer, "scales", scales.reshape(out_features // 16, 16, groups).permute(0, 2, 1).contiguous())
+        self.buffer(layer, "scales", _per_block(scales[:, : in_features // self.group_size]))
 
     def _in_place_call(self, layer: nn.Module) -> tuple[Callable[..., torch.Tensor], tuple]:
         return _woq_ops().fp8_pairs_gemm.default, (self.get(layer, "q"), self.get(layer, "scales"), self.group_size)
