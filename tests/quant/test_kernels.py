@@ -550,3 +550,15 @@ def test_int4_cpu_prefills_multiply_the_dequantized_weight_and_decodes_call_torc
         reference = x.float() @ exact.T + bias.float()  # both paths within bfloat16 rounding of it
         tolerance = 2**-7 * reference.abs().max().item()  # outputs of up to ~30: a bfloat16 step is 0.125
         torch.testing.assert_close(got.float(), reference, atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", ["fp8_cpu", pytest.param("fp8_pairs", marks=pytest.mark.skipif(
+    not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16"))])
+def test_fp8_kernels_refuse_a_weight_holding_e4m3_nan(kernel: str) -> None:
+    s = spec(bits=8, group_size=192, dtype=torch.bfloat16, weight_type=FP8_E4M3)
+    q = torch.randint(0, 0x7E, (48, 192), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    q[5, 7] = 0xFF  # -NaN
+    instance = get_registry("quant_kernel").load(kernel)(s, kernel)
+    with pytest.raises(ModelLoadError, match=r"^model.layers.0.mlp.down_proj: the FP8 weight holds NaN \(e4m3 bytes "
+                                             r"0x7F / 0xFF\)$"):
+        instance.prepare(nn.Module(), Fp8Weight(q, torch.rand(48, 1), 192))

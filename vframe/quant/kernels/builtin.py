@@ -700,10 +700,15 @@ class Fp8CpuKernel(_DequantizedGemm, QuantLinearKernel):
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
         return _cpu_weight_only_refusal(spec, "FP8")
 
+    @staticmethod
+    def refuse_nan(q: torch.Tensor, layer: str) -> None:
+        """A ``ModelLoadError`` where the e4m3 bytes ``q`` hold NaN (0x7F / 0xFF)."""
+        if bool(((q & 0x7F) == 0x7F).any()):
+            raise ModelLoadError(f"{layer or 'an FP8 layer'}: the FP8 weight holds NaN (e4m3 bytes 0x7F / 0xFF)")
+
     def prepare(self, layer: nn.Module, weight: Fp8Weight) -> None:
         q = weight.q.view(torch.uint8)
-        if bool(((q & 0x7F) == 0x7F).any()):
-            raise ModelLoadError(f"{self.spec.layer or 'an FP8 layer'}: the FP8 weight holds NaN (e4m3 bytes 0x7F / 0xFF)")
+        self.refuse_nan(q, self.spec.layer)
         self.group_size = weight.group_size
         self.buffer(layer, "q", q.contiguous())  # the checkpoint's bytes, shared where contiguous
         self.buffer(layer, "scales", weight.scales.float().contiguous())
@@ -877,8 +882,7 @@ class Fp8PairsKernel(_LookupPairs):
 
     def prepare(self, layer: nn.Module, weight: Fp8Weight) -> None:
         q = weight.q.view(torch.uint8)
-        if bool(((q & 0x7F) == 0x7F).any()):
-            raise ModelLoadError(f"{self.spec.layer or 'an FP8 layer'}: the FP8 weight holds NaN (e4m3 bytes 0x7F / 0xFF)")
+        Fp8CpuKernel.refuse_nan(q, self.spec.layer)
         in_features = q.shape[1]
         self.group_size = self.held_group(weight.group_size, in_features)
         scales = weight.scales.float().repeat_interleave(weight.group_size // self.group_size, dim=1)
