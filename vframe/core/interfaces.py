@@ -176,6 +176,11 @@ class AttentionImpl(ABC):
         """The calibrated scales per KV head, float32 ``[num_kv_heads]`` each on ``device``:
         ``k_head_scales`` / ``v_head_scales`` where the checkpoint gave them per head, else
         ``k_scale`` / ``v_scale`` repeated (plugin API 1.22). Kept per device once made."""
+        return self._head_scales(device)[:2]
+
+    def _head_scales(self, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+        """``kv_head_scales`` and the same repeated over each KV head's query heads, ``[H]``
+        each (what ``fold_kv_head_scales`` multiplies by), made once per device."""
         import torch
 
         device = torch.device(device)
@@ -183,7 +188,9 @@ class AttentionImpl(ABC):
         if kept is None or kept[0].device != device:
             k = self.k_head_scales if self.k_head_scales is not None else torch.full((self.num_kv_heads,), self.k_scale)
             v = self.v_head_scales if self.v_head_scales is not None else torch.full((self.num_kv_heads,), self.v_scale)
-            kept = self._kv_head_scales = (k.float().to(device), v.float().to(device))
+            k, v = k.float().to(device), v.float().to(device)
+            group = self.num_heads // self.num_kv_heads
+            kept = self._kv_head_scales = (k, v, k.repeat_interleave(group), v.repeat_interleave(group))
         return kept
 
     def fold_kv_head_scales(
@@ -196,10 +203,9 @@ class AttentionImpl(ABC):
         (float32: ``v`` per query head) that multiplies the attention output, with ``k``, ``v``
         this layer's ``kv_head_scales``. The kernels then attend at scale 1.0 (and the
         layer's own softmax scale): ``softmax(scale * q k[h] . key / k[h]) value / v[h] * v[h]``."""
-        k_scales, v_scales = self.kv_head_scales(query.device)  # [KVH] each
-        group = self.num_heads // self.num_kv_heads
-        query = (query.float() * k_scales.repeat_interleave(group)[:, None]).to(query.dtype)
-        factor = v_scales.repeat_interleave(group)[:, None]  # [H, 1]: the output rounded once
+        k_scales, v_scales, k_query, v_query = self._head_scales(query.device)  # [KVH], [KVH], [H], [H]
+        query = (query.float() * k_query[:, None]).to(query.dtype)
+        factor = v_query[:, None]  # [H, 1]: the output rounded once
         return query, key.float() / k_scales[:, None], value.float() / v_scales[:, None], factor
 
     @abstractmethod
