@@ -16,6 +16,8 @@ on each variant:
   and AWQ 4 bit groups of 64, NVFP4A16, MXFP4A16, bitsandbytes NF4 and LLM.int8; ``-head``: W8A16,
   W4A16 and GPTQ with the LM head quantized too, where the others keep SmolLM2's in bfloat16),
   bfloat16 activations; the kernel each layer got is shown;
+- ``bnb-in-flight``: the dense conversion quantized to NF4 while loading (``quantization="bitsandbytes"``,
+  vLLM's in-flight bitsandbytes; its "opened in" time includes the quantization);
 - ``gguf-q4_1``: the embedded GGUF kept quantized (``quantization="gguf"``);
 - ``gguf-q4_1-a8``: the same with ``quant_kernel="woq_cpu_a8"``: activations quantized to
   int8 per block of 32 for integer dot products, llama.cpp's own numerics;
@@ -84,6 +86,7 @@ def main() -> None:
     base = "bf16" if args.dtype == "bfloat16" else args.dtype
     variants: list[tuple[str, str | None, dict]] = [(base, None, {})]
     variants += [(name, str(cache / name), {}) for name in CHECKPOINTS if (cache / name).exists()]
+    variants.append(("bnb-in-flight", None, {"quantization": "bitsandbytes"}))
     variants.append(("gguf-q4_1", None, {"quantization": "gguf"}))
     variants.append(("gguf-q4_1-a8", None, {"quantization": "gguf", "quant_kernel": "woq_cpu_a8"}))
     if args.only:

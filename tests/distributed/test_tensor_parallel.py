@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU: worker processes (gloo) give the tokens one
-process gives, for Llama (float, and GPTQ with its head quantized), Mixtral (float, and 4-bit experts) and DeepSeek
-(MLA), under prefix caching,
+process gives, for Llama (float, GPTQ with its head quantized, NF4 quantized while loading), Mixtral (float,
+and 4-bit experts) and DeepSeek (MLA), under prefix caching,
 chunked prefill and preemption; bad sizes are refused by name; a killed worker
 fails the engine at once and leaves no process behind."""
 
@@ -99,6 +99,29 @@ def test_a_mixtral_with_quantized_experts_split_over_two_ranks_matches_transform
     hf_model = write_quantized(tiny_hf_mixtral(), tmp_path, *w4a16(16))
     prompts = prompts_of_lengths(VOCAB, PROMPT_LENGTHS, shared_prefix=4)
     assert_engine_matches_transformers(tmp_path, hf_model, prompts, num_blocks=14, tensor_parallel_size=2).shutdown()
+
+
+def test_a_float_llama_quantized_to_nf4_while_loading_on_two_ranks_matches_transformers(tmp_path: Path) -> None:
+    """``quantization="bitsandbytes"`` on a float checkpoint: each rank quantizes its own part (q / k / v
+    and gate / up rows, o / down inputs), as vLLM's in-flight bitsandbytes; the reference holds those NF4
+    weights."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "quant"))
+    from test_bitsandbytes import in_flight
+
+    hf_model = save_tiny_llama(tmp_path, **TINY_TP, intermediate_size=128)  # every rank's rows: blocks of 64
+    with torch.no_grad():
+        for layer in hf_model.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            for proj in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj):
+                proj.weight.copy_(torch.cat([in_flight(part) for part in proj.weight.chunk(2, dim=0)]))
+            for proj in (attention.o_proj, mlp.down_proj):
+                proj.weight.copy_(torch.cat([in_flight(part) for part in proj.weight.chunk(2, dim=1)], dim=1))
+    prompts = prompts_of_lengths(97, [5, 23, 37, 12], shared_prefix=4)
+    llm = assert_engine_matches_transformers(tmp_path, hf_model, prompts, num_blocks=14, tensor_parallel_size=2,
+                                             quantization="bitsandbytes")
+    llm.shutdown()
 
 
 def test_deepseek_v3_mla_split_over_two_ranks_matches_transformers(tmp_path: Path) -> None:

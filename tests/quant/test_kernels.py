@@ -207,6 +207,30 @@ def test_woq_cpu_a8_quantizes_activation_blocks_as_quantize_per_block_spells_the
         assert torch.equal(_woq_ops().quantize_blocks(x.to(dtype)), quantize_per_block(x.to(dtype)))
 
 
+def test_lut4_quantize_codes_a_float_weight_bit_for_bit_as_its_pytorch_definition() -> None:
+    """bitsandbytes-style 4-bit quantization (``quantization="bitsandbytes"`` on a float checkpoint):
+    the C++ operator against ``quantize_4bit_blocks_torch``, over blocks of 32 / 64 / 128, a last
+    block shorter than the rest (divided by its absmax, kept at least 1e-38 as bitsandbytes keeps it;
+    here all zeros), values on the table's midpoints (they take the lower code) and at +-absmax."""
+    from vframe.quant.bitsandbytes import NF4, quantize_4bit_blocks_torch
+    from vframe.quant.kernels.builtin import _woq_ops
+
+    table = torch.tensor(NF4)
+    boundaries = (table[:-1] + table[1:]) / 2
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4000, generator=g) * torch.logspace(-4, 2, 4000)  # blocks of very different scales
+    x[64:128] = torch.cat([boundaries, -boundaries, torch.tensor([1.0, -1.0])]).repeat(2) * 2  # absmax 2: exact
+    x[3968:] = 0.0  # 4000 = 62.5 blocks of 64: the last one 32 zeros
+    for block in (32, 64, 128):
+        codes, absmax = _woq_ops().lut4_quantize(x, boundaries, block)
+        expected_codes, expected_absmax = quantize_4bit_blocks_torch(x, boundaries, block)
+        assert torch.equal(codes, expected_codes) and torch.equal(absmax, expected_absmax), block
+    codes, absmax = _woq_ops().lut4_quantize(x, boundaries, 64)
+    unpacked = torch.stack([codes >> 4, codes & 0x0F], dim=-1).flatten()
+    assert unpacked[64:79].tolist() == list(range(15)) and unpacked[94:96].tolist() == [15, 0]  # midpoints: lower
+    assert absmax[1] == 2 and absmax[-1] == torch.tensor(1e-38) and unpacked[3968:].tolist() == [7] * 32
+
+
 def test_a_kernel_that_computes_wrong_fails_the_check() -> None:
     class OffByOne(ReferenceKernel):
         def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

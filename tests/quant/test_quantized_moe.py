@@ -170,6 +170,28 @@ def test_deepseek_v3_in_its_block_fp8_layout_generates_what_transformers_does(tm
     assert torch.equal(attention.kv_b_weight(), expected)
 
 
+def test_bitsandbytes_in_flight_quantizes_a_float_mixtral_s_experts_to_nf4(tmp_path: Path) -> None:
+    """quantization="bitsandbytes" on a float Mixtral (the checkpoint as it is; config.json's
+    quantization_config null): each expert's w1 / w3 / w2 quantized to NF4 on its own while loading,
+    the router and the head float; transformers holding those NF4 weights agrees."""
+    from test_bitsandbytes import in_flight
+
+    def quantize(module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+        if module == "lm_head" or module.endswith(".gate"):
+            return None
+        return {"weight": weight}, in_flight(weight)  # the checkpoint float, the reference its NF4
+
+    hf_model = write_quantized(tiny_hf_mixtral(), tmp_path, None, quantize)
+    llm = LLM(model=str(tmp_path), quantization="bitsandbytes", skip_tokenizer_init=True, dtype="float32",
+              num_threads=2)
+    layer = llm.llm_engine.model_runner.model.model.layers[0]
+    assert isinstance(layer.mlp.experts, QuantizedExperts)
+    assert type(layer.mlp.experts[3].w2.quant_method).__name__ == "BnB4BitInFlightMethod"
+    assert type(layer.mlp.gate.quant_method).__name__ == "UnquantizedLinearMethod"
+    assert_logprobs_match(llm, hf_model, prompts()[2])
+    assert_matches_transformers(None, prompts(), hf_model=hf_model, llm=llm, max_tokens=12)
+
+
 def test_fp8_on_the_fly_quantizes_a_float_mixtral_s_experts(tmp_path: Path) -> None:
     """quantization="fp8" on a float Mixtral: each expert's projections become FP8 layers
     (a scale per row, e4m3 values); the answers move by FP8's rounding only."""

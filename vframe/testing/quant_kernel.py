@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from vframe.quant.base import bound_apply
+from vframe.quant.bitsandbytes import NF4
 from vframe.quant.native_call import native_result
 from vframe.quant.kernels import (
     FP4_GROUPS, FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, LUT4, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, Fp8Weight,
@@ -151,14 +152,7 @@ def _lut4_weight(spec: QuantLinearSpec, generator: torch.Generator) -> Lut4Weigh
     out, inp, group = spec.out_features, spec.in_features, spec.group_size
     q = torch.randint(0, 256, (out, inp // 2), generator=generator, dtype=torch.int32).to(torch.uint8)
     scales = (torch.rand(out, inp // group, generator=generator) + 0.5) / inp**0.5
-    return Lut4Weight(q, scales, torch.tensor(NF4_VALUES), group)
-
-
-# bitsandbytes' NF4 table (bitsandbytes.functional.get_4bit_type("nf4")), as float32
-NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-              0.7229568362236023, 1.0)
+    return Lut4Weight(q, scales, torch.tensor(NF4), group)
 
 
 def _name(spec: QuantLinearSpec) -> str:

@@ -27,6 +27,7 @@
 #include <optional>
 #include <utility>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -2439,11 +2440,61 @@ at::Tensor fp8_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, i
   return w;
 }
 
+// A float weight quantized to 4-bit codes of a table, as bitsandbytes' quantize_4bit does (bit for bit
+// vframe.quant.bitsandbytes.quantize_4bit_blocks_torch, whose fast path it is): the float32 values in
+// blocks of `block` (the last one shorter), each value times the reciprocal of its block's absmax (the
+// shorter block's: divided by it, and its absmax kept at least 1e-38, as bitsandbytes keeps it), clamped
+// to [-1, 1], coded as the number of `boundaries` (the ascending table's 15 midpoints) below it. Returns
+// the codes, two a byte, the first in the high nibble (uint8 [n / 2]), and the absmax values (float32
+// [blocks]). Finite values only (the caller refuses others).
+std::tuple<at::Tensor, at::Tensor> lut4_quantize(const at::Tensor& values, const at::Tensor& boundaries,
+                                                 int64_t block) {
+  TORCH_CHECK(values.scalar_type() == at::kFloat && values.dim() == 1 && values.is_contiguous() &&
+                  values.numel() % 2 == 0,
+              "lut4_quantize: values must be contiguous float32 [n], n even");
+  TORCH_CHECK(boundaries.scalar_type() == at::kFloat && boundaries.numel() == 15 && boundaries.is_contiguous(),
+              "lut4_quantize: boundaries must be 15 contiguous float32 values");
+  TORCH_CHECK(block > 0 && block % 2 == 0, "lut4_quantize: the block (", block, ") must be even");
+  const int64_t n = values.numel(), blocks = (n + block - 1) / block;
+  at::Tensor codes = at::empty({n / 2}, values.options().dtype(at::kByte));
+  at::Tensor absmax = at::empty({blocks}, values.options());
+  const float* v = values.data_ptr<float>();
+  uint8_t* c = codes.data_ptr<uint8_t>();
+  float* a = absmax.data_ptr<float>();
+  float bound[15];
+  std::memcpy(bound, boundaries.data_ptr<float>(), sizeof bound);
+  at::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> scaled(block);  // a block at a time, in loops the compiler vectorizes
+    std::vector<uint8_t> code(block);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t start = b * block, size = std::min(block, n - start);
+      const float* x = v + start;
+      float top = 0.0f;
+      for (int64_t i = 0; i < size; ++i) top = std::max(top, std::fabs(x[i]));
+      const float divisor = std::max(top, 1e-38f), inverse = 1.0f / divisor;
+      a[b] = size == block ? top : divisor;
+      if (size == block) {
+        for (int64_t i = 0; i < size; ++i) scaled[i] = std::min(std::max(x[i] * inverse, -1.0f), 1.0f);
+      } else {
+        for (int64_t i = 0; i < size; ++i) scaled[i] = std::min(std::max(x[i] / divisor, -1.0f), 1.0f);
+      }
+      for (int64_t i = 0; i < size; ++i) {
+        int32_t count = 0;
+        for (int k = 0; k < 15; ++k) count += bound[k] < scaled[i];
+        code[i] = static_cast<uint8_t>(count);
+      }
+      for (int64_t i = 0; i < size; i += 2) c[(start + i) / 2] = static_cast<uint8_t>(code[i] << 4 | code[i + 1]);
+    }
+  });
+  return {codes, absmax};
+}
+
 TORCH_LIBRARY(vframe_quant_cpu, m) {
   m.def("woq_gemm(Tensor x, Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("int8_dynamic_mm(Tensor x, Tensor weight, Tensor w_scale, Tensor? w_sums=None) -> Tensor");
   m.def("woq_gemm_a8(Tensor x, Tensor q, Tensor scales, Tensor scaled_zeros, int group, int bits, ScalarType out_dtype) -> Tensor");
   m.def("quantize_blocks(Tensor x) -> Tensor");
+  m.def("lut4_quantize(Tensor values, Tensor boundaries, int block) -> (Tensor, Tensor)");
   m.def("fp8_gemm(Tensor x, Tensor q, Tensor scales, int group, ScalarType out_dtype) -> Tensor");
   m.def("fp8_dequantize(Tensor q, Tensor scales, int group, ScalarType out_dtype) -> Tensor");
   m.def("fp4_gemm(Tensor x, Tensor q, Tensor scales, Tensor global_scale, int group, int scale_format, ScalarType out_dtype) -> Tensor");
@@ -2469,6 +2520,7 @@ TORCH_LIBRARY_IMPL(vframe_quant_cpu, CPU, m) {
   m.impl("int8_dynamic_mm", &int8_dynamic_mm);
   m.impl("woq_gemm_a8", &woq_gemm_a8);
   m.impl("quantize_blocks", &quantize_blocks_dequantized);
+  m.impl("lut4_quantize", &lut4_quantize);
   m.impl("fp8_gemm", &fp8_gemm);
   m.impl("fp8_dequantize", &fp8_dequantize);
   m.impl("fp4_gemm", &fp4_gemm);
