@@ -182,7 +182,7 @@ BROKEN = {
     ),
     "oldapi": (
         'VFRAME_PLUGIN_API = "0.3"\n',
-        "plugin 'oldapi' was written for vframe plugin API 0.x, but this vframe provides 1.22",
+        "plugin 'oldapi' was written for vframe plugin API 0.x, but this vframe provides 1.23",
     ),
     "wrapper": (
         """

@@ -53,7 +53,7 @@ def test_format_lists_plugins_entries_reasons_and_failures(plugin):
     rows = [r for r in describe_plugins() if r.source == "reporter"]
     text = format_plugins(rows, failures=[PluginFailure("broken", "cannot import 'broken': boom")])
     lines = text.splitlines()
-    assert lines[0] == "Plugins (this vframe provides plugin API 1.22):"
+    assert lines[0] == "Plugins (this vframe provides plugin API 1.23):"
     at = lines.index("  reporter (runtime, API not declared)")
     assert lines[at + 1] == "    registers: attention_backends, samplers"
     assert any(line.split()[:4] == ["attention_backend", "gpuonly", "reporter", "no"] for line in lines)

@@ -23,9 +23,9 @@ def vframe_register_attention_backends(register):
 """
 
 
-def test_running_version_is_1_22():
-    assert vframe.PLUGIN_API_VERSION == "1.22"
-    assert parse_api_version(vframe.PLUGIN_API_VERSION) == (1, 22)
+def test_running_version_is_1_23():
+    assert vframe.PLUGIN_API_VERSION == "1.23"
+    assert parse_api_version(vframe.PLUGIN_API_VERSION) == (1, 23)
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,7 @@ def test_parse_api_version(value, parsed):
 
 
 @pytest.mark.parametrize("declared", ['"1.0"', '"1.1"', '"1.2"', '"1.3"', '"1.4"', '"1.5"', '"1.6"', '"1.7"', '"1.8"', '"1.9"', '"1.10"', '"1.11"', '"1.12"', '"1.13"', '"1.14"', '"1.15"', '"1.16"', '"1.17"', '"1.18"', '"1.19"',
-                                      '"1.20"', '"1.21"', '"1.22"', '"1"'])
+                                      '"1.20"', '"1.21"', '"1.22"', '"1.23"', '"1"'])
 def test_same_major_and_lower_or_equal_minor_loads(installed, declared):
     installed("acme", ACME.format(declared=declared))
     assert get_registry("attention_backend").get("acme").source == "acme"
@@ -51,30 +51,30 @@ def test_same_major_and_lower_or_equal_minor_loads(installed, declared):
     ("declared", "message"),
     [
         (
-            '"1.23"',
-            "plugin 'acme' needs vframe plugin API 1.23, but this vframe provides 1.22; "
+            '"1.24"',
+            "plugin 'acme' needs vframe plugin API 1.24, but this vframe provides 1.23; "
             "upgrade vframe (or install an older release of the plugin)",
         ),
         (
             '"2.0"',
-            "plugin 'acme' needs vframe plugin API 2.0, but this vframe provides 1.22; "
+            "plugin 'acme' needs vframe plugin API 2.0, but this vframe provides 1.23; "
             "upgrade vframe (or install an older release of the plugin)",
         ),
         (
             '"0.9"',
-            "plugin 'acme' was written for vframe plugin API 0.x, but this vframe provides 1.22, "
+            "plugin 'acme' was written for vframe plugin API 0.x, but this vframe provides 1.23, "
             "which is not compatible with it; install a release of the plugin made for plugin "
             "API 1.x (docs/plugins.md lists what changed)",
         ),
         (
             '"latest"',
             "plugin 'acme' declares VFRAME_PLUGIN_API='latest', which is not a 'MAJOR.MINOR' "
-            "version string such as '1.22'",
+            "version string such as '1.23'",
         ),
         (
             "1.2",  # a float, not a string: 1.10 and 1.1 would be the same number
             "plugin 'acme' declares VFRAME_PLUGIN_API=1.2, which is not a 'MAJOR.MINOR' "
-            "version string such as '1.22'",
+            "version string such as '1.23'",
         ),
     ],
 )

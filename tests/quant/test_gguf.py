@@ -25,7 +25,7 @@ from vframe.quant.gguf import GGUFConfig, GGUFLinearMethod
 from vframe.quant.kernels.builtin import quantize_per_block
 from vframe.quant.onednn_packed import onednn_fp32_available
 from vframe.testing.quant import check_quant_method
-from defaults import BF16_INT4, BF16_INT8, PAIRS, bf16_int4_with_groups
+from defaults import BF16_INT4, BF16_INT6, BF16_INT8, PAIRS, bf16_int4_with_groups
 from gguf_files import add_toy_vocabulary, write_out
 
 # Byte offsets of each format's float16 scales (d, m, dmin) inside a block.
@@ -152,7 +152,7 @@ def test_bfloat16_mixed_fused_layer_runs_each_segment_on_its_kernel() -> None:
 
     out = layer(x)
 
-    assert [s.kernel for s in layer.quant_method.segments] == [BF16_INT4, BF16_INT8]
+    assert [s.kernel for s in layer.quant_method.segments] == [BF16_INT4, BF16_INT6]
     assert layer.quant_method.bind(layer, layer.bias) is None  # two segments: apply's loop, unbound
     assert layer.qweight.numel() == 0  # both segments' blocks are dropped
     expected_weight = torch.cat([gguf_weight(q, "Q4_K"), gguf_weight(k, "Q4_K"), gguf_weight(v, "Q6_K")])
@@ -160,10 +160,11 @@ def test_bfloat16_mixed_fused_layer_runs_each_segment_on_its_kernel() -> None:
     assert out.dtype == torch.bfloat16
     assert float((out.double() - reference).abs().max()) <= 2**-6 * float(reference.abs().max())
     # the Q4_K rows two a byte and a float32 scale and zero per 32 (Q4_K's d sc are no float16s) on
-    # int4_pairs, 20 bytes per 32 weights on int4_cpu; the Q6_K rows a byte per weight and a float32
-    # scale per 16
-    q4_k_bytes = 24 if PAIRS else 20
-    assert weight_bytes(layer) - layer.qweight_type.nbytes - bias.nbytes == 384 * 256 * q4_k_bytes // 32 + 128 * 256 * 20 // 16
+    # int4_pairs, 20 bytes per 32 weights on int4_cpu; the Q6_K rows 6 bits a weight on int6_pairs (a byte
+    # on woq_cpu) and a float32 scale per 16
+    q4_k_bytes, q6_k_bytes = (24, 16) if PAIRS else (20, 20)
+    assert (weight_bytes(layer) - layer.qweight_type.nbytes - bias.nbytes
+            == 384 * 256 * q4_k_bytes // 32 + 128 * 256 * q6_k_bytes // 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -180,7 +181,7 @@ def test_woq_cpu_a8_named_runs_llama_cpp_s_numerics_where_the_blocks_are_32_wide
 
     out = layer(x).double()
 
-    assert [s.kernel for s in layer.quant_method.segments] == ["woq_cpu_a8", BF16_INT8 if dtype == torch.bfloat16 else "woq_cpu"]
+    assert [s.kernel for s in layer.quant_method.segments] == ["woq_cpu_a8", BF16_INT6 if dtype == torch.bfloat16 else "woq_cpu"]
     w_qk = torch.cat([gguf_weight(q, "Q4_K"), gguf_weight(k, "Q4_K")]).double()
     w_v = gguf_weight(v, "Q6_K").double()
     x_blocks = quantize_per_block(x).double()
@@ -250,7 +251,7 @@ def test_conforms_on_every_layer_kind(ggml_type: str, dtype: torch.dtype) -> Non
         ("Q8_0", torch.bfloat16, "reference", "planes"), ("Q8_0", torch.float32, "reference", "reference"),
         ("Q4_1", torch.bfloat16, None, BF16_INT4), ("Q4_1", torch.bfloat16, "reference", "reference"),
         ("Q4_K", torch.float32, None, "woq_cpu"), ("Q6_K", torch.float32, None, "woq_cpu"),
-        ("Q6_K", torch.bfloat16, None, BF16_INT8), ("Q2_K", torch.float32, None, "woq_cpu"),
+        ("Q6_K", torch.bfloat16, None, BF16_INT6), ("Q2_K", torch.float32, None, "woq_cpu"),
     ],
 )
 def test_embedding_looks_up_exact_rows_and_its_tied_head_multiplies_by_them(
@@ -293,6 +294,8 @@ def test_embedding_looks_up_exact_rows_and_its_tied_head_multiplies_by_them(
         "int4_cpu": vocab * hidden * (16 + 4) // 32 + rows.nbytes,
         # a byte per weight and a float16 d per 32 (Q8_0: the file's bytes), a float32 scale per 16 (Q6_K)
         "int8_pairs": vocab * hidden * {"Q8_0": (32 + 2) / 32, "Q6_K": (16 + 4) / 16}.get(ggml_type, 0),
+        # 6 bits per weight (Q6_K) and a float32 scale per 16
+        "int6_pairs": vocab * hidden * (12 + 4) // 16,
         # two a byte and a float16 d and m per 32 (Q4_1: the file's bytes)
         "int4_pairs": vocab * hidden * (16 + 4) // 32,
         "reference": rows.nbytes,  # the file's blocks
@@ -593,14 +596,16 @@ def test_a_k_quant_llama_runs_from_its_blocks_as_its_dense_conversion(tmp_path, 
         assert [lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)] == pytest.approx(
             [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)], abs=1e-4
         )
-    # bfloat16: Q4_K through the 4-bit kernel (q and k of the [Q4_K | Q4_K | Q6_K] qkv), Q5 / Q6_K /
-    # Q8_0 through the 8-bit kernel, Q3_K and Q2_K (4 bit, groups of 16) through int4_pairs or woq_cpu
+    # bfloat16: Q4_K through the 4-bit kernel (q and k of the [Q4_K | Q4_K | Q6_K] qkv), Q5 / Q6_K
+    # through the 6-bit one, Q8_0 through the 8-bit one, Q3_K and Q2_K (4 bit, groups of 16) through
+    # int4_pairs or woq_cpu
     llm = LLM(**kw, dtype="bfloat16", quantization="gguf")
     layers = llm.llm_engine.model_runner.model.model.layers
     kernels = [[s.kernel for s in layer.quant_method.segments] for layer in quantized_linear_layers(layers)]
     assert kernels == [
-        [BF16_INT4, BF16_INT8], [BF16_INT4], [BF16_INT4], [BF16_INT8],  # qkv (Q4_K | Q6_K), o, gate_up, down
-        [BF16_INT8, BF16_INT8], [bf16_int4_with_groups(16)], [bf16_int4_with_groups(16)], [BF16_INT8],  # Q5_K | Q8_0, Q3_K, Q2_K, Q5_0
+        [BF16_INT4, BF16_INT6], [BF16_INT4], [BF16_INT4], [BF16_INT6],  # qkv (Q4_K | Q6_K), o, gate_up, down (Q6_K)
+        [BF16_INT6, BF16_INT8], [bf16_int4_with_groups(16)], [bf16_int4_with_groups(16)], [BF16_INT6],  # Q5_K | Q8_0,
+        # Q3_K, Q2_K, Q5_0
     ]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert ours == [b.token_ids for b in dense]
@@ -673,8 +678,10 @@ def test_segments_with_an_integer_form_run_on_quant_kernels_as_dequantize_then_m
         expected = "woq_cpu"
     elif ggml_type in ("Q4_0", "Q4_1", "Q4_K"):
         expected = BF16_INT4
-    else:  # Q2_K / Q3_K: 4 bit in groups of 16; the rest 8 bit
-        expected = bf16_int4_with_groups(16) if ggml_type in ("Q2_K", "Q3_K") else BF16_INT8
+    elif ggml_type in ("Q2_K", "Q3_K"):  # 4 bit in groups of 16
+        expected = bf16_int4_with_groups(16)
+    else:  # 5 and 6 bit in 6 bits where int6_pairs runs; Q8_0 8 bit
+        expected = BF16_INT8 if ggml_type == "Q8_0" else BF16_INT6
     assert [s.kernel for s in layer.quant_method.segments] == [expected]
     assert layer.qweight.numel() == 0  # the file's blocks are dropped
     weight = gguf_weight(rows, ggml_type)
@@ -685,6 +692,12 @@ def test_segments_with_an_integer_form_run_on_quant_kernels_as_dequantize_then_m
     if dtype == torch.float32 and ggml_type not in ("Q4_0", "Q4_1", "Q4_K"):
         # the K-quants' and 8-bit types' scale * (q - mid) + offset are the dequantizers' own products
         assert torch.equal(dequantized, weight)
+    if expected == "int6_pairs":  # scale q + zero: the file's d (q - 16), d q + m, (d sc) q; Q5_K's zero
+        # -dmin m after adding and taking away 32 scales, within a float32 rounding
+        assert torch.equal(dequantized, weight) if ggml_type != "Q5_K" else (
+            float((dequantized - weight).abs().max()) <= 2**-22 * float(weight.abs().max()))
+        assert weight_bytes(layer) - layer.qweight_type.nbytes == out_features * in_features * {
+            "Q5_0": 26, "Q5_1": 28, "Q5_K": 32, "Q6_K": 32}[ggml_type] // 32  # 6 bits, scales (and zeros)
     reference = x.double() @ weight.double().T
     tolerance = 1e-5 if dtype == torch.float32 else 2**-6
     assert float((out.double() - reference).abs().max()) <= tolerance * float(reference.abs().max())

@@ -19,7 +19,7 @@ from vframe.errors import ConfigError, ModelLoadError
 from vframe.plugins import get_registry, hookimpl, register_plugin, unregister_plugin
 from vframe.quant.kernels import (
     FP8_E4M3, INT8_PER_BLOCK, INT8_PER_TOKEN, INT_WEIGHT, MXFP4, NVFP4, WEIGHT_ONLY, Fp4Weight, Fp8Weight, IntWeight,
-    QuantLinearSpec, choose_kernel,
+    QuantLinearKernel, QuantLinearSpec, choose_kernel,
 )
 from vframe.quant.kernels.builtin import ReferenceKernel
 from vframe.quant.native_call import NativeCall, native_call, with_native
@@ -53,7 +53,8 @@ def _pairs_run() -> bool:
         ("fp8_cpu", FP8_E4M3, torch.bfloat16, WEIGHT_ONLY), ("fp4_cpu", NVFP4, torch.float32, WEIGHT_ONLY),
         ("int4_cpu", INT_WEIGHT, torch.bfloat16, WEIGHT_ONLY), ("int8_dynamic", INT_WEIGHT, torch.float32, INT8_PER_TOKEN),
         *(pytest.param(name, INT_WEIGHT, torch.bfloat16, WEIGHT_ONLY, marks=pytest.mark.skipif(
-            not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16")) for name in ("int4_pairs", "int8_pairs")),
+            not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16"))
+          for name in ("int4_pairs", "int6_pairs", "int8_pairs")),
         pytest.param("fp4_pairs", NVFP4, torch.bfloat16, WEIGHT_ONLY, marks=pytest.mark.skipif(
             not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16")),
         pytest.param("fp8_pairs", FP8_E4M3, torch.bfloat16, WEIGHT_ONLY, marks=pytest.mark.skipif(
@@ -64,7 +65,7 @@ def test_builtin_kernels_bind_to_their_buffers(kernel: str, weight_type: str, dt
     """The C++ kernels hand a bound function to layers (plugin API 1.12); the check above
     compares it with apply bit for bit on every spec."""
     bits, group = (8, 192) if kernel == "int8_dynamic" else (4, 32 if weight_type == INT_WEIGHT else 16)
-    bits = 8 if kernel == "int8_pairs" else bits
+    bits = {"int8_pairs": 8, "int6_pairs": 6}.get(kernel, bits)
     s = spec(bits=bits, group_size=group, dtype=dtype, activations=activations, weight_type=weight_type)
     instance = get_registry("quant_kernel").load(kernel)(s, kernel)
     layer, bias = nn.Module(), torch.randn(48).to(dtype)
@@ -85,7 +86,7 @@ def test_builtin_kernels_bind_to_their_buffers(kernel: str, weight_type: str, dt
     call = native_call(product)
     # where apply's path changes (int8_dynamic: one operator for every row count; int4_cpu and the pairs
     # kernels: from their PREFILL_ROWS rows bf16 GEMMs over the dequantized weight)
-    pairs = ("int4_pairs", "int8_pairs", "fp4_pairs", "fp8_pairs")
+    pairs = ("int4_pairs", "int6_pairs", "int8_pairs", "fp4_pairs", "fp8_pairs")
     max_rows = {"int8_dynamic": None, "int4_cpu": 127, **dict.fromkeys(pairs, 1023)}.get(
         kernel, 32 if dtype == torch.float32 else 16)
     assert call is not None and call.max_rows == max_rows
@@ -132,7 +133,7 @@ def test_a_kernel_whose_native_call_differs_from_its_bound_function_fails_the_ch
 @pytest.mark.parametrize(
     ("kernel", "dtype", "cases"),
     [
-        ("reference", torch.float32, 61), ("reference", torch.bfloat16, 61),
+        ("reference", torch.float32, 81), ("reference", torch.bfloat16, 81),
         ("woq_cpu", torch.float32, 28), ("woq_cpu", torch.bfloat16, 28), ("woq_cpu", torch.float16, 28),
         # int8 activations per block of 32: 4 and 8 bit, groups of 32, 64 and per channel, sym and asym
         ("woq_cpu_a8", torch.float32, 12), ("woq_cpu_a8", torch.bfloat16, 12), ("woq_cpu_a8", torch.float16, 12),
@@ -146,7 +147,9 @@ def test_a_kernel_whose_native_call_differs_from_its_bound_function_fails_the_ch
         # 4 bit in bfloat16: groups of 32, 64, 48 and per channel, sym and asym, act order with equal groups
         pytest.param("int4_pairs", torch.bfloat16, 14, marks=pytest.mark.skipif(
             not _pairs_run(), reason="int4_pairs needs a CPU with AVX512-BF16")),
-        # 8 bit in bfloat16: the same specs
+        # 6 and 8 bit in bfloat16: the same specs
+        pytest.param("int6_pairs", torch.bfloat16, 14, marks=pytest.mark.skipif(
+            not _pairs_run(), reason="int6_pairs needs a CPU with AVX512-BF16")),
         pytest.param("int8_pairs", torch.bfloat16, 14, marks=pytest.mark.skipif(
             not _pairs_run(), reason="int8_pairs needs a CPU with AVX512-BF16")),
         # FP4 in bfloat16: NVFP4 and MXFP4, every code, scales from the subnormals up
@@ -229,6 +232,24 @@ def test_lut4_quantize_codes_a_float_weight_bit_for_bit_as_its_pytorch_definitio
     unpacked = torch.stack([codes >> 4, codes & 0x0F], dim=-1).flatten()
     assert unpacked[64:79].tolist() == list(range(15)) and unpacked[94:96].tolist() == [15, 0]  # midpoints: lower
     assert absmax[1] == 2 and absmax[-1] == torch.tensor(1e-38) and unpacked[3968:].tolist() == [7] * 32
+
+
+def test_a_kernel_is_offered_only_the_integer_widths_its_int_bits_name() -> None:
+    """Plugin API 1.23: 6-bit IntWeights (GGUF's 5- and 6-bit types) go to kernels naming 6 in
+    ``int_bits``; one written before (default (4, 8)) never sees them, whatever its can_implement."""
+    from vframe.quant.kernels import refusal
+
+    class TakesAnything(ReferenceKernel):
+        int_bits = QuantLinearKernel.int_bits  # the default, as a kernel written for 1.22 has it
+
+    six = spec(bits=6, group_size=32)
+    assert refusal(TakesAnything, six) == "it takes 4 and 8-bit integer weights, not 6-bit"
+    assert refusal(TakesAnything, spec(bits=8, group_size=32)) is None
+    assert refusal(ReferenceKernel, six) is None
+    assert get_registry("quant_kernel").load("woq_cpu").int_bits == (4, 8)
+    every = check_quant_kernel(ReferenceKernel, quick=True)
+    assert any(name.startswith("int6") for name in every)
+    assert check_quant_kernel(TakesAnything, quick=True) == [name for name in every if not name.startswith("int6")]
 
 
 def test_a_kernel_that_computes_wrong_fails_the_check() -> None:
@@ -359,8 +380,8 @@ def test_a_registered_kernel_of_higher_priority_runs_every_layer_and_quant_kerne
 
 
 def test_an_unknown_quant_kernel_is_refused_naming_the_known_ones(gptq_llama: Path) -> None:
-    with pytest.raises(Exception, match=r"fp4_cpu, fp4_pairs, fp8_cpu, fp8_pairs, int4_cpu, int4_pairs, int8_dynamic, int8_pairs, "
-                                        r"lut4_cpu, lut4_pairs, reference, triton, woq_cpu, woq_cpu_a8"):
+    with pytest.raises(Exception, match=r"fp4_cpu, fp4_pairs, fp8_cpu, fp8_pairs, int4_cpu, int4_pairs, int6_pairs, int8_dynamic, "
+                                        r"int8_pairs, lut4_cpu, lut4_pairs, reference, triton, woq_cpu, woq_cpu_a8"):
         LLM(model=str(gptq_llama), skip_tokenizer_init=True, dtype="float32", quant_kernel="marlin")
 
 
@@ -427,7 +448,9 @@ def test_woq_cpu_multiplies_a_large_weight_by_many_rows_a_block_of_outputs_at_a_
 
 @pytest.mark.skipif(not _pairs_run(), reason="the pairs kernels need a CPU with AVX512-BF16")
 @pytest.mark.parametrize(
-    ("kernel_name", "bits", "offsets"), [("int4_pairs", 4, True), ("int4_pairs", 4, False), ("int8_pairs", 8, True)]
+    ("kernel_name", "bits", "offsets"),
+    [("int4_pairs", 4, True), ("int4_pairs", 4, False), ("int6_pairs", 6, True), ("int6_pairs", 6, False),
+     ("int8_pairs", 8, True)],
 )
 # past the in-place tiles (4 bit: 64 rows); past a block of 256; from PREFILL_ROWS, the weight dequantized
 # for bf16_gemm a chunk at a time (3 blocks a chunk here: 3, 3, 1)

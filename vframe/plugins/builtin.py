@@ -80,6 +80,7 @@ def vframe_register_quantizers(register: RegisterFn) -> None:
 def vframe_register_quant_kernels(register: RegisterFn) -> None:
     register("int4_pairs", "vframe.quant.kernels.builtin:Int4PairsKernel")
     register("int8_pairs", "vframe.quant.kernels.builtin:Int8PairsKernel")
+    register("int6_pairs", "vframe.quant.kernels.builtin:Int6PairsKernel")
     register("fp4_pairs", "vframe.quant.kernels.builtin:Fp4PairsKernel")
     register("lut4_pairs", "vframe.quant.kernels.builtin:Lut4PairsKernel")
     register("fp8_pairs", "vframe.quant.kernels.builtin:Fp8PairsKernel")

@@ -19,10 +19,11 @@ loading, runs of shards of one type form segments, each computed on its own::
 Kernels, per segment:
 
 * Q4_0 / Q4_1 / Q4_K and Q2_K / Q3_K (4 bit) and Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0
-  (8 bit): an ``IntWeight`` (``_int_weight``; ``gguf_dequant.int4_groups`` /
-  ``int8_groups``) on the quant kernel ``vframe.quant.kernels.choose_kernel`` picks (on
-  the CPU in bfloat16 with AVX512-BF16: ``int4_pairs`` / ``int8_pairs``, which keep Q4_0 / Q4_1 /
-  Q8_0 in the file's bytes; else ``int4_cpu`` for bfloat16 Q4, ``woq_cpu`` otherwise), its buffers in the
+  (8 bit; the 5- and 6-bit types first offered in 6 bits, ``_six_bit``): an ``IntWeight``
+  (``_int_weight``; ``gguf_dequant.int4_groups`` / ``int8_groups``) on the quant kernel
+  ``vframe.quant.kernels.choose_kernel`` picks (on the CPU in bfloat16 with AVX512-BF16:
+  ``int4_pairs`` / ``int6_pairs`` / ``int8_pairs``, which keep Q4_0 / Q4_1 / Q8_0 in the file's
+  bytes; else ``int4_cpu`` for bfloat16 Q4, ``woq_cpu`` otherwise), its buffers in the
   submodule ``segment<i>``; the blocks are dropped. ``quant_kernel="woq_cpu_a8"`` runs the
   32-wide types with llama.cpp's numerics instead (activations quantized to int8 per
   block of 32, integer dot products; ``_named_kernel``).
@@ -64,6 +65,7 @@ from vframe.quant.kernels import (
 NAME = "gguf"
 _INT4_GROUP = 32  # Q4_0 / Q4_1 blocks, Q4_K sub-blocks, Q8_0 blocks: one scale (and offset) per 32 inputs
 INT_TYPES = INT4_TYPES + INT8_TYPES  # the types with an IntWeight form (_int_weight)
+SIX_BIT_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")  # INT8_TYPES whose integers fit 6 bits (_six_bit)
 
 
 class GGUFConfig(QuantizationConfig):
@@ -233,17 +235,22 @@ class GGUFLinearMethod(LinearMethodBase):
         chosen for it, which keeps it in the submodule ``segment<i>``; the segment as it then
         is, or None where its type has no integer form (``INT_TYPES``) or the choice is the
         built-in ``reference`` (which keeps a byte per weight: the file's bytes, dequantized
-        per call, are better)."""
+        per call, are better). The 5- and 6-bit types are offered in 6 bits first
+        (``_six_bit``; ``int6_pairs``), then in 8; a named kernel is tried on both before
+        the kernels by priority."""
         if segment.ggml_type not in INT_TYPES:
             return None
-        weight = _int_weight(rows, segment.ggml_type)
-        spec = QuantLinearSpec.for_weight(
-            weight, activations=WEIGHT_ONLY, dtype=layer.params_dtype,
-            layer=f"{self.where} rows {segment.start}..{segment.stop} ({segment.ggml_type})",
-        )
-        kernel = self._named_kernel(spec) or choose_kernel(spec)
-        if kernel.name == "reference":
+        weights = [_int_weight(rows, segment.ggml_type)]
+        if segment.ggml_type in SIX_BIT_TYPES:
+            weights.insert(0, _six_bit(weights[0]))
+        where = f"{self.where} rows {segment.start}..{segment.stop} ({segment.ggml_type})"
+        specs = [QuantLinearSpec.for_weight(w, activations=WEIGHT_ONLY, dtype=layer.params_dtype, layer=where)
+                 for w in weights]
+        named = [(w, k) for w, k in zip(weights, map(self._named_kernel, specs), strict=True) if k is not None]
+        chosen = [(w, k) for w, k in zip(weights, map(choose_kernel, specs), strict=True) if k.name != "reference"]
+        if not named + chosen or (named + chosen)[0][1].name == "reference":
             return None
+        weight, kernel = (named + chosen)[0]
         holder = nn.Module()  # the kernel's buffers, one submodule per segment
         layer.add_module(f"segment{i}", holder)
         kernel.prepare(holder, weight)
@@ -438,6 +445,16 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
 
 
 _HEAD_ROWS = 4096  # vocabulary rows dequantized at once by the reference head: 9 MiB of float32 at hidden 576
+
+
+def _six_bit(weight: IntWeight) -> IntWeight:
+    """A 5- or 6-bit type's 8-bit ``IntWeight`` (``int8_groups``) in 6 bits, the same weights:
+    Q6_K's ``q - 32`` and Q5_0's ``q - 16`` (symmetric) as ``q + 32``; Q5_1's and Q5_K's
+    unsigned ``q`` as it is, the offset raised by 32 scales (the kernel's zero, ``offset - 32
+    scale``, is then the file's ``m`` / ``-dmin m``)."""
+    if weight.offsets is None:
+        return IntWeight(6, weight.q - 96, weight.scales, None, weight.group_size)
+    return IntWeight(6, weight.q - 128, weight.scales, weight.offsets + 32 * weight.scales, weight.group_size)
 
 
 def _int_weight(rows: torch.Tensor, ggml_type: str) -> IntWeight:

@@ -64,7 +64,7 @@ def _int_weight(spec: QuantLinearSpec, shards: int, generator: torch.Generator) 
     scales = (torch.rand(out, groups, generator=generator) + 0.5) / (1 << spec.bits) / inp**0.5
     scales = scales.half().float()  # checkpoints store float16 scales
     offsets = None
-    if not spec.symmetric and gs == 32:  # GGUF's Q4_1 / Q5_1: w = d q + m, d and m float16
+    if not spec.symmetric and gs == 32:  # GGUF's Q4_1 / Q5_1: w = d q + m, d and m float16 (6 bit: m + 32 d)
         m = (-(1 << (spec.bits - 1)) * scales * (torch.rand(out, groups, generator=generator) + 0.5)).half().float()
         offsets = m + (1 << (spec.bits - 1)) * scales
     elif not spec.symmetric:  # GPTQ / AWQ: w = scale (q - zero), zero an integer
@@ -85,7 +85,7 @@ def _specs(dtype: torch.dtype, device: torch.device, quick: bool) -> list[QuantL
     inp, out = 192, 48
     specs = []
     groups = (32, inp) if quick else (32, 64, 48, inp)
-    for bits, gs, symmetric, order in product((4, 8), groups, (True, False), ("none", "equal", "per-shard")):
+    for bits, gs, symmetric, order in product((4, 6, 8), groups, (True, False), ("none", "equal", "per-shard")):
         if gs == inp and order != "none":
             continue
         specs.append(QuantLinearSpec(

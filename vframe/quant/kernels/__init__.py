@@ -7,6 +7,7 @@ layer's weight to a kernel in one form, ``IntWeight``, after loading::
 
     W[o, i] = scales[o, g(i)] * (q[o, i] - 2**(bits - 1)) + offsets[o, g(i)]
 
+``bits`` 4 or 8, or 6 (plugin API 1.23) for kernels whose ``int_bits`` names it,
 with ``g(i) = i // group_size`` or, for act-order checkpoints, ``g_idx[i]``;
 ``offsets`` is ``None`` for symmetric weights (zero point at the midpoint). A
 GPTQ / AWQ zero point ``z`` is the offset ``scales * (2**(bits - 1) - z)``.
@@ -57,9 +58,12 @@ Built-in kernels (``vframe.quant.kernels.builtin``; ``triton`` in ``vframe.quant
   bit planes or-ed with ``0x4300`` are ``vdpbf16ps`` operands as they are (a nibble ``c``: the
   bfloat16 ``128 + c``; 8 bit, a byte's bits 0-6 and its bit 7: ``128 + l``, ``128 + 128 h``); scales and zeros in float16 where that holds them exactly (GGUF's ``d`` and ``m``, the
   checkpoints' float16 / bfloat16 scales), else float32; each thread's next panel of outputs
-  prefetched. Up to 64 tokens (4 bit) or 12 (8 bit, FP4) in place; up to 1,023 each thread dequantizes
+  prefetched. Up to 64 tokens (4 bit), 32 (6 bit) or 12 (8 bit, FP4) in place; up to 1,023 each thread dequantizes
   two blocks at a time into its L2 and multiplies them as ``bf16_gemm`` does; from 1,024 (long prefills)
   the weight is dequantized a chunk at a time for ``bf16_gemm``.
+* ``int6_pairs`` (35): 6-bit weight-only layers (plugin API 1.23: GGUF's Q6_K, and its 5-bit types
+  in 6 bits) the same way: ``int4_pairs``' step of the codes' low 4 bits, then 32 bytes of their
+  high 2 bits or-ed in at bits 4-5 of each plane's words; 6 bits a weight.
 * ``fp4_pairs`` (35): FP4 weights (NVFP4, MXFP4) the same way in bfloat16: the e2m1 codes in
   ``int4_pairs``' layout, each nibble plane looked up as bfloat16 (``vpermw``), each group's sum
   times its scale byte's value over the row's global scale; the checkpoint's scale bytes kept.
@@ -293,6 +297,9 @@ class QuantLinearKernel(ABC):
 
     priority: ClassVar[int] = 10  # higher is tried first when no kernel is named
     weight_types: ClassVar[tuple[str, ...]] = (INT_WEIGHT,)  # the weight forms it takes (plugin API 1.10)
+    # the IntWeight bit widths it may be offered (plugin API 1.23: 6 bit, GGUF's 5- and 6-bit types,
+    # only to kernels that name it); its can_implement still refuses those of them it does not run
+    int_bits: ClassVar[tuple[int, ...]] = (4, 8)
 
     @classmethod
     @abstractmethod
@@ -394,9 +401,12 @@ def attach_kernel(
 
 def refusal(cls: type[QuantLinearKernel], spec: QuantLinearSpec) -> str | None:
     """Why ``cls`` cannot run ``spec``, or None: a weight form it does not name in
-    ``weight_types`` is never offered to its ``can_implement``."""
+    ``weight_types`` (an ``IntWeight`` bit width not in ``int_bits``) is never offered to its
+    ``can_implement``."""
     if spec.weight_type not in cls.weight_types:
         return f"it takes {' and '.join(cls.weight_types)} weights, not {spec.weight_type}"
+    if spec.weight_type == INT_WEIGHT and spec.bits not in cls.int_bits:
+        return f"it takes {' and '.join(map(str, cls.int_bits))}-bit integer weights, not {spec.bits}-bit"
     return cls.can_implement(spec)
 
 

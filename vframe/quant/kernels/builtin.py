@@ -31,6 +31,7 @@ class ReferenceKernel(QuantLinearKernel):
 
     priority = 0
     weight_types = (INT_WEIGHT, FP8_E4M3, NVFP4, MXFP4, LUT4)
+    int_bits = (4, 6, 8)
 
     @classmethod
     def can_implement(cls, spec: QuantLinearSpec) -> str | None:
@@ -397,7 +398,7 @@ def pairs_available() -> str | None:
 
 class _OnPairs:
     """What the pairs kernels share: they run where ``pairs_available()`` says so, and their
-    operators take any row count: up to 64 tokens in place (8 bit and FP4: 12; measured
+    operators take any row count: up to 64 tokens in place (6 bit: 32; 8 bit and FP4: 12; measured
     crossovers, ``csrc/woq_gemm.cpp``'s ``pairs_in_place_rows``), more through each thread's two
     blocks at a time dequantized into a buffer that stays in its L2 and multiplied as ``bf16_gemm``
     multiplies (its bits: ``bf16_gemm(x, dequantized pairs)``), so that the decode plan takes their
@@ -465,7 +466,7 @@ class _PairsKernel(_OnPairs, _PermutedGemm):
         weight = self._in_group_order(layer, weight)
         self.group_size = weight.group_size
         q = weight.q.to(torch.uint8)
-        self.buffer(layer, "q", _nibble_words(q) if self.BITS == 4 else _byte_words(q))
+        self.buffer(layer, "q", {4: _nibble_words, 6: _six_bit_words, 8: _byte_words}[self.BITS](q))
 
         # w = scale q + zero: the offset at code 0 (a GGUF Q4_1's m, exactly), or none (symmetric)
         scales = weight.scales.float()
@@ -523,6 +524,19 @@ def _nibble_words(codes: torch.Tensor) -> torch.Tensor:
     return words.permute(0, 2, 1, 3, 4).reshape(blocks, steps, 64).contiguous()
 
 
+def _six_bit_words(codes: torch.Tensor) -> torch.Tensor:
+    """6-bit codes uint8 [N, K] (N a multiple of 16, K of 8) in the pairs layout [N / 16, K / 8, 96]:
+    per block, ``_nibble_words``' 64 bytes a step of the codes' low 4 bits, then 32 bytes a step, byte
+    2n + j holding the high 2 bits of input 8p + 2t + j of output n at bits 2t .. 2t + 1."""
+    out_features, in_features = codes.shape
+    blocks, steps = out_features // 16, in_features // 8
+    high = (codes >> 4).reshape(blocks, 16, steps, 4, 2)  # (b, n, p, t, j)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=codes.device).view(1, 1, 1, 4, 1)
+    packed = (high << shifts).sum(dim=3, dtype=torch.uint8)  # [b, n, p, j]: the four planes' bits apart
+    low = _nibble_words(codes & 0x0F).reshape(blocks, steps * 64)
+    return torch.cat([low, packed.permute(0, 2, 1, 3).reshape(blocks, steps * 32)], dim=1).view(blocks, steps, 96)
+
+
 def _per_block(t: torch.Tensor) -> torch.Tensor:
     """Per-row values ``[N, G]`` (a scale per output and group) as the pairs operators read them:
     ``[N / 16, G, 16]``, each block's 16 outputs side by side."""
@@ -574,6 +588,17 @@ class Int4PairsKernel(_PairsKernel):
 
     BITS = 4
     STEP = 8  # inputs a 64-byte step of a block holds
+
+
+class Int6PairsKernel(_PairsKernel):
+    """``_PairsKernel`` for 6-bit weights (GGUF's Q6_K and, held in 6 bits, its 5-bit types): the
+    4-bit layout of each code's low 4 bits, then each step's high 2 bits (32 bytes, a byte per
+    word lane), or-ed in at bits 4-5 of each plane's word: the bfloat16 ``128 + q``, as at 4 bit.
+    6 bits a weight where ``int8_pairs`` holds 8."""
+
+    BITS = 6
+    STEP = 8
+    int_bits = (6,)
 
 
 class Int8PairsKernel(_PairsKernel):

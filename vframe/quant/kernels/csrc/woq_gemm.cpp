@@ -1566,6 +1566,10 @@ at::Tensor int4pack_dequantize(const at::Tensor& packed, const at::Tensor& scale
 //          8p + 2t + j; q [N / 16, K / 8, 64]
 //   8 bit, a step 4 inputs 4p .. 4p + 3: word 2n + j's low byte holds input 4p + j, its high byte
 //          input 4p + 2 + j; q [N / 16, K / 4, 64]
+//   6 bit, a step 8 inputs: the 4-bit layout of each code's low 4 bits (64 bytes a step), then, after a
+//          block's last step, 32 bytes a step, byte 2n + j holding the high 2 bits of the same four inputs
+//          (bits 2t .. 2t + 1: input 8p + 2t + j); q [N / 16, K / 8, 96], a block's K / 8 x 96 bytes
+//          read as K / 8 x 64 then K / 8 x 32 (no load crosses a cache line)
 //
 //   scales / zeros [N / 16, K / group, 16] float32 or float16 (both the same)
 //   w[o, k] = scales[o, g] * q[o, k] + zeros[o, g]     (g = k / group; no zeros: scales[o, g] * (q[o, k] - 2^(bits - 1));
@@ -1577,12 +1581,14 @@ at::Tensor int4pack_dequantize(const at::Tensor& packed, const at::Tensor& scale
 // weight operands, plane t against inputs (8p + 2t, 8p + 2t + 1); a group's sum is
 // sum x (128 + q) = sum x q + 128 sum x. 8 bit, q = 128 h + l: a byte's bits 0-6 give 128 + l, its bit 7
 // (the bfloat16's lowest exponent bit) 128 + 128 h, both against the byte's inputs (the low byte (4p,
-// 4p + 1), the high byte, shifted down, (4p + 2, 4p + 3)); a group's sum is sum x q + 256 sum x. One
-// shift a step at 8 bit, three at 4. Each group's sum, in float32, is scaled and corrected by its
-// inputs' sum (the planes' 128 / 256, and the zeros): tiles of up to 4 rows x 32 outputs (one or two
-// rows x 64), every weight byte read once a tile, and while a thread works on one panel of outputs it
-// asks for the next (PairsPrefetch). pairs_dequantize gives the weight as bfloat16 pairs ([N / 16, K / 2, 16, 2], what
-// cpu_ops' bf16_gemm reads) for prefills, each value rounded once from the float32 expression above.
+// 4p + 1), the high byte, shifted down, (4p + 2, 4p + 3)); a group's sum is sum x q + 256 sum x. 6 bit:
+// plane t's nibble with its two high bits or-ed in at bits 4-5 (widened from the step's last 32 bytes),
+// 128 + q as at 4 bit. One shift a step at 8 bit, three at 4, six at 6. Each group's sum, in float32, is
+// scaled and corrected by its inputs' sum (the planes' 128 / 256, and the zeros): tiles of up to 4 rows x
+// 32 outputs (one or two rows x 64), every weight byte read once a tile, and while a thread works on one
+// panel of outputs it asks for the next (PairsPrefetch). pairs_dequantize gives the weight as bfloat16
+// pairs ([N / 16, K / 2, 16, 2], what cpu_ops' bf16_gemm reads) for prefills, each value rounded once
+// from the float32 expression above.
 bool pairs_available() {
 #if defined(__AVX512BF16__)
   return true;
@@ -1593,14 +1599,15 @@ bool pairs_available() {
 
 namespace {
 
-// inputs a 64-byte step of a block covers
-constexpr int64_t pairs_step_inputs(int64_t bits) { return bits == 4 ? 8 : 4; }
+// inputs a step of a block covers, and its bytes
+constexpr int64_t pairs_step_inputs(int64_t bits) { return bits == 8 ? 4 : 8; }
+constexpr int64_t pairs_step_bytes(int64_t bits) { return bits == 6 ? 96 : 64; }
 
 void check_pairs(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros, int64_t group, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "pairs: bits must be 4 or 8, not ", bits);
-  const int64_t step = pairs_step_inputs(bits);
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 64 && q.is_contiguous(),
-              "pairs: q must be contiguous uint8 [N / 16, K / ", step, ", 64]");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "pairs: bits must be 4, 6 or 8, not ", bits);
+  const int64_t step = pairs_step_inputs(bits), step_bytes = pairs_step_bytes(bits);
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == step_bytes && q.is_contiguous(),
+              "pairs: q must be contiguous uint8 [N / 16, K / ", step, ", ", step_bytes, "]");
   const int64_t inputs = q.size(1) * step;
   TORCH_CHECK(group > 0 && group % step == 0 && inputs % group == 0, "pairs: the group (", group,
               ") must be a multiple of ", step, " that divides the ", inputs, " inputs");
@@ -1692,9 +1699,10 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
   constexpr int SPLIT = ROWS <= 2 ? 2 : 1;
   // what the planes add to x q (8 bit: x (128 + l) + x (128 + 128 h)), and without zeros, the midpoint:
   // each input's weight beyond its scaled sum is zero - bias scale (or -(bias + mid) scale)
-  const __m512 bias = _mm512_set1_ps(BITS == 4 ? 128.0f : 256.0f);
-  const __m512 no_zero = _mm512_set1_ps(BITS == 4 ? -136.0f : -384.0f);
+  const __m512 bias = _mm512_set1_ps(BITS == 8 ? 256.0f : 128.0f);
+  const __m512 no_zero = _mm512_set1_ps(BITS == 4 ? -136.0f : BITS == 6 ? -160.0f : -384.0f);
   const __m512i nibble = _mm512_set1_epi16(0xF), low7 = _mm512_set1_epi16(0x7F), bit7 = _mm512_set1_epi16(0x80);
+  const __m512i bits45 = _mm512_set1_epi16(0x30);
   const __m512i magic = _mm512_set1_epi16(0x4300);
   const int64_t steps = groups * group_steps, per = steps ? (pf.n + steps - 1) / steps : 0;
   int64_t asked = 0;
@@ -1724,6 +1732,17 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
           w[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(words, 4), nibble), lookup.codes);
           w[2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(words, 8), nibble), lookup.codes);
           w[3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), lookup.codes);
+        } else if constexpr (BITS == 6) {  // each plane's nibble, its high two bits at 4-5
+          const __m512i high = _mm512_cvtepu8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * q_block + steps * 64 + p * 32)));
+          const __m512i nib[4] = {_mm512_ternarylogic_epi32(words, nibble, magic, 0xEA),
+                                  _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), nibble, magic, 0xEA),
+                                  _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 8), nibble, magic, 0xEA),
+                                  _mm512_or_si512(_mm512_srli_epi16(words, 12), magic)};
+          w[0] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(high, 4), bits45, nib[0], 0xEA);
+          w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(high, 2), bits45, nib[1], 0xEA);
+          w[2] = (__m512bh)_mm512_ternarylogic_epi32(high, bits45, nib[2], 0xEA);
+          w[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(high, 2), bits45, nib[3], 0xEA);
         } else if constexpr (BITS == 4) {
           w[0] = (__m512bh)_mm512_ternarylogic_epi32(words, nibble, magic, 0xEA);
           w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), nibble, magic, 0xEA);
@@ -1737,13 +1756,13 @@ inline void pairs_tile(const uint32_t* xe, int64_t xe_stride, const float* xsum,
           w[3] = (__m512bh)_mm512_ternarylogic_epi32(high, bit7, magic, 0xEA);
         }
         for (int r = 0; r < ROWS; ++r) {
-          // 4 bit: plane t against pair 4p + t; 8 bit: planes 0, 1 against pair 2p, 2 and 3 against 2p + 1
+          // 4 and 6 bit: plane t against pair 4p + t; 8 bit: planes 0, 1 against pair 2p, 2 and 3 against 2p + 1
           // (FP8: plane 0 against pair 2p, 1 against 2p + 1)
-          const uint32_t* xs = xe + r * xe_stride + (BITS == 4 ? 4 : 2) * p;
+          const uint32_t* xs = xe + r * xe_stride + (BITS == 8 ? 2 : 4) * p;
           constexpr int planes = CODES == kFp8Codes ? 2 : 4;
           for (int t = 0; t < planes; ++t) {
             __m512& sum = part[r][c][SPLIT == 2 ? t * 2 / planes : 0];
-            const uint32_t pair = xs[BITS == 4 ? t : t * 2 / planes];
+            const uint32_t pair = xs[BITS == 8 ? t * 2 / planes : t];
             sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), w[t]);
           }
         }
@@ -1841,7 +1860,7 @@ void pairs_product(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& 
     for (int64_t r = 0; r < rows; ++r) pairs_sums(xb + r * xc.stride(0), inputs, group, xsum.data() + r * groups);
   const uint32_t* xe = reinterpret_cast<const uint32_t*>(xb);
   const int64_t xe_stride = xc.stride(0) / 2;
-  const int64_t q_block = q.size(1) * 64, s_block = groups * 16, outputs = blocks * 16;
+  const int64_t q_block = q.size(1) * q.size(2), s_block = groups * 16, outputs = blocks * 16;
   const int64_t group_steps = group / pairs_step_inputs(BITS);
   const uint8_t* qp = q.const_data_ptr<uint8_t>();
   const S* sp = scales.const_data_ptr<S>();
@@ -1937,9 +1956,9 @@ void pairs_dequantize_blocks(const uint8_t* qp, const S* sp, const S* zp, int64_
                              int64_t group, at::BFloat16* wp) {
   // A step's 32 words are in the pairs' lane order (word 2n + j: output n, input j of a pair): each
   // nibble plane (4 bit) or byte (8 bit) is one pair of inputs of the 16 outputs, 64 bytes of w.
-  constexpr int64_t step_inputs = pairs_step_inputs(BITS);
+  constexpr int64_t step_inputs = pairs_step_inputs(BITS), step_bytes = pairs_step_bytes(BITS);
   const int64_t pairs = steps * step_inputs / 2, group_steps = group / step_inputs;
-  const __m512 mid = _mm512_set1_ps(BITS == 4 ? -8.0f : -128.0f);
+  const __m512 mid = _mm512_set1_ps(BITS == 4 ? -8.0f : BITS == 6 ? -32.0f : -128.0f);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t g = 0; g < groups; ++g) {
@@ -1951,9 +1970,18 @@ void pairs_dequantize_blocks(const uint8_t* qp, const S* sp, const S* zp, int64_
         per_word(s, s_lo, s_hi);
         per_word(z, z_lo, z_hi);
         for (int64_t p = g * group_steps; p < (g + 1) * group_steps; ++p) {
-          const __m512i words = _mm512_loadu_si512(qp + (b * steps + p) * 64);
+          const __m512i words = _mm512_loadu_si512(qp + b * steps * step_bytes + p * 64);
           at::BFloat16* out = wp + (b * pairs + p * step_inputs / 2) * 32;
-          if constexpr (BITS == 4) {
+          if constexpr (BITS == 6) {
+            const __m512i high = _mm512_cvtepu8_epi16(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + b * steps * step_bytes + steps * 64 + p * 32)));
+            for (int t = 0; t < 4; ++t) {  // pair 4p + t, its nibbles and high bits
+              const __m512i codes = _mm512_or_si512(
+                  _mm512_and_si512(_mm512_srli_epi16(words, 4 * t), _mm512_set1_epi16(0xF)),
+                  _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, 2 * t), _mm512_set1_epi16(3)), 4));
+              _mm512_storeu_si512(out + 32 * t, dequantized_pair<MODE == 1>(codes, s_lo, s_hi, z_lo, z_hi));
+            }
+          } else if constexpr (BITS == 4) {
             for (int t = 0; t < 4; ++t) {  // pair 4p + t: inputs 8p + 2t, 8p + 2t + 1
               const __m512i codes = _mm512_and_si512(_mm512_srli_epi16(words, 4 * t), _mm512_set1_epi16(0xF));
               _mm512_storeu_si512(out + 32 * t, dequantized_pair<MODE == 1>(codes, s_lo, s_hi, z_lo, z_hi));
@@ -1973,7 +2001,7 @@ template <int BITS, typename S>
 void pairs_dequantize_range(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
                             bool zero_points, int64_t first, int64_t blocks, at::BFloat16* wp) {
   const int64_t steps = q.size(1), groups = scales.size(1);
-  const uint8_t* qp = q.const_data_ptr<uint8_t>() + first * steps * 64;
+  const uint8_t* qp = q.const_data_ptr<uint8_t>() + first * steps * q.size(2);
   const S* sp = scales.const_data_ptr<S>() + first * groups * 16;
   const S* zp = zeros.numel() ? zeros.const_data_ptr<S>() + first * groups * 16 : nullptr;
   if (zp == nullptr)
@@ -1992,6 +2020,10 @@ void pairs_types(int64_t bits, const at::Tensor& scales, const F& f) {
     f.template operator()<4, at::Half>();
   else if (bits == 4)
     f.template operator()<4, float>();
+  else if (bits == 6 && half)
+    f.template operator()<6, at::Half>();
+  else if (bits == 6)
+    f.template operator()<6, float>();
   else if (half)
     f.template operator()<8, at::Half>();
   else
@@ -2068,8 +2100,11 @@ void dequantized_product(const at::Tensor& xc, int64_t blocks, const Dequantize&
 // 96; 8 bit 85 / 119 at 8, 119-120 / 106-122 at 12, 135-137 / 118-127 at 14; FP4 (its codes looked up,
 // a gather a group) 81 / 105 at 8, 107-115 / 113-115 at 12, 134-140 / 122 at 14, 283 / 202 at 32. LUT4
 // (codes looked up, float32 scales) takes 4 bit's: SmolLM2's 120 body products, ms in place / dequantized,
-// 10.6 / 15.9 at 16 rows, 18.6 / 23.2 at 32.
-constexpr int64_t pairs_in_place_rows(int64_t bits, bool fp4 = false) { return fp4 || bits == 8 ? 12 : 64; }
+// 10.6 / 15.9 at 16 rows, 18.6 / 23.2 at 32. 6 bit (groups of 16, as Q6_K's), those products: 15.2 /
+// 19.0 at 16, 21.8 / 23.0 at 24, 26.8 / 26.9 at 32, 38.3 / 34.7 at 48.
+constexpr int64_t pairs_in_place_rows(int64_t bits, bool fp4 = false) {
+  return fp4 || bits == 8 ? 12 : bits == 6 ? 32 : 64;
+}
 
 }  // namespace
 #endif
@@ -2117,7 +2152,7 @@ at::Tensor pairs_dequantize_rows(const at::Tensor& q, const at::Tensor& scales, 
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "pairs_dequantize_rows: rows must be int64 [R]");
   const at::Tensor ids = rows.contiguous();
   const int64_t count = ids.size(0), blocks = q.size(0), steps = q.size(1), groups = scales.size(1);
-  const int64_t inputs = steps * pairs_step_inputs(bits), mid = bits == 4 ? 8 : 128;
+  const int64_t inputs = steps * pairs_step_inputs(bits), mid = int64_t{1} << (bits - 1), step_bytes = q.size(2);
   const int64_t* idp = ids.const_data_ptr<int64_t>();
   for (int64_t r = 0; r < count; ++r)
     TORCH_CHECK(idp[r] >= 0 && idp[r] < blocks * 16, "pairs_dequantize_rows: row ", idp[r], " is not below ", blocks * 16);
@@ -2142,10 +2177,12 @@ at::Tensor pairs_dequantize_rows(const at::Tensor& q, const at::Tensor& scales, 
       };
       for (int64_t p = 0; p < steps; ++p)
         for (int j = 0; j < 2; ++j) {
-          const uint8_t* word = qp + (b * steps + p) * 64 + 2 * (2 * n + j);
-          if (bits == 4) {
+          const uint8_t* word = qp + b * steps * step_bytes + p * 64 + 2 * (2 * n + j);
+          if (bits != 8) {
             const int value = word[0] | (word[1] << 8);
-            for (int t = 0; t < 4; ++t) put(8 * p + 2 * t + j, (value >> (4 * t)) & 15);
+            const int high = bits == 6 ? qp[b * steps * step_bytes + steps * 64 + p * 32 + 2 * n + j] : 0;  // 2 bits a plane
+            for (int t = 0; t < 4; ++t)
+              put(8 * p + 2 * t + j, ((value >> (4 * t)) & 15) | (((high >> (2 * t)) & 3) << 4));
           } else {
             put(4 * p + j, word[0]);
             put(4 * p + 2 + j, word[1]);
