@@ -23,6 +23,7 @@ from vframe.plugins import get_registry
 from vframe.quant import gguf_dequant
 from vframe.quant.gguf import GGUFConfig, GGUFLinearMethod
 from vframe.quant.kernels.builtin import quantize_per_block
+from vframe.quant.native_call import native_call
 from vframe.quant.onednn_packed import onednn_fp32_available
 from vframe.testing.quant import check_quant_method
 from defaults import BF16_INT4, BF16_INT6, BF16_INT8, PAIRS, bf16_int4_with_groups
@@ -142,7 +143,10 @@ def test_fused_shards_of_different_types_land_in_their_rows() -> None:
     assert weight_bytes(layer) == q.nbytes + k.nbytes + v.nbytes + layer.qweight_type.nbytes
 
 
-def test_bfloat16_mixed_fused_layer_runs_each_segment_on_its_kernel() -> None:
+def test_bfloat16_mixed_fused_layer_runs_as_one_product_in_the_widest_bits() -> None:
+    """A Q4_K_M file's qkv (Q4_K q and k, Q6_K v) as one IntWeight (6 bits, groups of 16, the Q4_K
+    rows' scales and zeros repeated, the Q6_K rows' zeros 0): one bound product, which the decode
+    plan takes (two segments would leave the whole model off the plan)."""
     layer = QKVParallelLinear(256, 64, 4, 2, bias=True, quant_config=GGUFConfig(), params_dtype=torch.bfloat16)
     q, k, v = (random_rows(t, n, 256, seed=i) for i, (t, n) in enumerate([("Q4_K", 256), ("Q4_K", 128), ("Q6_K", 128)]))
     load_layer(layer, [("q", "Q4_K", q), ("k", "Q4_K", k), ("v", "Q6_K", v)])
@@ -152,19 +156,21 @@ def test_bfloat16_mixed_fused_layer_runs_each_segment_on_its_kernel() -> None:
 
     out = layer(x)
 
-    assert [s.kernel for s in layer.quant_method.segments] == [BF16_INT4, BF16_INT6]
-    assert layer.quant_method.bind(layer, layer.bias) is None  # two segments: apply's loop, unbound
-    assert layer.qweight.numel() == 0  # both segments' blocks are dropped
+    # without int6_pairs, 8 bits on woq_cpu
+    assert [s.kernel for s in layer.quant_method.segments] == [BF16_INT6]
+    assert layer.quant_method.segments[0].ggml_type == "Q4_K+Q6_K"
+    assert native_call(layer.quant_method.bind(layer, layer.bias)) is not None  # one product, plannable
+    assert layer.qweight.numel() == 0  # the blocks are dropped
     expected_weight = torch.cat([gguf_weight(q, "Q4_K"), gguf_weight(k, "Q4_K"), gguf_weight(v, "Q6_K")])
     reference = x.double() @ expected_weight.double().T + bias.double()
     assert out.dtype == torch.bfloat16
     assert float((out.double() - reference).abs().max()) <= 2**-6 * float(reference.abs().max())
-    # the Q4_K rows two a byte and a float32 scale and zero per 32 (Q4_K's d sc are no float16s) on
-    # int4_pairs, 20 bytes per 32 weights on int4_cpu; the Q6_K rows 6 bits a weight on int6_pairs (a byte
-    # on woq_cpu) and a float32 scale per 16
-    q4_k_bytes, q6_k_bytes = (24, 16) if PAIRS else (20, 20)
-    assert (weight_bytes(layer) - layer.qweight_type.nbytes - bias.nbytes
-            == 384 * 256 * q4_k_bytes // 32 + 128 * 256 * q6_k_bytes // 16)
+    # the file's weights (Q4_K's within a float32 rounding of its zero, as on int4_pairs)
+    dequantized = layer.quant_method.dequantize_weight(layer)
+    assert float((dequantized - expected_weight).abs().max()) <= 1e-6 * float(expected_weight.abs().max())
+    assert torch.equal(dequantized[384:], expected_weight[384:])  # the Q6_K rows exactly
+    # every row 6 bits a weight (a byte on woq_cpu) and a float32 scale and zero per 16
+    assert weight_bytes(layer) - layer.qweight_type.nbytes - bias.nbytes == 512 * 256 * (20 if PAIRS else 24) // 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -603,9 +609,10 @@ def test_a_k_quant_llama_runs_from_its_blocks_as_its_dense_conversion(tmp_path, 
     layers = llm.llm_engine.model_runner.model.model.layers
     kernels = [[s.kernel for s in layer.quant_method.segments] for layer in quantized_linear_layers(layers)]
     assert kernels == [
-        [BF16_INT4, BF16_INT6], [BF16_INT4], [BF16_INT4], [BF16_INT6],  # qkv (Q4_K | Q6_K), o, gate_up, down (Q6_K)
-        [BF16_INT6, BF16_INT8], [bf16_int4_with_groups(16)], [bf16_int4_with_groups(16)], [BF16_INT6],  # Q5_K | Q8_0,
-        # Q3_K, Q2_K, Q5_0
+        # qkv (Q4_K | Q6_K: one product in 6 bits), o, gate_up, down (Q6_K)
+        [BF16_INT6], [BF16_INT4], [BF16_INT4], [BF16_INT6],
+        # qkv (Q5_K | Q8_0: in 8 bits), o (Q3_K), gate_up (Q2_K), down (Q5_0)
+        [BF16_INT8], [bf16_int4_with_groups(16)], [bf16_int4_with_groups(16)], [BF16_INT6],
     ]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert ours == [b.token_ids for b in dense]

@@ -10,7 +10,9 @@ linear weight over as two tensors::
 
 A fused layer (``qkv_proj``, ``gate_up_proj``) receives one pair per shard;
 shards may differ in type (a Q4_K_M file keeps some ``attn_v`` as Q6_K). After
-loading, runs of shards of one type form segments, each computed on its own::
+loading, such a layer becomes one segment on one kernel where one takes its types
+together (``_merged``), else runs of shards of one type form segments, each computed
+on its own::
 
     rows      [ q             | k             | v             ]
     types       Q4_K            Q4_K            Q6_K
@@ -40,6 +42,7 @@ the reference. An untied ``output.weight`` head is a ``GGUFLinearMethod`` layer.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,6 +219,15 @@ class GGUFLinearMethod(LinearMethodBase):
             start += rows
         self._blocks = {}
 
+        # A fused layer of several integer types (a Q4_K_M file's q / k with a Q6_K v) on one
+        # kernel where one takes them together: bound as one product, the decode plan takes it.
+        if len(segments) > 1 and self.repack and all(seg.ggml_type in INT_TYPES for seg in segments):
+            merged = self._merged_segment(layer, segments, segment_blocks, start)
+            if merged is not None:
+                self.segments.append(merged)
+                layer.qweight.data = torch.empty(0, dtype=torch.uint8)
+                return
+
         # Each segment goes to a quant kernel, or its bytes are kept (in qweight, in order).
         kept: list[torch.Tensor] = []
         byte_start = 0
@@ -240,9 +252,32 @@ class GGUFLinearMethod(LinearMethodBase):
         the kernels by priority."""
         if segment.ggml_type not in INT_TYPES:
             return None
-        weights = [_int_weight(rows, segment.ggml_type)]
-        if segment.ggml_type in SIX_BIT_TYPES:
-            weights.insert(0, _six_bit(weights[0]))
+        return self._attach(layer, i, segment, _int_forms(rows, segment.ggml_type))
+
+    def _merged_segment(
+        self, layer: nn.Module, segments: list[Segment], segment_blocks: list[list[torch.Tensor]], rows: int
+    ) -> Segment | None:
+        """The layer's integer segments as one (``_merged``: the widest bits, the finest groups;
+        in their preferred forms, else in 4 / 8 bits) on a kernel that takes it, or None: then
+        each segment on its own. A named kernel that takes neither merged form keeps them apart
+        (each segment it runs stays on it)."""
+        forms = [_int_forms(torch.cat(shards), seg.ggml_type) for seg, shards in zip(segments, segment_blocks,
+                                                                                     strict=True)]
+        candidates = [_merged([f[0] for f in forms])]
+        if any(len(f) > 1 for f in forms):
+            candidates.append(_merged([f[-1] for f in forms]))
+        merged = Segment("+".join(seg.ggml_type for seg in segments), 0, rows, 0, None)
+        if self.kernel_name is not None:
+            specs = [QuantLinearSpec.for_weight(w, activations=WEIGHT_ONLY, dtype=layer.params_dtype, layer=self.where)
+                     for w in candidates]
+            if all(self._named_kernel(spec) is None for spec in specs):
+                return None
+        return self._attach(layer, 0, merged, candidates)
+
+    def _attach(self, layer: nn.Module, i: int, segment: Segment, weights: list[IntWeight]) -> Segment | None:
+        """The first of ``weights`` (one segment's forms, the preferred first) that a kernel takes
+        (the named one, on any form, before those by priority; never the ``reference``), handed
+        to it as segment ``i``; the segment as it then is, or None."""
         where = f"{self.where} rows {segment.start}..{segment.stop} ({segment.ggml_type})"
         specs = [QuantLinearSpec.for_weight(w, activations=WEIGHT_ONLY, dtype=layer.params_dtype, layer=where)
                  for w in weights]
@@ -445,6 +480,31 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
 
 
 _HEAD_ROWS = 4096  # vocabulary rows dequantized at once by the reference head: 9 MiB of float32 at hidden 576
+
+
+def _int_forms(rows: torch.Tensor, ggml_type: str) -> list[IntWeight]:
+    """A segment's ``IntWeight`` forms, the preferred first: the 5- and 6-bit types in 6 bits,
+    then in 8 (``_six_bit``); the others in their 4 or 8 bits."""
+    weight = _int_weight(rows, ggml_type)
+    return [_six_bit(weight), weight] if ggml_type in SIX_BIT_TYPES else [weight]
+
+
+def _merged(weights: list[IntWeight]) -> IntWeight:
+    """Segments' weights (their rows in order) as one ``IntWeight``, the same weights: the widest
+    bits (each code moved by the midpoints' difference), groups of the greatest common divisor
+    (each scale and offset repeated), offsets where any has them (zero for the others)."""
+    bits, group = max(w.bits for w in weights), math.gcd(*(w.group_size for w in weights))
+    q = torch.cat([(w.q.to(torch.int16) + (1 << (bits - 1)) - (1 << (w.bits - 1))).to(torch.uint8) for w in weights])
+
+    def spread(t: torch.Tensor, w: IntWeight) -> torch.Tensor:
+        return t.repeat_interleave(w.group_size // group, dim=1)
+
+    scales = torch.cat([spread(w.scales, w) for w in weights])
+    offsets = None
+    if any(w.offsets is not None for w in weights):
+        offsets = torch.cat([spread(w.offsets if w.offsets is not None else torch.zeros_like(w.scales), w)
+                             for w in weights])
+    return IntWeight(bits, q, scales, offsets, group)
 
 
 def _six_bit(weight: IntWeight) -> IntWeight:
