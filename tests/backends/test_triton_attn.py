@@ -244,9 +244,9 @@ def test_padding_rows_are_zero_interpreted(interpreted: ModuleType) -> None:
 
 @pytest.mark.parametrize(
     ("kv_cache_dtype", "dtype", "scales"),
-    [
-        ("fp8", torch.float32, None),
-        ("fp8", torch.bfloat16, None),
+    [  # each format, each dtype and scales in make test; the rest of the pairs by `make test-slow`
+        pytest.param("fp8", torch.float32, None, marks=pytest.mark.slow),
+        pytest.param("fp8", torch.bfloat16, None, marks=pytest.mark.slow),
         ("fp8_e5m2", torch.float16, None),
         ("fp8", torch.float32, (0.05, 3.0)),
         ("fp8_e5m2", torch.bfloat16, (4.0, 0.25)),

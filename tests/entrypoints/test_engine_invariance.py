@@ -40,7 +40,10 @@ def test_preemption_does_not_change_outputs(batched):
     assert stats["kv_cache_usage"] == 0.0  # every block came back
 
 
-@pytest.mark.parametrize("budget", [4, 16, 64, 2048])
+# the smallest budget (every prompt chunked) and the default's in make test; 16 and 64 by `make test-slow`
+@pytest.mark.parametrize(
+    "budget", [4, pytest.param(16, marks=pytest.mark.slow), pytest.param(64, marks=pytest.mark.slow), 2048]
+)
 def test_token_budget_does_not_change_outputs(batched, budget):
     llm = LLM(dtype="float32", max_num_batched_tokens=budget, max_num_seqs=3, num_threads=2)
     assert texts(llm, PROMPTS) == batched
