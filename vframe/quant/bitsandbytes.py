@@ -273,7 +273,6 @@ class BnB4BitInFlightMethod(BnB4BitMethod):
 
     def __init__(self, kernel_name: str | None = None) -> None:
         super().__init__("nf4", True, kernel_name)
-        self.tensors = ("weight",)
 
     def create_weights(
         self,

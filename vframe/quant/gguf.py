@@ -267,25 +267,25 @@ class GGUFLinearMethod(LinearMethodBase):
         if any(len(f) > 1 for f in forms):
             candidates.append(_merged([f[-1] for f in forms]))
         merged = Segment("+".join(seg.ggml_type for seg in segments), 0, rows, 0, None)
-        if self.kernel_name is not None:
-            specs = [QuantLinearSpec.for_weight(w, activations=WEIGHT_ONLY, dtype=layer.params_dtype, layer=self.where)
-                     for w in candidates]
-            if all(self._named_kernel(spec) is None for spec in specs):
-                return None
-        return self._attach(layer, 0, merged, candidates)
+        return self._attach(layer, 0, merged, candidates, named_only=self.kernel_name is not None)
 
-    def _attach(self, layer: nn.Module, i: int, segment: Segment, weights: list[IntWeight]) -> Segment | None:
+    def _attach(
+        self, layer: nn.Module, i: int, segment: Segment, weights: list[IntWeight], named_only: bool = False
+    ) -> Segment | None:
         """The first of ``weights`` (one segment's forms, the preferred first) that a kernel takes
-        (the named one, on any form, before those by priority; never the ``reference``), handed
-        to it as segment ``i``; the segment as it then is, or None."""
+        (the named one, on any form, before those by priority, which ``named_only`` leaves out;
+        never the ``reference``), handed to it as segment ``i``; the segment as it then is, or None."""
         where = f"{self.where} rows {segment.start}..{segment.stop} ({segment.ggml_type})"
         specs = [QuantLinearSpec.for_weight(w, activations=WEIGHT_ONLY, dtype=layer.params_dtype, layer=where)
                  for w in weights]
-        named = [(w, k) for w, k in zip(weights, map(self._named_kernel, specs), strict=True) if k is not None]
-        chosen = [(w, k) for w, k in zip(weights, map(choose_kernel, specs), strict=True) if k.name != "reference"]
-        if not named + chosen or (named + chosen)[0][1].name == "reference":
+        chosen = next(((w, k) for w, k in zip(weights, map(self._named_kernel, specs), strict=True) if k is not None),
+                      None)
+        if chosen is None and not named_only:
+            chosen = next(((w, k) for w, k in zip(weights, map(choose_kernel, specs), strict=True)
+                           if k.name != "reference"), None)
+        if chosen is None or chosen[1].name == "reference":
             return None
-        weight, kernel = (named + chosen)[0]
+        weight, kernel = chosen
         holder = nn.Module()  # the kernel's buffers, one submodule per segment
         layer.add_module(f"segment{i}", holder)
         kernel.prepare(holder, weight)

@@ -2206,17 +2206,26 @@ at::Tensor pairs_dequantize_rows(const at::Tensor& q, const at::Tensor& scales, 
 // Each nibble plane's codes looked up as bfloat16 (vpermw, exact) are vdpbf16ps operands; each group's
 // float32 sum times its scale (the byte's value, a gather from a 256-entry table, over the global scale,
 // in float32 as compressed-tensors divides).
+// What the operators whose codes are looked up (fp4_pairs, lut4_pairs, fp8_pairs) check alike: q in the
+// pairs layout of `step` inputs a 64-byte step, a group of a multiple of `step` inputs that divides them,
+// and `scales` of `scale_dtype` per block, group and output ([N / 16, K / group, 16]).
+void check_lookup_pairs(const char* op, const at::Tensor& q, const at::Tensor& scales, int64_t group, int64_t step,
+                        at::ScalarType scale_dtype) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 64 && q.is_contiguous(), op,
+              ": q must be contiguous uint8 [N / 16, K / ", step, ", 64]");
+  const int64_t inputs = q.size(1) * step;
+  TORCH_CHECK(group > 0 && group % step == 0 && inputs % group == 0, op, ": the group (", group,
+              ") must be a multiple of ", step, " that divides the ", inputs, " inputs");
+  TORCH_CHECK(scales.scalar_type() == scale_dtype && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == q.size(0) && scales.size(1) == inputs / group && scales.size(2) == 16,
+              op, ": scales must be contiguous ", scale_dtype == at::kByte ? "uint8" : "float32",
+              " [N / 16, K / group, 16]");
+}
+
 void check_fp4_pairs(const char* op, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& global,
                      int64_t group, int64_t scale_format) {
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 64 && q.is_contiguous(), op,
-              ": q must be contiguous uint8 [N / 16, K / 8, 64]");
-  const int64_t inputs = q.size(1) * 8;
-  TORCH_CHECK(group > 0 && group % 8 == 0 && inputs % group == 0, op, ": the group (", group,
-              ") must be a multiple of 8 that divides the ", inputs, " inputs");
+  check_lookup_pairs(op, q, scales, group, 8, at::kByte);
   TORCH_CHECK(scale_format == kScaleE4m3 || scale_format == kScaleE8m0, op, ": scale_format must be 0 (e4m3) or 1 (e8m0)");
-  TORCH_CHECK(scales.scalar_type() == at::kByte && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == q.size(0) && scales.size(1) == inputs / group && scales.size(2) == 16,
-              op, ": scales must be contiguous uint8 [N / 16, K / group, 16]");
   TORCH_CHECK(global.scalar_type() == at::kFloat && global.is_contiguous() && global.dim() == 2 &&
                   global.size(0) == q.size(0) && global.size(1) == 16,
               op, ": global must be contiguous float32 [N / 16, 16]");
@@ -2324,14 +2333,7 @@ at::Tensor fp4_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, c
 // table[q] * scale in float32 (the float32 table, vpermps), rounded once to bfloat16.
 void check_lut4_pairs(const char* op, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& table,
                       int64_t group) {
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 64 && q.is_contiguous(), op,
-              ": q must be contiguous uint8 [N / 16, K / 8, 64]");
-  const int64_t inputs = q.size(1) * 8;
-  TORCH_CHECK(group > 0 && group % 8 == 0 && inputs % group == 0, op, ": the group (", group,
-              ") must be a multiple of 8 that divides the ", inputs, " inputs");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == q.size(0) && scales.size(1) == inputs / group && scales.size(2) == 16,
-              op, ": scales must be contiguous float32 [N / 16, K / group, 16]");
+  check_lookup_pairs(op, q, scales, group, 8, at::kFloat);
   TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.dim() == 1 && table.size(0) == 16,
               op, ": table must be contiguous float32 [16]");
 }
@@ -2397,14 +2399,7 @@ at::Tensor lut4_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, 
 // times its scale. More rows than 24: the weight dequantized (e4m3 times scale in float32, rounded once) for
 // bf16_gemm's multiplication.
 void check_fp8_pairs(const char* op, const at::Tensor& q, const at::Tensor& scales, int64_t group) {
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 64 && q.is_contiguous(), op,
-              ": q must be contiguous uint8 [N / 16, K / 4, 64]");
-  const int64_t inputs = q.size(1) * 4;
-  TORCH_CHECK(group > 0 && group % 4 == 0 && inputs % group == 0, op, ": the group (", group,
-              ") must be a multiple of 4 that divides the ", inputs, " inputs");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == q.size(0) && scales.size(1) == inputs / group && scales.size(2) == 16,
-              op, ": scales must be contiguous float32 [N / 16, K / group, 16]");
+  check_lookup_pairs(op, q, scales, group, 4, at::kFloat);
 }
 
 #if defined(__AVX512BF16__)
