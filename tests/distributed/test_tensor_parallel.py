@@ -1,8 +1,8 @@
 """Tensor parallelism on the CPU: worker processes (gloo) give the tokens one
-process gives, for Llama (float, GPTQ with its head quantized, NF4 quantized while loading), Mixtral (float,
-and 4-bit experts) and DeepSeek (MLA), under prefix caching,
-chunked prefill and preemption; bad sizes are refused by name; a killed worker
-fails the engine at once and leaves no process behind."""
+process gives, for Llama (float, GPTQ with its head quantized, a bitsandbytes NF4
+checkpoint, NF4 quantized while loading), Mixtral (float, and 4-bit experts) and
+DeepSeek (MLA), under prefix caching, chunked prefill and preemption; bad sizes are
+refused by name; a killed worker fails the engine at once and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -121,6 +121,22 @@ def test_a_float_llama_quantized_to_nf4_while_loading_on_two_ranks_matches_trans
     prompts = prompts_of_lengths(97, [5, 23, 37, 12], shared_prefix=4)
     llm = assert_engine_matches_transformers(tmp_path, hf_model, prompts, num_blocks=14, tensor_parallel_size=2,
                                              quantization="bitsandbytes")
+    llm.shutdown()
+
+
+def test_a_bitsandbytes_nf4_llama_split_over_two_ranks_matches_transformers(tmp_path: Path) -> None:
+    """A pre-quantized bitsandbytes checkpoint (NF4, double quantization): each rank takes its rows of
+    every q / k / v and gate / up module and its inputs of o / down (whole blocks of 64) from the
+    checkpoint's codes and block scales; the reference holds the weights the checkpoint means."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "quant"))
+    from packers import write_quantized_llama
+    from test_bitsandbytes import bnb_quantize_4bit, quant_config
+
+    # o_proj's 4 x 32 and down_proj's 128 inputs: 64 a rank
+    hf_model = write_quantized_llama(tmp_path, quant_config("nf4", True), lambda w, _: bnb_quantize_4bit(w),
+                                     head_dim=32, intermediate_size=128)
+    prompts = prompts_of_lengths(96, [5, 23, 37, 12], shared_prefix=4)
+    llm = assert_engine_matches_transformers(tmp_path, hf_model, prompts, num_blocks=14, tensor_parallel_size=2)
     llm.shutdown()
 
 

@@ -122,17 +122,66 @@ def test_bitsandbytes_is_a_builtin_quantizer_whose_dotted_names_load_into_parame
 
 @pytest.mark.parametrize(("quant_type", "double_quant"), [("nf4", True), ("fp4", False), ("nf4", False)])
 def test_4_bit_conforms_on_every_layer_kind(quant_type: str, double_quant: bool) -> None:
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16):  # float32: tensor-parallel ranks 0 and 1 of 2 too
         check_quant_method(
-            "bitsandbytes", hf_quant_config=quant_config(quant_type, double_quant), dtype=dtype, quick=True,
+            "bitsandbytes", hf_quant_config=quant_config(quant_type, double_quant), dtype=dtype,
+            quick=dtype != torch.float32,
             checkpoint_tensors=lambda w: as_parameters(bnb_quantize_4bit(w, quant_type, double_quant).tensors),
         )
 
 
 def test_int8_conforms_on_every_layer_kind() -> None:
     for dtype in (torch.float32, torch.bfloat16):  # bfloat16: the 8-bit quant kernel
-        check_quant_method("bitsandbytes", hf_quant_config=INT8_CONFIG, dtype=dtype, quick=True,
+        check_quant_method("bitsandbytes", hf_quant_config=INT8_CONFIG, dtype=dtype, quick=dtype != torch.float32,
                            checkpoint_tensors=lambda w: bnb_quantize_int8(w).tensors)
+
+
+def test_each_rank_takes_its_rows_or_inputs_of_the_checkpoint_s_codes_and_scales() -> None:
+    """Tensor parallelism on a 4-bit checkpoint: rank 1 of 2 of a fused column-parallel layer holds
+    each module's second half of rows, of a row-parallel one its inputs 64..127, of the whole
+    module's codes and block scales (not those of a rank's own quantization); a rank's inputs that
+    cut blocks take groups of a block's scale; inputs that do not split in groups of 16 or more are
+    refused, naming the layer."""
+    from vframe.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+    g = torch.Generator().manual_seed(6)
+    config = BitsAndBytesConfig.from_config(quant_config("nf4", True))
+    gate, up = (bnb_quantize_4bit(torch.randn(128, 64, generator=g)) for _ in range(2))
+    merged = MergedColumnParallelLinear(64, [128, 128], bias=False, quant_config=config, tp_rank=1, tp_size=2)
+    for shard_id, packed in ((1, up), (0, gate)):  # any order
+        for name, tensor in as_parameters(packed.tensors).items():
+            getattr(merged, name).weight_loader(getattr(merged, name), tensor, shard_id)
+    merged.quant_method.process_weights_after_loading(merged)
+    assert torch.equal(merged.quant_method.dequantize_weight(merged),
+                       torch.cat([gate.dequantized[64:], up.dequantized[64:]]))
+    assert merged.quant_method.kernel.name == "lut4_cpu"
+    assert weight_bytes(merged) == 128 * 64 // 2 + 128 * 4 + 16 * 4  # this rank's half: codes, absmax, table
+
+    w = torch.randn(96, 128, generator=g) * torch.linspace(0.1, 3, 128)
+    down = bnb_quantize_4bit(w)
+    assert not torch.equal(bnb_quantize_4bit(w[:, 64:]).dequantized, down.dequantized[:, 64:])
+    row = RowParallelLinear(128, 96, bias=False, quant_config=config, tp_rank=1, tp_size=2)
+    for name, tensor in as_parameters(down.tensors).items():
+        getattr(row, name).weight_loader(getattr(row, name), tensor)
+    row.quant_method.process_weights_after_loading(row)
+    assert torch.equal(row.quant_method.dequantize_weight(row), down.dequantized[:, 64:])
+
+    # 192 inputs, 96 a rank: blocks of 64 cut at 96, held in groups of 32 (each its block's scale)
+    cut = bnb_quantize_4bit(torch.randn(64, 192, generator=g))
+    halves = [RowParallelLinear(192, 64, bias=False, quant_config=config, tp_rank=r, tp_size=2) for r in (0, 1)]
+    for half in halves:
+        for name, tensor in as_parameters(cut.tensors).items():
+            getattr(half, name).weight_loader(getattr(half, name), tensor)
+        half.quant_method.process_weights_after_loading(half)
+    assert [h.quant_method.kernel.name for h in halves] == ["lut4_cpu"] * 2
+    assert torch.equal(torch.cat([h.quant_method.dequantize_weight(h) for h in halves], dim=1), cut.dequantized)
+
+    narrow = RowParallelLinear(200, 64, bias=False, quant_config=config, tp_rank=0, tp_size=2, prefix="mlp.down_proj")
+    for name, tensor in as_parameters(bnb_quantize_4bit(torch.randn(64, 200, generator=g)).tensors).items():
+        getattr(narrow, name).weight_loader(getattr(narrow, name), tensor)
+    with pytest.raises(ConfigError, match=r"mlp.down_proj: .* with 200 inputs a row, of which this rank takes 100, "
+                                          r"they do not split across tensor-parallel ranks in groups of 16 or more"):
+        narrow.quant_method.process_weights_after_loading(narrow)
 
 
 def test_fused_q_k_v_modules_each_bring_their_own_blocks_and_state() -> None:
@@ -189,18 +238,19 @@ def test_a_bitsandbytes_llama_generates_what_transformers_does_with_the_dequanti
     four = quant["load_in_4bit"]
     quantize = ((lambda w, _: bnb_quantize_4bit(w, quant["bnb_4bit_quant_type"], quant["bnb_4bit_use_double_quant"]))
                 if four else (lambda w, _: bnb_quantize_int8(w)))
-    # o_proj's 96 inputs and down_proj's 112: a 4-bit block of 64 runs on into the next row, as
+    # o_proj's 96 inputs and down_proj's 104: a 4-bit block of 64 runs on into the next row, as
     # bitsandbytes blocks the flattened weight
-    hf_model = write_quantized_llama(tmp_path, quant, quantize)
+    hf_model = write_quantized_llama(tmp_path, quant, quantize, intermediate_size=104)
 
     llm = generates_like_transformers(tmp_path, hf_model)
 
     layer = llm.llm_engine.model_runner.model.model.layers[1]
-    gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
+    gate_up, o, down = layer.mlp.gate_up_proj, layer.self_attn.o_proj, layer.mlp.down_proj
     assert isinstance(down.quant_method, method)
-    # float32 on the CPU; 4 bit: gate / up's rows of 64 inputs on lut4_cpu, down's rows of 112 (and
-    # o_proj's of 96) not a multiple of the blocks of 64: dequantized on each call
-    assert gate_up.quant_method.kernel.name == ("lut4_cpu" if four else "woq_cpu")
+    # float32 on the CPU; 4 bit: gate / up's rows of 64 inputs on lut4_cpu, o_proj's of 96 too (in
+    # groups of 32, each in one block), down's of 104 (a block's parts as small as 8) dequantized
+    # on each call
+    assert gate_up.quant_method.kernel.name == o.quant_method.kernel.name == ("lut4_cpu" if four else "woq_cpu")
     assert down.quant_method.kernel is None if four else down.quant_method.kernel.name == "woq_cpu"
 
 
@@ -352,7 +402,8 @@ def test_a_float_llama_quantized_while_loading_generates_what_transformers_does_
 ) -> None:
     from test_llama import save_tiny_llama
 
-    hf_model = save_tiny_llama(tmp_path)  # o_proj's 96 inputs, down_proj's 112: blocks run on across rows
+    # o_proj's 96 inputs (held in groups of 32), down_proj's 104 (parts of 8): blocks run on across rows
+    hf_model = save_tiny_llama(tmp_path, intermediate_size=104)
     with torch.no_grad():
         for layer in hf_model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
@@ -364,8 +415,10 @@ def test_a_float_llama_quantized_while_loading_generates_what_transformers_does_
     assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
     model = llm.llm_engine.model_runner.model
     assert llm.llm_engine.model_runner.quant_config.in_flight
-    assert model.model.layers[0].mlp.gate_up_proj.quant_method.kernel.name == "lut4_cpu"
-    assert model.model.layers[0].mlp.down_proj.quant_method.kernel is None  # blocks across rows: dequantized
+    layer = model.model.layers[0]
+    assert layer.mlp.gate_up_proj.quant_method.kernel.name == layer.self_attn.o_proj.quant_method.kernel.name
+    assert layer.mlp.gate_up_proj.quant_method.kernel.name == "lut4_cpu"
+    assert layer.mlp.down_proj.quant_method.kernel is None  # dequantized on each call
     assert model.lm_head.weight.dtype == torch.float32  # the head stays float, as in vLLM
 
 

@@ -317,6 +317,22 @@ def test_a_float_checkpoint_quantized_while_loading_holds_what_bitsandbytes_make
     print(f"bnb in flight: {other_step} of {blocks} block absmax values on bitsandbytes' other step")
 
 
+@pytest.mark.parametrize("scheme", ["bnb-nf4", "bnb-int8"])
+def test_a_bitsandbytes_checkpoint_split_over_three_ranks_serves_like_its_dequantized_weights(
+    scheme: str, checkpoints: Path, dense_logprobs: torch.Tensor
+) -> None:
+    """bitsandbytes' own checkpoint over three tensor-parallel worker processes (SmolLM2's 9 heads
+    and 3 KV heads): each rank takes its rows (q / k / v, gate / up) or inputs (o, down) of the
+    checkpoint's codes and scales."""
+    make_checkpoint(scheme, checkpoints)
+    llm = LLM(model=str(checkpoints / scheme), dtype="float32", max_model_len=512, tensor_parallel_size=3)
+    try:  # within the tolerance of the tool's weights, which are off the float model's by far more
+        assert_serves_like_reference(llm, f"{scheme} on three ranks", checkpoints / f"{scheme}-reference",
+                                     dense_logprobs, SCHEMES[scheme][2])
+    finally:
+        llm.shutdown()
+
+
 def test_native_block_fp8_layout_serves_the_same_blocks(checkpoints: Path, tmp_path: Path) -> None:
     """llm-compressor's FP8_BLOCK tensors rewritten in DeepSeek-V3's layout (``quant_method:
     fp8``, ``weight_block_size``, ``weight_scale_inv``) give the reference's logprobs too."""

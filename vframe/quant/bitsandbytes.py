@@ -17,15 +17,18 @@ saves a model loaded with ``BitsAndBytesConfig`` (Unsloth's ``*-bnb-4bit`` relea
 (bitsandbytes' own ``dequantize_4bit``, bit for bit: tests/quant_real). The dotted names are
 not parameter names: ``checkpoint_tensor_name`` maps them to ``weight_absmax``, ...,
 ``weight_quant_state``. A fused layer (q / k / v, gate / up) receives each module's set; once
-loaded, where the blocks tile the rows (a row's inputs a multiple of the block size, as in the
-usual model sizes: 576, 2048, 4864, 8960, 14336, ...), the layer's weight is a ``Lut4Weight``
-(the checkpoint's code bytes with their nibbles swapped, float32 block scales with double
-quantization undone once, the table) on
-the quant kernel chosen for it: ``lut4_cpu`` on the CPU (codes read in place for decode-sized
-batches, dequantized for one GEMM above), else the ``reference``. Where a block runs on into the
-next row (bitsandbytes blocks the flattened weight), the layer keeps ``qweight`` (uint8 [out, in
-/ 2]), ``scales`` (float32, each module's blocks in turn) and ``table`` and dequantizes them
-(``table[code] * scale``, float32, as bitsandbytes) into ``F.linear`` on every call.
+loaded, the layer's weight is a ``Lut4Weight`` (the checkpoint's code bytes with their nibbles
+swapped, float32 scales with double quantization undone once, the table) on the quant kernel
+chosen for it (``lut4_pairs`` / ``lut4_cpu`` on the CPU, else the ``reference``), its scales
+per group of ``gcd(block size, inputs)`` inputs: the blocks themselves where they tile the rows
+(a row's inputs a multiple of the block size, as in the usual model sizes: 576, 2048, 4864,
+8960, 14336, ...), else the parts of the blocks the rows cut (bitsandbytes blocks the flattened
+weight: 96 inputs, groups of 32), each its block's scale, where those are ``MIN_GROUP`` (16)
+or more. Where they are smaller, the layer keeps ``qweight`` (uint8 [out, in / 2]), ``scales``
+(float32, each module's blocks in turn) and ``table`` and dequantizes them (``table[code] *
+scale``, float32, as bitsandbytes) into ``F.linear`` on every call. Under tensor parallelism
+each module's codes (one a byte) and group scales go through the layer's own loader, which
+keeps this rank's rows or inputs (refused where those cut groups below ``MIN_GROUP``).
 
 8 bit (``load_in_8bit``, LLM.int8's weights)::
 
@@ -33,7 +36,8 @@ next row (bitsandbytes blocks the flattened weight), the layer keeps ``qweight``
     SCB            float32 [out]    each row's absmax: W[o, i] = weight[o, i] * SCB[o] / 127
     weight_format  uint8 []         0: row-major (the only layout saved)
 
-runs as an ``IntWeight`` on the quant kernels (``int8_pairs`` / ``woq_cpu``), weight-only:
+runs as an ``IntWeight`` on the quant kernels (``int8_pairs`` / ``woq_cpu``; ``weight`` and ``SCB``
+split across tensor-parallel ranks as float tensors are), weight-only:
 activations stay in the model's dtype (bitsandbytes' LLM.int8 matmul rounds them to int8 by
 row, with columns above ``llm_int8_threshold`` kept in float16; vLLM's CPU-less path likewise
 computes with these weights).
@@ -52,6 +56,7 @@ one layer's float weight exists at a time.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import torch
@@ -84,6 +89,9 @@ NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
 # in flight, as vLLM's loader asks bitsandbytes: NF4 blocks of 64, the absmax in 8 bits per 256 blocks
 IN_FLIGHT_BLOCK, IN_FLIGHT_NESTED_BLOCK = 64, 256
+# The smallest group of inputs a 4-bit layer's scales are held in where rows or tensor-parallel ranks cut
+# its blocks (a block's scale repeated for each of its groups); the 4-bit kernels take multiples of 16.
+MIN_GROUP = 16
 
 
 class BitsAndBytesConfig(QuantizationConfig):
@@ -149,12 +157,6 @@ class BitsAndBytesConfig(QuantizationConfig):
             return None
         if self.in_flight:  # each rank quantizes its own part
             return BnB4BitInFlightMethod(self.quant_kernel)
-        if layer.tp_size != 1:
-            raise ConfigError(
-                f"quantization='bitsandbytes' with tensor_parallel_size={layer.tp_size}: a bitsandbytes checkpoint's "
-                "weights are not split across ranks yet; use tensor_parallel_size=1 (a float checkpoint quantized "
-                "while loading is split)"
-            )
         if self.bits == 4:
             return BnB4BitMethod(self.quant_type, self.double_quant, self.quant_kernel)
         return BnB8BitMethod(self.quant_kernel)
@@ -192,18 +194,24 @@ class BnB4BitMethod(LinearMethodBase):
         output_size: int,
         params_dtype: torch.dtype,
     ) -> None:
-        self._note_layer(layer, input_size_per_partition, output_partition_sizes)
+        self._note_layer(layer, input_size_per_partition, output_partition_sizes, input_size, output_size)
         # Placeholders: each shard's tensors differ in size (a flattened code count, blocks per
-        # nested block), so they are kept as they come and joined once all are in.
+        # nested block), so they are kept as they come (whole modules, whichever the rank) and
+        # joined once all are in.
         for name in self.tensors:
             register_weight(layer, name, torch.empty(0, dtype=torch.uint8),
                             {"output_dim": None, "input_dim": None, "weight_loader": self._loader(name)})
 
-    def _note_layer(self, layer: nn.Module, in_features: int, output_partition_sizes: list[int]) -> None:
+    def _note_layer(self, layer: nn.Module, in_features: int, output_partition_sizes: list[int], input_size: int,
+                    output_size: int) -> None:
         self.where = layer.prefix or type(layer).__name__
         self.shard_ids = layer.shard_ids
         self.output_partition_sizes = list(output_partition_sizes)
         self.in_features = in_features
+        self.input_size = input_size  # the whole layer's inputs (a checkpoint module's)
+        # this rank holds part of the layer (tensor parallelism): its rows or its inputs of each module
+        self.split = in_features != input_size or sum(output_partition_sizes) != output_size
+        self.layer_loader = layer.weight_loader  # places this rank's part of a checkpoint tensor
 
     def _loader(self, name: str) -> Any:
         def load(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
@@ -216,32 +224,63 @@ class BnB4BitMethod(LinearMethodBase):
         return self.where if not self.shard_ids else f"{self.where} ({self.shard_ids[index]})"
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        shards = [_unpack_shard(self.shards.get(index, {}), rows, self.in_features, self.quant_type,
-                                self._shard_name(index))
+        shards = [_unpack_shard(self.shards.get(index, {}), None if self.split else rows, self.input_size,
+                                self.quant_type, self._shard_name(index))
                   for index, rows in enumerate(self.output_partition_sizes)]
         if any(not torch.equal(shard[2], shards[0][2]) for shard in shards[1:]):
             raise ModelLoadError(f"{self.where}: its fused modules carry different quant_map tables")
         for name in self.tensors:
             delattr(layer, name)
         self.shards.clear()
-        self._hold(layer, shards)
+        self._hold(layer, shards, whole_modules=True)
 
-    def _hold(self, layer: nn.Module, shards: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]) -> None:
-        """Keep the layer's shards (each: codes uint8 [rows, in / 2] as bitsandbytes packs them,
-        float32 block scales, table, block size) as a ``Lut4Weight`` on a quant kernel where the
-        blocks tile the rows, else as they are (see the module)."""
+    def _hold(self, layer: nn.Module, shards: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
+              whole_modules: bool) -> None:
+        """Keep the layer's shards (each module's codes, uint8 [rows, inputs / 2] as bitsandbytes
+        packs them, float32 scales of the blocks of its flattened weight, table, block size) as a
+        ``Lut4Weight`` on a quant kernel where each row's inputs cut into groups of at least
+        ``MIN_GROUP`` that each lie in one block (the scale a group's block's), else as they are
+        (see the module). ``whole_modules``: the checkpoint's modules, of which a rank split by
+        tensor parallelism takes its part here; else this rank's part already (in flight)."""
+        row_inputs = self.input_size if whole_modules else self.in_features  # what a module's blocks run over
+        place = whole_modules and self.split
+        loader = vars(self).pop("layer_loader")  # the layer's bound method: loading is over
+        group = math.gcd(row_inputs, self.in_features, *(shard[3] for shard in shards))
+        if group >= MIN_GROUP or all(shard[3] == group for shard in shards):
+            parts = [(codes, _group_scales(absmax, codes.shape[0], row_inputs, blocksize, group))
+                     for codes, absmax, _, blocksize in shards]
+            codes, scales = self._rank_part(parts, group, loader) if place else [torch.cat(t) for t in zip(*parts)]
+            q = ((codes & 0x0F) << 4) | (codes >> 4)  # the first code of a byte in its low nibble
+            self.kernel = attach_kernel(layer, Lut4Weight(q, scales, shards[0][2], group), WEIGHT_ONLY,
+                                        self.kernel_name)
+            return
+        if place:
+            raise ConfigError(
+                f"{self.where}: bitsandbytes' blocks of {shards[0][3]} codes run over the flattened weight; with "
+                f"{row_inputs} inputs a row, of which this rank takes {self.in_features}, they do not split "
+                f"across tensor-parallel ranks in groups of {MIN_GROUP} or more; use tensor_parallel_size=1"
+            )
         codes, scales, table = torch.cat([s[0] for s in shards]), torch.cat([s[1] for s in shards]), shards[0][2]
         self.blocks = [(shard[0].shape[0], len(shard[1]), shard[3]) for shard in shards]
-        blocksize = self.blocks[0][2]
-        if self.in_features % blocksize == 0 and all(b[2] == blocksize for b in self.blocks):
-            # blocks within rows: a Lut4Weight (the first code of a byte in its low nibble) on a quant kernel
-            q = ((codes & 0x0F) << 4) | (codes >> 4)
-            weight = Lut4Weight(q, scales.view(-1, self.in_features // blocksize), table, blocksize)
-            self.kernel = attach_kernel(layer, weight, WEIGHT_ONLY, self.kernel_name)
-            return
         layer.register_buffer("qweight", codes)  # [out, in / 2] uint8, the checkpoint's bytes
         layer.register_buffer("scales", scales)  # [blocks] float32, each module's blocks in turn
         layer.register_buffer("table", table)  # [16] float32
+
+    def _rank_part(self, parts: list[tuple[torch.Tensor, torch.Tensor]], group: int, loader: Any) -> list[torch.Tensor]:
+        """This rank's codes (uint8 [rows, in / 2], packed as bitsandbytes packs them) and group
+        scales ([rows, in / group]) of the layer's whole modules (``parts``: each one's codes and
+        group scales): the layer's own ``loader`` places each module's codes, one a byte, and
+        scales (this rank's rows of q / k / v or gate / up, its inputs of o / down)."""
+        rows = sum(self.output_partition_sizes)
+        codes = nn.Parameter(torch.empty(rows, self.in_features, dtype=torch.uint8), requires_grad=False)
+        scales = nn.Parameter(torch.empty(rows, self.in_features // group), requires_grad=False)
+        for param in (codes, scales):
+            set_weight_attrs(param, {"output_dim": 0, "input_dim": 1})
+        for index, (packed, module_scales) in enumerate(parts):
+            shard_id = self.shard_ids[index] if self.shard_ids else None
+            loader(codes, torch.stack([packed >> 4, packed & 0x0F], dim=-1).flatten(1), shard_id)
+            loader(scales, module_scales, shard_id)
+        return [codes.data[:, 0::2] << 4 | codes.data[:, 1::2], scales.data]
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, bitsandbytes' own
         if self.kernel is not None:
@@ -283,11 +322,10 @@ class BnB4BitInFlightMethod(BnB4BitMethod):
         output_size: int,
         params_dtype: torch.dtype,
     ) -> None:
-        self._note_layer(layer, input_size_per_partition, output_partition_sizes)
+        self._note_layer(layer, input_size_per_partition, output_partition_sizes, input_size, output_size)
         if input_size_per_partition % 2:
             raise ConfigError(f"{self.where}: {input_size_per_partition} inputs; bitsandbytes packs two 4-bit codes "
                               "a byte, so quantization='bitsandbytes' needs an even number")
-        self.layer_loader = layer.weight_loader
         # A placeholder: each call's float weight is made (and dropped) by the loader below.
         register_weight(layer, "weight", torch.empty(0, dtype=params_dtype),
                         {"output_dim": 0, "input_dim": 1, "weight_loader": self._quantizing_loader})
@@ -318,8 +356,7 @@ class BnB4BitInFlightMethod(BnB4BitMethod):
                   for i in range(len(self.output_partition_sizes))]
         delattr(layer, "weight")
         self.shards.clear()
-        del self.layer_loader  # the layer's bound method: loading is over
-        self._hold(layer, shards)
+        self._hold(layer, shards, whole_modules=False)
 
 
 def quantize_4bit_blocks(
@@ -396,12 +433,22 @@ def quantize_blocks_8bit(
     return torch.bucketize(scaled, (table[:-1] + table[1:]) / 2).to(torch.uint8), absmax
 
 
+def _group_scales(absmax: torch.Tensor, rows: int, row_inputs: int, blocksize: int, group: int) -> torch.Tensor:
+    """A module's block scales (float32 [blocks], blocks of ``blocksize`` values of its flattened [rows,
+    ``row_inputs``] weight) per group of ``group`` inputs of each row (``group`` dividing both): float32
+    [rows, row_inputs / group], each group's block's scale."""
+    starts = torch.arange(rows)[:, None] * row_inputs + torch.arange(0, row_inputs, group)[None, :]
+    return absmax[starts // blocksize]
+
+
 def _unpack_shard(
-    shard: dict[str, torch.Tensor], rows: int, in_features: int, quant_type: str, where: str
+    shard: dict[str, torch.Tensor], rows: int | None, in_features: int, quant_type: str, where: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """One checkpoint module's codes (uint8 [rows, in / 2]), block scales (float32 [blocks],
     double quantization undone: a block is ``blocksize`` values of the flattened weight, the
-    last one partial where they do not tile it), table (float32 [16]) and block size."""
+    last one partial where they do not tile it), table (float32 [16]) and block size. ``rows``
+    None: as many as its quant state says (a module split across ranks: the layer's loader
+    checks them)."""
     needed = {"weight": "weight", "weight_absmax": "weight.absmax", "weight_quant_map": "weight.quant_map",
               "weight_quant_state": f"weight.{_QUANT_STATE}{quant_type}"}
     missing = [checkpoint_name for name, checkpoint_name in needed.items() if name not in shard]
@@ -414,9 +461,12 @@ def _unpack_shard(
     if state.get("quant_type") != quant_type:
         raise ModelLoadError(f"{where}: weight.quant_state says quant_type={state.get('quant_type')!r}; "
                              f"quantization_config.bnb_4bit_quant_type is {quant_type!r}")
-    if list(state.get("shape", [])) != [rows, in_features]:
+    shape = state.get("shape")
+    if rows is None and isinstance(shape, list) and shape and isinstance(shape[0], int) and shape[0] > 0:
+        rows = shape[0]
+    if list(shape or []) != [rows, in_features]:
         raise ModelLoadError(f"{where}: weight.quant_state has shape {state.get('shape')}; the layer expects "
-                             f"[{rows}, {in_features}]")
+                             f"[{'rows' if rows is None else rows}, {in_features}]")
     blocksize = state.get("blocksize")
     if not isinstance(blocksize, int) or blocksize <= 0:
         raise ModelLoadError(f"{where}: weight.quant_state has blocksize={blocksize!r}")
