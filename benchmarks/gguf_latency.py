@@ -14,6 +14,8 @@ converted by llama.cpp's converter (``make test-quant`` installs it in ``.venv-q
         p.ftype = l.LLAMA_FTYPE_MOSTLY_Q4_K_M; l.llama_model_quantize(b'smol-f32.gguf', b'smol-q4_k_m.gguf', \\
         ctypes.byref(p))"
 
+(``LLAMA_FTYPE_MOSTLY_Q5_K_M``, ``_Q6_K``, ``_IQ4_NL``, ``_IQ4_XS`` for the other files.)
+
 The workload is ``vframe bench latency``'s (../shared/BENCHMARK.md: 256 prompt tokens, 128
 greedy output tokens, 2 threads); per engine: its decoder layers' bytes and the median TPOT
 over the rounds.

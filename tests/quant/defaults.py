@@ -12,6 +12,7 @@ BF16_INT8 = "int8_pairs" if PAIRS else "woq_cpu"
 BF16_INT6 = "int6_pairs" if PAIRS else "woq_cpu"  # GGUF's 5- and 6-bit types (held in 8 bits on woq_cpu)
 BF16_FP4 = "fp4_pairs" if PAIRS else "fp4_cpu"  # NVFP4 / MXFP4
 BF16_FP8 = "fp8_pairs" if PAIRS else "fp8_cpu"  # FP8 (e4m3) weights
+BF16_LUT4 = "lut4_pairs" if PAIRS else "lut4_cpu"  # 4-bit codes into a table (NF4, GGUF's IQ4_NL / IQ4_XS)
 
 
 def bf16_int4_with_groups(group_size: int) -> str:

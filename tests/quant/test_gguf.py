@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
+from gguf import quants as gguf_quants
 from gguf.quants import quantize as gguf_quantize
 
 from vframe import LLM, SamplingParams
@@ -26,13 +27,13 @@ from vframe.quant.kernels.builtin import quantize_per_block
 from vframe.quant.native_call import native_call
 from vframe.quant.onednn_packed import onednn_fp32_available
 from vframe.testing.quant import check_quant_method
-from defaults import BF16_INT4, BF16_INT6, BF16_INT8, PAIRS, bf16_int4_with_groups
+from defaults import BF16_INT4, BF16_INT6, BF16_INT8, BF16_LUT4, PAIRS, bf16_int4_with_groups
 from gguf_files import add_toy_vocabulary, write_out
 
 # Byte offsets of each format's float16 scales (d, m, dmin) inside a block.
 _F16_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0],
 }
 QUANTIZED = list(_F16_FIELDS)
 # The embedded SmolLM2's 30 blocks of Q4_1 matrices (20 bytes per 32 weights), hidden 576,
@@ -258,6 +259,7 @@ def test_conforms_on_every_layer_kind(ggml_type: str, dtype: torch.dtype) -> Non
         ("Q4_1", torch.bfloat16, None, BF16_INT4), ("Q4_1", torch.bfloat16, "reference", "reference"),
         ("Q4_K", torch.float32, None, "woq_cpu"), ("Q6_K", torch.float32, None, "woq_cpu"),
         ("Q6_K", torch.bfloat16, None, BF16_INT6), ("Q2_K", torch.float32, None, "woq_cpu"),
+        ("IQ4_XS", torch.bfloat16, None, BF16_LUT4), ("IQ4_NL", torch.float32, None, "lut4_cpu"),
     ],
 )
 def test_embedding_looks_up_exact_rows_and_its_tied_head_multiplies_by_them(
@@ -304,6 +306,9 @@ def test_embedding_looks_up_exact_rows_and_its_tied_head_multiplies_by_them(
         "int6_pairs": vocab * hidden * (12 + 4) // 16,
         # two a byte and a float16 d and m per 32 (Q4_1: the file's bytes)
         "int4_pairs": vocab * hidden * (16 + 4) // 32,
+        # two codes a byte, a float32 scale per 32 and the table; lut4_cpu looks rows up in the file's blocks
+        "lut4_pairs": vocab * hidden * (16 + 4) // 32 + 16 * 4,
+        "lut4_cpu": vocab * hidden * (16 + 4) // 32 + 16 * 4 + rows.nbytes,
         "reference": rows.nbytes,  # the file's blocks
     }[head]
     assert weight_bytes(embedding) - embedding.qweight_type.nbytes == expected_bytes
@@ -311,8 +316,8 @@ def test_embedding_looks_up_exact_rows_and_its_tied_head_multiplies_by_them(
 
 def test_an_unsupported_ggml_type_is_refused_by_name() -> None:
     layer = ReplicatedLinear(256, 64, bias=False, quant_config=GGUFConfig(), prefix="model.layers.0.mlp.down_proj")
-    with pytest.raises(ModelLoadError, match=r"is of GGUF type IQ4_NL \(20\), which quantization='gguf' does not run"):
-        layer.qweight_type.weight_loader(layer.qweight_type, torch.tensor(20))
+    with pytest.raises(ModelLoadError, match=r"is of GGUF type IQ2_XXS \(16\), which quantization='gguf' does not run"):
+        layer.qweight_type.weight_loader(layer.qweight_type, torch.tensor(16))
 
 
 def test_gguf_is_a_builtin_quantizer_that_refuses_what_it_cannot_run() -> None:
@@ -322,6 +327,41 @@ def test_gguf_is_a_builtin_quantizer_that_refuses_what_it_cannot_run() -> None:
         GGUFConfig.from_config({"quant_method": "gptq"})
     reasons = GGUFConfig.validate_configuration(dtype=torch.bfloat16, device=torch.device("cuda"))
     assert "dtype='bfloat16' runs GGUF on the CPU only; on cuda use dtype='float16'" in reasons
+
+
+@pytest.mark.parametrize("ggml_type", ["IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_iq4_segments_run_on_the_table_kernels_as_the_file_s_weights(ggml_type: str, dtype: torch.dtype) -> None:
+    """IQ4_NL / IQ4_XS: the codes into llama.cpp's 16 values, a scale per 32 inputs (IQ4_XS: its
+    sub-block's ``d * (ls - 32)``), as a ``Lut4Weight`` on the table kernels: the file's weights bit
+    for bit, the product within the kernel's rounding, the blocks dropped."""
+    in_features, out_features = 512, 96
+    rows = random_rows(ggml_type, out_features, in_features, seed=7)
+    layer = ReplicatedLinear(in_features, out_features, bias=False, quant_config=GGUFConfig(), params_dtype=dtype)
+    load_layer(layer, [(None, ggml_type, rows)])
+    x = torch.randn(9, in_features, generator=torch.Generator().manual_seed(8)).to(dtype)
+
+    out = layer(x)
+
+    assert [s.kernel for s in layer.quant_method.segments] == ["lut4_cpu" if dtype == torch.float32 else BF16_LUT4]
+    assert layer.qweight.numel() == 0
+    weight = gguf_weight(rows, ggml_type)
+    assert torch.equal(layer.quant_method.dequantize_weight(layer), weight)
+    # two codes a byte, a float32 scale per 32 (the file: a float16 d per 32, IQ4_XS 6 bits a sub-block
+    # and a d per 256), the table
+    assert weight_bytes(layer) - layer.qweight_type.nbytes == out_features * in_features * (16 + 4) // 32 + 16 * 4
+    reference = x.double() @ weight.double().T
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-6
+    assert float((out.double() - reference).abs().max()) <= tolerance * float(reference.abs().max())
+
+
+def test_the_iq4_tables_are_llama_cpp_s_and_a_bad_type_is_no_table() -> None:
+    assert gguf_dequant.IQ4_VALUES == gguf_quants.IQ4_NL.kvalues
+    rows = torch.from_numpy(random_rows("IQ4_XS", 2, 256, seed=9))
+    q, scales, table, group = gguf_dequant.lut4_groups(rows, "IQ4_XS")
+    assert (q.shape, scales.shape, group) == ((2, 256), (2, 8), 32) and int(q.max()) < 16
+    with pytest.raises(ValueError, match=r"Q4_0 is not one of \('IQ4_NL', 'IQ4_XS'\)"):
+        gguf_dequant.lut4_groups(rows, "Q4_0")
 
 
 # --------------------------------------------------------------------------- #

@@ -29,6 +29,9 @@ Kernels, per segment:
   submodule ``segment<i>``; the blocks are dropped. ``quant_kernel="woq_cpu_a8"`` runs the
   32-wide types with llama.cpp's numerics instead (activations quantized to int8 per
   block of 32, integer dot products; ``_named_kernel``).
+* IQ4_NL / IQ4_XS (4-bit codes into llama.cpp's table of 16 non-linear values, a scale per
+  32 inputs): a ``Lut4Weight`` (``gguf_dequant.lut4_groups``; the table kernels ``lut4_pairs``
+  in bfloat16 with AVX512-BF16, else ``lut4_cpu``), the segment's blocks dropped.
 * the float formats (F32, F16, BF16), and those above when the chosen kernel is the
   built-in ``reference``: the segment's bytes stay in ``qweight`` (uint8, the file's
   bytes, nothing else) and are dequantized to float32 on every call, cast, ``F.linear``.
@@ -58,16 +61,18 @@ from vframe.quant.base import (
     register_weight, with_native,
 )
 from vframe.quant.gguf_dequant import (
-    FORMATS, GGML_TYPE_NAMES, INT4_TYPES, INT8_TYPES, dequantize, int4_groups, int8_groups, row_bytes,
+    FORMATS, GGML_TYPE_NAMES, INT4_TYPES, INT8_TYPES, LUT4_TYPES, dequantize, int4_groups, int8_groups, lut4_groups,
+    row_bytes,
 )
 from vframe.quant.kernels import (
-    INT8_PER_BLOCK, WEIGHT_ONLY, IntWeight, QuantLinearKernel, QuantLinearSpec, choose_kernel, reads_rows,
-    refusal,
+    INT8_PER_BLOCK, WEIGHT_ONLY, IntWeight, Lut4Weight, QuantLinearKernel, QuantLinearSpec, choose_kernel,
+    reads_rows, refusal,
 )
 
 NAME = "gguf"
 _INT4_GROUP = 32  # Q4_0 / Q4_1 blocks, Q4_K sub-blocks, Q8_0 blocks: one scale (and offset) per 32 inputs
 INT_TYPES = INT4_TYPES + INT8_TYPES  # the types with an IntWeight form (_int_weight)
+KERNEL_TYPES = INT_TYPES + LUT4_TYPES  # ... or a Lut4Weight one (IQ4_NL, IQ4_XS): the types a quant kernel takes
 SIX_BIT_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")  # INT8_TYPES whose integers fit 6 bits (_six_bit)
 
 
@@ -140,7 +145,7 @@ class Segment:
 
 
 class GGUFLinearMethod(LinearMethodBase):
-    repack = True  # INT_TYPES segments go to a quant kernel (their bytes are dropped)
+    repack = True  # KERNEL_TYPES segments go to a quant kernel (their bytes are dropped)
 
     def __init__(self, kernel_name: str | None = None) -> None:
         self.kernel_name = kernel_name  # the quant_kernel setting
@@ -243,13 +248,17 @@ class GGUFLinearMethod(LinearMethodBase):
         layer.qweight.data = torch.cat(kept) if kept else torch.empty(0, dtype=torch.uint8)
 
     def _on_kernel(self, layer: nn.Module, i: int, segment: Segment, rows: torch.Tensor) -> Segment | None:
-        """Segment ``i`` (its blocks ``rows``) handed as an ``IntWeight`` to the quant kernel
-        chosen for it, which keeps it in the submodule ``segment<i>``; the segment as it then
-        is, or None where its type has no integer form (``INT_TYPES``) or the choice is the
-        built-in ``reference`` (which keeps a byte per weight: the file's bytes, dequantized
-        per call, are better). The 5- and 6-bit types are offered in 6 bits first
-        (``_six_bit``; ``int6_pairs``), then in 8; a named kernel is tried on both before
-        the kernels by priority."""
+        """Segment ``i`` (its blocks ``rows``) handed as an ``IntWeight`` (IQ4_NL / IQ4_XS: a
+        ``Lut4Weight``, their codes into llama.cpp's table) to the quant kernel chosen for it,
+        which keeps it in the submodule ``segment<i>``; the segment as it then is, or None where
+        its type has neither form (``KERNEL_TYPES``) or the choice is the built-in ``reference``
+        (which keeps a byte per weight: the file's bytes, dequantized per call, are better). The
+        5- and 6-bit types are offered in 6 bits first (``_six_bit``; ``int6_pairs``), then in 8;
+        a named kernel is tried on both before the kernels by priority."""
+        if segment.ggml_type in LUT4_TYPES:
+            q, scales, table, group = lut4_groups(rows, segment.ggml_type)
+            q = q[:, 0::2] | (q[:, 1::2] << 4)  # two codes a byte, the first in the low nibble
+            return self._attach(layer, i, segment, [Lut4Weight(q, scales, table, group)])
         if segment.ggml_type not in INT_TYPES:
             return None
         return self._attach(layer, i, segment, _int_forms(rows, segment.ggml_type))
@@ -270,7 +279,8 @@ class GGUFLinearMethod(LinearMethodBase):
         return self._attach(layer, 0, merged, candidates, named_only=self.kernel_name is not None)
 
     def _attach(
-        self, layer: nn.Module, i: int, segment: Segment, weights: list[IntWeight], named_only: bool = False
+        self, layer: nn.Module, i: int, segment: Segment, weights: list[IntWeight] | list[Lut4Weight],
+        named_only: bool = False,
     ) -> Segment | None:
         """The first of ``weights`` (one segment's forms, the preferred first) that a kernel takes
         (the named one, on any form, before those by priority, which ``named_only`` leaves out;
@@ -354,8 +364,9 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
     A GGUF embedding row is one token's vector (blocks along the hidden size), so a
     lookup dequantizes only the looked-up rows. Head kernels:
 
-    * the integer types (``INT_TYPES``: Q2_K to Q8_0): the quant kernel chosen for the
-      table's ``IntWeight``, as for a linear segment, in the submodule ``segment0``;
+    * the integer types (``INT_TYPES``: Q2_K to Q8_0) and IQ4_NL / IQ4_XS: the quant kernel
+      chosen for the table's ``IntWeight`` (``Lut4Weight``), as for a linear segment, in the
+      submodule ``segment0``;
       lookups through the kernel's ``dequantize_rows`` where it reads rows on its own
       (``int8_pairs``, ``int4_pairs``, ``woq_cpu``: the table is held once; SmolLM2's Q8_0 on
       ``int8_pairs`` in the file's 1.06 bytes per weight), else from the file's bytes, kept
@@ -389,7 +400,7 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
         # else (int4_cpu) the file's bytes stay for them. Without a kernel: the Q8_0 int4 planes
         # or the file's bytes.
         on_kernel = None
-        if segment.ggml_type in INT_TYPES:
+        if segment.ggml_type in KERNEL_TYPES:
             on_kernel = self._on_kernel(layer, 0, segment, segment.rows(layer.qweight))
         if on_kernel is not None:
             self.segments[0] = on_kernel

@@ -17,6 +17,9 @@ integers, lowest bits first)::
     Q4_K  256: d | dmin | 12 bytes of 6-bit scales and mins (8 sub-blocks of 32) | 128 bytes 4-bit q
     Q5_K  256: as Q4_K plus 32 bytes of fifth bits
     Q6_K  256: 128 bytes low 4 bits | 64 bytes high 2 bits | 16 int8 scales | d
+    IQ4_NL  d | 16 bytes as Q4_0                                  w = d * IQ4_VALUES[q]
+    IQ4_XS  256: d | 2 bytes high 2 bits of 8 sub-block scales | 4 bytes low 4 bits of them |
+            128 bytes, per sub-block of 32 16 bytes as Q4_0       w = d * (ls - 32) * IQ4_VALUES[q]
 """
 
 from __future__ import annotations
@@ -155,6 +158,29 @@ def q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (d * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
 
 
+# llama.cpp's non-linear 4-bit values (``kvalues_iq4nl``): IQ4_NL's and IQ4_XS's codes index them
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_NL / IQ4_XS blocks -> each 32 values' float32 scale [n, groups] and 4-bit codes
+    [n, groups, 32] (groups: 1, or IQ4_XS's 8 sub-blocks, each ``d * (ls - 32)`` with its
+    6-bit ``ls``: 4 low bits from ``scales_l``, 2 high from the 16-bit ``scales_h``)."""
+    n = blocks.shape[0]
+    if blocks.shape[1] == 18:  # IQ4_NL
+        return _f16(blocks, 0), _nibbles(blocks[:, 2:]).reshape(n, 1, 32)
+    low = (blocks[:, 4:8].reshape(n, 4, 1) >> _shifts(0, 4, shape=(1, 1, 2)).to(blocks.device)) & 0x0F
+    high = blocks[:, 2:4].contiguous().view(torch.int16).int() >> torch.arange(0, 16, 2, device=blocks.device)
+    ls = low.reshape(n, 8).int() | ((high & 3) << 4)  # [n, 8] in [0, 64)
+    return _f16(blocks, 0) * (ls - 32).float(), _nibbles(blocks[:, 8:].reshape(n * 8, 16)).reshape(n, 8, 32)
+
+
+def iq4(blocks: torch.Tensor) -> torch.Tensor:  # IQ4_NL and IQ4_XS
+    scales, q = _iq4_codes(blocks)
+    values = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=blocks.device)[q.long()]
+    return (scales[..., None] * values).reshape(blocks.shape[0], -1)
+
+
 def f32(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.contiguous().view(torch.float32)
 
@@ -182,6 +208,8 @@ FORMATS: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
     "Q4_K": (QK_K, 144, q4_k),
     "Q5_K": (QK_K, 176, q5_k),
     "Q6_K": (QK_K, 210, q6_k),
+    "IQ4_NL": (32, 18, iq4),
+    "IQ4_XS": (QK_K, 136, iq4),
 }
 
 
@@ -227,8 +255,24 @@ def int4_groups(
 # ggml's type numbers (``gguf.GGMLQuantizationType``) of the formats above
 GGML_TYPE_NAMES: dict[int, str] = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
-    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16",
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS", 30: "BF16",
 }
+
+
+# Formats whose 4-bit codes index a table of 16 values, with one scale per 32 inputs
+LUT4_TYPES = ("IQ4_NL", "IQ4_XS")
+
+
+def lut4_groups(rows: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A table format's rows (``LUT4_TYPES``) as ``w = table[q] * scale`` per group of 32 inputs: ``q``
+    uint8 [out, in] in [0, 16), ``scale`` float32 [out, in / 32] (IQ4_NL's ``d``, IQ4_XS's ``d * (ls -
+    32)``), the table (``IQ4_VALUES``, float32) and 32; the products are the dequantizer's own."""
+    if ggml_type not in LUT4_TYPES:
+        raise ValueError(f"{ggml_type} is not one of {LUT4_TYPES}")
+    out = rows.shape[0]
+    scales, q = _iq4_codes(rows.reshape(-1, FORMATS[ggml_type][1]))
+    table = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=rows.device)
+    return q.reshape(out, -1), scales.reshape(out, -1), table, 32
 
 
 def row_bytes(ggml_type: str, in_features: int) -> int:

@@ -264,7 +264,7 @@ class Fp4Weight:
 @dataclass
 class Lut4Weight:
     """One layer's 4-bit weight whose codes index a table of 16 values (bitsandbytes' NF4 and
-    FP4; plugin API 1.21)::
+    FP4, GGUF's IQ4_NL and IQ4_XS; plugin API 1.21)::
 
         W[o, i] = table[code(o, i)] * scales[o, i // group_size]
 
