@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU: worker processes (gloo) give the tokens one
 process gives, for Llama (float, GPTQ with its head quantized, a bitsandbytes NF4
-checkpoint, NF4 quantized while loading), Mixtral (float, and 4-bit experts) and
-DeepSeek (MLA), under prefix caching, chunked prefill and preemption; bad sizes are
-refused by name; a killed worker fails the engine at once and leaves no process behind."""
+checkpoint, NF4 quantized while loading, a GGUF kept quantized), Mixtral (float,
+4-bit experts, GGUF) and DeepSeek (MLA), under prefix caching, chunked prefill and
+preemption; bad sizes are refused by name; a killed worker fails the engine at once
+and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -137,6 +138,46 @@ def test_a_bitsandbytes_nf4_llama_split_over_two_ranks_matches_transformers(tmp_
                                      head_dim=32, intermediate_size=128)
     prompts = prompts_of_lengths(96, [5, 23, 37, 12], shared_prefix=4)
     llm = assert_engine_matches_transformers(tmp_path, hf_model, prompts, num_blocks=14, tensor_parallel_size=2)
+    llm.shutdown()
+
+
+def test_a_gguf_llama_kept_quantized_over_two_ranks_matches_its_dense_conversion(tmp_path: Path, gguf_cache) -> None:
+    """``quantization="gguf"``: each rank takes its rows (q / k / v, gate / up: Q4_K with a Q6_K v) or its
+    inputs (o: Q4_0, down: Q6_K, 128 and 256 a rank, whole blocks) of the file's blocks; the Q8_0 head
+    and the float16 embedding stay whole on every rank."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "quant"))
+    from test_gguf import Q4_K_M, write_tiny_llama
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, [Q4_K_M | {"attn_output": "Q4_0"}] * 2, output_type="Q8_0")
+    prompts = [{"prompt_token_ids": ids} for ids in ([0, 5, 17, 33, 2], [0, 40, 41, 42, 43, 44, 45, 46])]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
+    kw = dict(model=str(path), max_model_len=128, dtype="float32", attention_backend="torch")
+
+    dense = LLM(**kw, num_threads=1)
+    expected = [o.outputs[0] for o in dense.generate(prompts, params, use_tqdm=False)]
+    dense.shutdown()
+    llm = LLM(**kw, quantization="gguf", tensor_parallel_size=2)
+    ours = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.shutdown()
+    for a, b in zip(ours, expected, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)] == pytest.approx(
+            [lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)], abs=1e-4
+        )
+
+
+def test_a_gguf_mixtral_kept_quantized_over_two_ranks_matches_transformers(tmp_path: Path, gguf_cache) -> None:
+    """Each expert's GGUF layers split as the dense ones (w1 / w3 rows, w2 inputs: 64 a rank, whole Q8_0
+    blocks)."""
+    from test_gguf_models import write_gguf
+    from test_mixtral import PROMPT_LENGTHS, VOCAB, tiny_hf_mixtral
+
+    hf_model = tiny_hf_mixtral(intermediate_size=128)
+    write_gguf(tmp_path / "tiny-mixtral.gguf", hf_model, "llama")
+    prompts = prompts_of_lengths(VOCAB, PROMPT_LENGTHS, shared_prefix=4)
+    llm = assert_engine_matches_transformers(tmp_path / "tiny-mixtral.gguf", hf_model, prompts, num_blocks=14,
+                                             quantization="gguf", tensor_parallel_size=2)
     llm.shutdown()
 
 

@@ -248,7 +248,24 @@ def test_conforms_on_every_layer_kind(ggml_type: str, dtype: torch.dtype) -> Non
         rows = gguf_quantize(weight.float().numpy(), GGMLQuantizationType[ggml_type])
         return {"qweight_type": torch.tensor(int(GGMLQuantizationType[ggml_type])), "qweight": torch.from_numpy(rows)}
 
-    check_quant_method("gguf", dtype=dtype, quick=True, checkpoint_tensors=tensors)
+    # float32: tensor-parallel ranks 0 and 1 of 2 too (each its rows or inputs of the file's blocks)
+    check_quant_method("gguf", dtype=dtype, quick=dtype != torch.float32, checkpoint_tensors=tensors)
+
+
+def test_a_rank_s_inputs_must_be_whole_blocks_of_their_type() -> None:
+    from vframe.layers.linear import RowParallelLinear
+
+    rows = random_rows("Q6_K", 64, 512, seed=3)  # blocks of 256 inputs
+    halves = [RowParallelLinear(512, 64, bias=False, quant_config=GGUFConfig(), tp_rank=r, tp_size=2) for r in (0, 1)]
+    for half in halves:
+        load_layer(half, [(None, "Q6_K", rows)])
+    assert torch.equal(torch.cat([h.quant_method.dequantize_weight(h) for h in halves], dim=1),
+                       gguf_weight(rows, "Q6_K"))
+    quarter = RowParallelLinear(512, 64, bias=False, quant_config=GGUFConfig(), tp_rank=1, tp_size=4,
+                                prefix="model.layers.0.mlp.down_proj")
+    with pytest.raises(ConfigError, match=r"model.layers.0.mlp.down_proj: tensor parallelism gives each rank 128 of "
+                                          r"its 512 inputs, which are not whole Q6_K blocks of 256"):
+        load_layer(quarter, [(None, "Q6_K", rows)])
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,9 @@ embedding and head are split by vocabulary rows instead::
     ParallelLMHead          x [T, hidden] -> [T, vocab]   this rank's columns, all-gather
 
 Rank ``r`` of ``R`` holds rows ``[r * S, (r + 1) * S)`` with ``S = ceil(vocab / R)``;
-the last rank's rows past ``vocab`` are zero padding, cut from the gathered logits.
+the last rank's rows past ``vocab`` are zero padding, cut from the gathered logits. A
+quantized embedding (GGUF's) stays whole on every rank, as a quantized LM head does: its
+lookups need no all-reduce, its tied head gives every rank all the logits.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vframe.errors import ConfigError, ModelLoadError
+from vframe.errors import ModelLoadError
 from vframe.layers.linear import ReplicatedLinear
 from vframe.layers.parallel import all_gather, all_reduce, get_tp_rank, get_tp_size
 from vframe.quant.base import EmbeddingMethodBase, QuantizationConfig
@@ -188,11 +190,6 @@ def token_embedding(
     method = None if quant_config is None else quant_config.get_embedding_method(prefix)
     if method is None:
         return unquantized_embedding(vocab_size, hidden_size, params_dtype=params_dtype, prefix=prefix)
-    if get_tp_size() > 1:
-        raise ConfigError(
-            f"tensor_parallel_size={get_tp_size()} with a quantized token embedding ({type(method).__name__}): "
-            "quantized embeddings are not split across ranks; use tensor_parallel_size=1"
-        )
     return VocabEmbedding(vocab_size, hidden_size, method, params_dtype=params_dtype, prefix=prefix)
 
 

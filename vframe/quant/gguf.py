@@ -36,10 +36,14 @@ Kernels, per segment:
   built-in ``reference``: the segment's bytes stay in ``qweight`` (uint8, the file's
   bytes, nothing else) and are dequantized to float32 on every call, cast, ``F.linear``.
 
+Under tensor parallelism a linear layer's file tensors come whole; ``_rank_blocks`` has the
+layer's own loader pick this rank's rows or inputs of their blocks (whole blocks, else refused).
+
 The token embedding and the LM head tied to it are one ``GGUFEmbeddingMethod``
 (``get_embedding_method``; ``vframe/layers/embedding.py``): lookups dequantize the
 looked-up rows, the head runs a Q8_0 table as two int4 planes (bfloat16 CPU) or
-the reference. An untied ``output.weight`` head is a ``GGUFLinearMethod`` layer.
+the reference. An untied ``output.weight`` head is a ``GGUFLinearMethod`` layer. Both stay whole on every
+tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from vframe.layers.linear import LinearBase
 from vframe.quant import int4_cpu
 from vframe.quant.base import (
     BoundApply, EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, bound_apply, fused_shard_index, native_call,
-    register_weight, with_native,
+    register_weight, set_weight_attrs, with_native,
 )
 from vframe.quant.gguf_dequant import (
     FORMATS, GGML_TYPE_NAMES, INT4_TYPES, INT8_TYPES, LUT4_TYPES, dequantize, int4_groups, int8_groups, lut4_groups,
@@ -113,11 +117,6 @@ class GGUFConfig(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None
-        if layer.tp_size != 1:
-            raise ConfigError(
-                f"quantization='gguf' with tensor_parallel_size={layer.tp_size}: GGUF blocks are not split "
-                "across ranks yet; use tensor_parallel_size=1"
-            )
         return GGUFLinearMethod(self.quant_kernel)
 
     def get_embedding_method(self, prefix: str) -> EmbeddingMethodBase:
@@ -165,6 +164,12 @@ class GGUFLinearMethod(LinearMethodBase):
         self.where = layer.prefix or type(layer).__name__  # for messages
         self.shard_ids = layer.shard_ids
         self.output_partition_sizes = list(output_partition_sizes)
+        self.in_features, self.input_size = input_size_per_partition, input_size
+        # tensor parallelism: this rank holds its rows or its inputs of each file tensor, which the
+        # layer's own loader picks from the file's blocks (_rank_blocks)
+        self.split = input_size_per_partition != input_size or sum(output_partition_sizes) != output_size
+        self.layer_loader = layer.weight_loader
+        self._types: dict[int, str] = {}  # shard index -> its ggml type, as loaded
         # Sized once every shard's type is known (process_weights_after_loading).
         register_weight(
             layer, "qweight", torch.empty(0, dtype=torch.uint8),
@@ -186,10 +191,13 @@ class GGUFLinearMethod(LinearMethodBase):
                 f"(it runs {', '.join(FORMATS)}); drop quantization='gguf' to dequantize the whole file on load"
             )
         param.data[self._shard_index(shard_id)] = value
+        self._types[self._shard_index(shard_id)] = GGML_TYPE_NAMES[value]
 
     def _load_blocks(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         index = self._shard_index(shard_id)
         rows = self.output_partition_sizes[index]
+        if self.split and loaded_weight.dtype == torch.uint8 and loaded_weight.dim() == 2:
+            loaded_weight = self._rank_blocks(loaded_weight, index, shard_id)
         if loaded_weight.dtype != torch.uint8 or loaded_weight.dim() != 2 or loaded_weight.shape[0] != rows:
             raise ModelLoadError(
                 f"has {loaded_weight.dtype} shape {tuple(loaded_weight.shape)}; {self.where} expects the "
@@ -197,7 +205,33 @@ class GGUFLinearMethod(LinearMethodBase):
             )
         self._blocks[index] = loaded_weight
 
+    def _rank_blocks(self, blocks: torch.Tensor, index: int, shard_id: Any) -> torch.Tensor:
+        """This rank's rows (column-parallel: q / k / v, gate / up; k / v as the ranks share
+        KV heads) or inputs (row-parallel: o, down) of a file tensor's blocks ``uint8 [rows,
+        row bytes]``, which the layer's own loader picks as it would a float weight's: a row
+        is one output, its blocks run along the inputs, so this rank's inputs must be whole
+        blocks of the shard's type."""
+        ggml_type = self._types.get(index)
+        if ggml_type is None:
+            raise ModelLoadError(f"{self.where}: a shard's blocks came before its qweight_type")
+        block_size, type_size, _ = FORMATS[ggml_type]
+        if self.in_features % block_size:
+            raise ConfigError(
+                f"{self.where}: tensor parallelism gives each rank {self.in_features} of its {self.input_size} "
+                f"inputs, which are not whole {ggml_type} blocks of {block_size}; use a tensor_parallel_size "
+                "that leaves whole blocks, or 1"
+            )
+        # the whole fused layer's rows of this rank, in this shard's row bytes: the loader places
+        # the shard at its offset among them
+        part = nn.Parameter(torch.empty(sum(self.output_partition_sizes), self.in_features // block_size * type_size,
+                                        dtype=torch.uint8), requires_grad=False)
+        set_weight_attrs(part, {"output_dim": 0, "input_dim": 1})
+        self.layer_loader(part, blocks, shard_id)
+        start = sum(self.output_partition_sizes[:index])
+        return part.data[start : start + self.output_partition_sizes[index]]
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        vars(self).pop("layer_loader", None)  # the layer's bound method: loading is over
         in_features = layer.input_size_per_partition
         types = [GGML_TYPE_NAMES[int(t)] for t in layer.qweight_type]
         segments: list[Segment] = []
