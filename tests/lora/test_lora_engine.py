@@ -184,3 +184,17 @@ def test_add_list_and_remove(adapters) -> None:
     assert llm.remove_lora(adapters["mlp8"].lora_int_id) is True
     assert llm.remove_lora(adapters["mlp8"].lora_int_id) is False
     assert llm.list_loras() == []
+
+
+def test_an_adapter_over_the_gguf_kept_quantized_matches_peft(adapters, references) -> None:
+    """``quantization="gguf"``: the adapter's deltas beside the base layers' Q4_1 blocks (on their quant
+    kernels, outside the decode plan), against PEFT on transformers' reading of the same file."""
+    llm = LLM(dtype="float32", quantization="gguf", enable_lora=True, max_loras=1, num_threads=2)
+    model = llm.llm_engine.model_runner.model.model
+    assert type(model.layers[0].mlp.down_proj.base_layer.quant_method).__name__ == "GGUFLinearMethod"
+    assert model.decode_plan is None
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, lora_request=adapters["all4"], use_tqdm=False
+    )
+    for i, output in enumerate(outputs):
+        _assert_matches(output, references["all4"][i], f"GGUF, adapter all4, prompt {i}")

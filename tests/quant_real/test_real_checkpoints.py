@@ -333,6 +333,55 @@ def test_a_bitsandbytes_checkpoint_split_over_three_ranks_serves_like_its_dequan
         llm.shutdown()
 
 
+@pytest.mark.parametrize("scheme", ["ct-w4a16", "autoround-gptq", "bnb-nf4"])
+def test_a_lora_adapter_over_a_tool_s_checkpoint_serves_like_peft_on_its_dequantized_weights(
+    scheme: str, checkpoints: Path, tmp_path: Path
+) -> None:
+    """QLoRA-style serving: a PEFT adapter (every projection, rank 8, B random) made on the
+    reference weights, served over the quantized checkpoint (``enable_lora``: the deltas beside the
+    quantized base layers); the text's logprobs within the scheme's tolerance of PEFT's on the
+    reference, which the adapter moves by far more, and 12 of 12 greedy runs identical."""
+    import copy
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from vframe import LoRARequest
+
+    make_checkpoint(scheme, checkpoints)
+    atol = SCHEMES[scheme][2]
+    reference = AutoModelForCausalLM.from_pretrained(checkpoints / f"{scheme}-reference", dtype=torch.float32).eval()
+    torch.manual_seed(8)
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = get_peft_model(copy.deepcopy(reference), LoraConfig(r=8, lora_alpha=16, target_modules=projections,
+                                                                  init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in adapter.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.05)  # the text stays text
+    adapter.save_pretrained(str(tmp_path / "adapter"))
+    peft = PeftModel.from_pretrained(reference, str(tmp_path / "adapter")).eval()
+
+    llm = LLM(model=str(checkpoints / scheme), dtype="float32", max_model_len=512, num_threads=2, enable_lora=True,
+              max_lora_rank=8)
+    tokenizer = llm.get_tokenizer()
+    ids, prompt_ids = tokenizer(TEXT).input_ids, [tokenizer(p).input_ids for p in PROMPTS]
+    lora = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    [out] = llm.generate({"prompt_token_ids": ids}, params, lora_request=lora, use_tqdm=False)
+    ours = torch.tensor([out.prompt_logprobs[pos][ids[pos]].logprob for pos in range(1, len(ids))])
+    theirs = hf_text_logprobs(peft, ids)
+    moved = float((theirs - text_logprobs(llm, ids)).abs().max())  # the adapter against the base checkpoint
+    worst = float((ours - theirs).abs().max())
+    assert moved > 10 * atol, f"{scheme}: the adapter moved no logprob by more than {moved:.2e}"
+    assert worst <= atol, f"{scheme}: a token's logprob differs from PEFT's by {worst:.2e} > {atol}"
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, lora_request=lora, use_tqdm=False)
+    identical = [list(o.outputs[0].token_ids) == t for o, t in zip(outputs, hf_greedy(peft, prompt_ids), strict=True)]
+    assert all(identical), f"{scheme}: {sum(identical)} of 12 greedy runs identical to PEFT's: {identical}"
+    print(f"{scheme} + LoRA: max |dlogprob| {worst:.2e} (the adapter moved {moved:.2e}), 12/12 greedy runs identical")
+
+
 def test_native_block_fp8_layout_serves_the_same_blocks(checkpoints: Path, tmp_path: Path) -> None:
     """llm-compressor's FP8_BLOCK tensors rewritten in DeepSeek-V3's layout (``quant_method:
     fp8``, ``weight_block_size``, ``weight_scale_inv``) give the reference's logprobs too."""
