@@ -13,7 +13,7 @@ on each variant:
   ``float32``, and every variant in float32, for CPUs without native bfloat16);
 - the llm-compressor / auto-round checkpoints that ``make test-quant`` caches in
   ``$VFRAME_CACHE_DIR/quant-checkpoints`` (W8A16 and W4A16 groups of 64, W8A8, GPTQ
-  and AWQ 4 bit groups of 64, NVFP4A16, MXFP4A16, bitsandbytes NF4 and LLM.int8; ``-head``: W8A16,
+  and AWQ 4 bit groups of 64, GPTQ 3 bit, NVFP4A16, MXFP4A16, bitsandbytes NF4 and LLM.int8; ``-head``: W8A16,
   W4A16 and GPTQ with the LM head quantized too, where the others keep SmolLM2's in bfloat16),
   bfloat16 activations; the kernel each layer got is shown;
 - ``bnb-in-flight``: the dense conversion quantized to NF4 while loading (``quantization="bitsandbytes"``,
@@ -50,7 +50,8 @@ from vframe.models.loader.resolve import default_cache_dir, embedded_default_ggu
 
 CHECKPOINTS = ("ct-w8a16", "ct-w8a16-head", "ct-w8a8", "ct-w4a16", "ct-w4a16-head", "ct-nvfp4a16", "ct-mxfp4a16",
                "ct-fp8-dynamic", "ct-fp8-block", "ct-mxfp8a16",
-               "autoround-gptq", "autoround-gptq-head", "autoround-awq", "bnb-nf4", "bnb-fp4", "bnb-int8")
+               "autoround-gptq", "autoround-gptq-head", "autoround-gptq-3bit", "autoround-awq", "bnb-nf4", "bnb-fp4",
+               "bnb-int8")
 KV_CACHE_BYTES = 256 << 20  # each open engine's KV budget: the workload needs 384 tokens
 
 

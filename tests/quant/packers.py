@@ -45,16 +45,45 @@ def to_int32(words: torch.Tensor) -> torch.Tensor:
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     """AutoGPTQ's qweight loop: ``qweight[row] |= intweight[j] << (bits * (j - i))``
-    for ``32 // bits`` consecutive rows ``j`` of ``values`` [n, m] -> [n / pack, m]."""
+    for ``32 // bits`` consecutive rows ``j`` of ``values`` [n, m] -> [n / pack, m];
+    at 3 bits its stream loop (``pack_3_bit_rows``)."""
+    if bits == 3:
+        return pack_3_bit_rows(values)
     pack = 32 // bits
     shifts = torch.arange(pack)[:, None] * bits  # [pack, 1]
     grouped = values.long().view(values.shape[0] // pack, pack, values.shape[1])  # [n / pack, pack, m]
     return (grouped << shifts).sum(dim=1)  # disjoint bits: the sum is the OR
 
 
+def pack_3_bit_rows(values: torch.Tensor) -> torch.Tensor:
+    """AutoGPTQ's (and auto-round's) 3-bit loop over 32 rows of ``values`` [n, m] at a time ->
+    3 words [n * 3 / 32, m]: ten values a word, the eleventh split over two words (its low 2
+    bits at 30-31, its high bit at bit 0 of the next; the 22nd's low bit at 31, high 2 bits at
+    0-1 of the third)."""
+    v = values.long()
+    words = torch.zeros(v.shape[0] // 32 * 3, v.shape[1], dtype=torch.long)
+    i = row = 0
+    while row < words.shape[0]:
+        for j in range(10):
+            words[row] |= v[i + j] << (3 * j)
+        words[row] |= v[i + 10] << 30
+        words[row + 1] |= (v[i + 10] >> 2) & 1
+        for j in range(10):
+            words[row + 1] |= v[i + 11 + j] << (3 * j + 1)
+        words[row + 1] |= v[i + 21] << 31
+        words[row + 2] |= (v[i + 21] >> 1) & 3
+        for j in range(10):
+            words[row + 2] |= v[i + 22 + j] << (3 * j + 2)
+        i, row = i + 32, row + 3
+    return words & 0xFFFFFFFF
+
+
 def pack_columns(values: torch.Tensor, bits: int, order: list[int] | None = None) -> torch.Tensor:
     """The qzeros loop (and AWQ's, with its ``order``): column ``c`` of the result
-    ORs ``values[:, c * pack + order[j]] << (bits * j)`` for ``j`` in ``0 .. pack - 1``."""
+    ORs ``values[:, c * pack + order[j]] << (bits * j)`` for ``j`` in ``0 .. pack - 1``
+    (3 bits: the stream loop along the columns)."""
+    if bits == 3:
+        return pack_3_bit_rows(values.T).T.contiguous()
     pack = 32 // bits
     order = order or list(range(pack))
     shifts = torch.arange(pack) * bits  # [pack]
@@ -108,8 +137,11 @@ def gptq_quantize(
     s, z = scales.float()[g_idx].T, zeros[g_idx].T  # [out, in]
     q = torch.clamp(torch.round(w.float() / s) + z, 0, maxq).long()
 
-    zero_words = pack_columns(zeros, bits)
-    if checkpoint_format == "gptq":
+    if checkpoint_format == "gptq" and bits == 3:
+        zero_words = pack_columns(zeros - 1, bits)  # v1 at 3 bits: one taken from each value before packing
+    else:
+        zero_words = pack_columns(zeros, bits)
+    if checkpoint_format == "gptq" and bits != 3:
         # v1: GPTQModel subtracts one from every packed value, as a whole-word subtraction.
         zero_words = zero_words - sum(1 << shift for shift in range(0, 32, bits))
     tensors = {

@@ -42,12 +42,15 @@ def random_weight(out_features: int, in_features: int, seed: int) -> torch.Tenso
         (8, -1, False, True, "gptq"),
         (4, -1, True, False, "gptq"),
         (4, 24, True, False, "gptq_v2"),
+        (2, 40, False, False, "gptq"),  # 16 values a word; v1's borrow for a zero point of 0 as at 4 bit
+        (3, 32, True, False, "gptq_v2"),  # 32 values in 3 words (224 inputs, 96 outputs)
+        (3, 64, False, True, "gptq"),  # v1 at 3 bits: one taken from each value (a symmetric zero point 4)
     ],
 )
 def test_dequantized_weight_is_the_packed_integers_times_the_scales(
     bits: int, group_size: int, desc_act: bool, sym: bool, checkpoint_format: str
 ) -> None:
-    in_features, out_features = 200, 72
+    in_features, out_features = {3: (224, 96), 2: (208, 80)}.get(bits, (200, 72))
     w = random_weight(out_features, in_features, seed=bits + group_size)
     packed = gptq_quantize(
         w, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
@@ -161,7 +164,8 @@ def conformance_tensors(bits: int, group_size: int, desc_act: bool, sym: bool, c
 
 @pytest.mark.parametrize(
     ("bits", "group_size", "desc_act", "sym", "quick"),
-    [(4, 32, True, False, False), (8, -1, False, True, False), (4, 64, False, True, False)],
+    [(4, 32, True, False, False), (8, -1, False, True, False), (4, 64, False, True, False),
+     (3, 32, True, True, False), (2, 64, False, False, True)],
 )
 def test_conforms_on_every_layer_kind(bits: int, group_size: int, desc_act: bool, sym: bool, quick: bool) -> None:
     check_quant_method(
@@ -172,11 +176,11 @@ def test_conforms_on_every_layer_kind(bits: int, group_size: int, desc_act: bool
     )
 
 
-@pytest.mark.parametrize("desc_act", [True, False])  # both: the 4-bit bfloat16 kernel (act order: inputs sorted)
-def test_bfloat16_activations_conform(desc_act: bool) -> None:
+@pytest.mark.parametrize(("bits", "desc_act"), [(4, True), (4, False), (3, False)])  # the 4-bit bfloat16 kernel
+def test_bfloat16_activations_conform(bits: int, desc_act: bool) -> None:  # (act order: inputs sorted)
     check_quant_method(
-        "gptq", hf_quant_config=quant_config(4, 32, desc_act, False), dtype=torch.bfloat16, quick=desc_act,
-        checkpoint_tensors=conformance_tensors(4, 32, desc_act, False),
+        "gptq", hf_quant_config=quant_config(bits, 32, desc_act, False), dtype=torch.bfloat16,
+        quick=desc_act or bits == 3, checkpoint_tensors=conformance_tensors(bits, 32, desc_act, False),
     )
 
 
@@ -189,7 +193,7 @@ def test_gptq_is_a_builtin_quantizer() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"bits": 3}, r"quantization_config.bits=3: vframe serves GPTQ with bits 4 or 8"),
+        ({"bits": 5}, r"quantization_config.bits=5: vframe serves GPTQ with bits 2, 3, 4 or 8"),
         ({"group_size": 0}, r"quantization_config.group_size=0: expected a positive integer or -1"),
         ({"checkpoint_format": "marlin"}, r"checkpoint_format='marlin': vframe reads gptq, gptq_v2"),
         ({"dynamic": [".*mlp.*"]}, r"quantization_config.dynamic=\['.\*mlp.\*'\]: expected an object of regex"),
@@ -227,6 +231,24 @@ def test_a_gptq_llama_generates_what_transformers_does_with_the_dequantized_weig
     qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.quant_method, GPTQLinearMethod) and qkv.quant_method.kernel.name == "reference"  # q, k, v: each its own act order
 
+    prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
+    assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_a_2_and_3_bit_gptq_llama_generates_what_transformers_does_with_the_dequantized_weights(
+    bits: int, tmp_path: Path
+) -> None:
+    """2 bit (16 values a word) and 3 bit (32 values in 3 words), held as 4-bit integers with their
+    zero points as offsets, on the kernel chosen for them."""
+    quant = quant_config(bits, 32, desc_act=False, sym=bits == 3)
+    sizes = dict(head_dim=32, intermediate_size=128) if bits == 3 else {}  # 3 bit: rows of 32 values
+    hf_model = write_quantized_llama(tmp_path, quant, lambda w, generator: gptq_quantize(
+        w, bits=bits, group_size=32, sym=bits == 3, desc_act=False, generator=generator
+    ), **sizes)
+    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", num_threads=2)
+    gate_up = llm.llm_engine.model_runner.model.model.layers[0].mlp.gate_up_proj
+    assert isinstance(gate_up.quant_method, GPTQLinearMethod) and gate_up.quant_method.kernel.name == "woq_cpu"
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
     assert_matches_transformers(None, prompts, hf_model=hf_model, llm=llm, max_tokens=12)
 
@@ -278,7 +300,8 @@ def test_dynamic_rules_set_each_module_s_bits_or_leave_it_float(tmp_path: Path) 
     [
         ({"+:.*q_proj": {"bits": 8}}, r"qkv_proj: vframe fuses .*q_proj, .*k_proj, .*v_proj into one layer, but "
                                       r"quantization_config.dynamic quantizes them differently"),
-        ({"+:.*": {"bits": 3}}, r"quantization_config.dynamic\['\+:\.\*'\].bits=3: vframe serves GPTQ with bits 4 or 8"),
+        ({"+:.*": {"bits": 6}},
+         r"quantization_config.dynamic\['\+:\.\*'\].bits=6: vframe serves GPTQ with bits 2, 3, 4 or 8"),
         ({"+:.*": {"format": "marlin"}}, r"dynamic\['\+:\.\*'\] sets format: vframe reads bits, group_size"),
         ({"+:(": {}}, r"dynamic\['\+:\('\]: '\(' is not a regular expression"),
     ],

@@ -114,6 +114,8 @@ SCHEMES = {
     "bnb-fp4": "bitsandbytes through transformers' BitsAndBytesConfig: FP4, blocks of 64, float32 absmax",
     "bnb-int8": "bitsandbytes through transformers' BitsAndBytesConfig: LLM.int8 (int8 weights, a scale per row)",
     "autoround-gptq": "auto-round 4 bit symmetric, groups of 64, exported as auto_gptq",
+    "autoround-gptq-3bit": "auto-round 3 bit symmetric, groups of 64, exported as auto_gptq (32 values in 3 "
+                           "int32 words, AutoGPTQ's stream)",
     "autoround-awq": "auto-round 4 bit with zero points, groups of 64, round to nearest (iters=0), as auto_awq",
     "autoround-gptq-head": "auto-round 4 bit symmetric, groups of 64, round to nearest (iters=0), lm_head "
                            "quantized (quant_lm_head; the head untied first), as auto_gptq",
@@ -150,7 +152,9 @@ MODELOPT_CONFIGS = {
     "modelopt-mxfp8": ("MXFP8_DEFAULT_CFG",),
     "modelopt-fp8-mixtral": ("FP8_DEFAULT_CFG",),
 }
-AUTOROUND_FORMATS = {"autoround-gptq": "auto_gptq", "autoround-awq": "auto_awq", "autoround-gptq-head": "auto_gptq"}
+AUTOROUND_FORMATS = {"autoround-gptq": "auto_gptq", "autoround-awq": "auto_awq", "autoround-gptq-head": "auto_gptq",
+                     "autoround-gptq-3bit": "auto_gptq"}
+AUTOROUND_TUNED = {"autoround-gptq", "autoround-gptq-3bit"}  # 20 steps of SignRound; the others round to nearest
 # schemes that calibrate the KV cache too: llm-compressor's FP8 KV cache (what vLLM reads as k_scale / v_scale)
 KV_CACHE_SCHEME = {
     scheme: {"num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False, "symmetric": True}
@@ -282,16 +286,16 @@ def make_auto_round(scheme: str, dense: Path, out: Path, reference: Path) -> Non
     rounder = AutoRound(
         model,
         tokenizer,
-        bits=4,
+        bits=3 if scheme == "autoround-gptq-3bit" else 4,
         group_size=64,
         sym=scheme != "autoround-awq",  # AWQ as AutoAWQ writes it: with zero points
         # auto-round drops texts shorter than seqlen: five sentences a text
         dataset=[" ".join(CALIBRATION[i : i + 5]) for i in range(0, len(CALIBRATION), 5)],
         nsamples=len(CALIBRATION) // 5,
         seqlen=MAX_SEQ_LENGTH,
-        # 20 steps of SignRound for GPTQ; AWQ and the GPTQ with its head round to nearest (iters=0):
+        # 20 steps of SignRound for GPTQ (4 and 3 bit); AWQ and the GPTQ with its head round to nearest (iters=0):
         # tuning in float32 takes about 11 s a layer on an idle 2-core machine, minutes on a busy one
-        iters=20 if scheme == "autoround-gptq" else 0,
+        iters=20 if scheme in AUTOROUND_TUNED else 0,
         quant_lm_head=scheme in HEAD_QUANTIZED,
         batch_size=4,
         device_map="cpu",

@@ -87,6 +87,7 @@ SCHEMES = {
     "bnb-fp4": ("bitsandbytes", "BnB4BitMethod", 2e-3),
     "bnb-int8": ("bitsandbytes", "BnB8BitMethod", 2e-3),
     "autoround-gptq": ("gptq", "GPTQLinearMethod", 2e-3),
+    "autoround-gptq-3bit": ("gptq", "GPTQLinearMethod", 2e-3),
     "autoround-awq": ("awq", "AWQLinearMethod", 2e-3),
     "autoround-gptq-head": ("gptq", "GPTQLinearMethod", 2e-3),
 }

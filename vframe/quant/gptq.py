@@ -1,5 +1,5 @@
 """GPTQ checkpoints (``quant_method: gptq``), as AutoGPTQ, GPTQModel and
-transformers write them: 4 or 8-bit integer weights, a scale and a zero point
+transformers write them: 2, 3, 4 or 8-bit integer weights, a scale and a zero point
 per group of input features, optionally in activation order (``desc_act``).
 
 One layer of ``in`` inputs, ``out`` outputs, ``pack = 32 // bits`` and
@@ -7,6 +7,8 @@ One layer of ``in`` inputs, ``out`` outputs, ``pack = 32 // bits`` and
 
     qweight  int32 [in / pack, out]    word r of column o: inputs r*pack .. r*pack+pack-1 of output o
     qzeros   int32 [groups, out / pack] zero points, packed along the outputs
+    (3 bit: 32 values in every 3 words, one 96-bit stream: in * 3 / 32 and out * 3 / 32 words,
+    vframe.quant.packing)
     scales   fp16  [groups, out]
     g_idx    int32 [in]                 the group of each input (i // group_size unless desc_act)
     W[o, i] = scales[g, o] * (q[i, o] - zero[g, o])   with g = g_idx[i]
@@ -17,7 +19,8 @@ stores each packed zero word minus ``0x11111111`` (4 bit; ``0x01010101`` for
 checkpoint and adds it back when it loads one, so a zero point of 0 borrows
 from its neighbour and the round trip is still exact (``gptq_v2`` stores the
 zeros as they are). AutoGPTQ wrote ``zero - 1`` value by value, the same
-words for every zero point above 0. ``sym`` changes no tensor: a symmetric
+words for every zero point above 0; at 3 bits (AutoGPTQ's and auto-round's
+stream) each value is read and one added to it. ``sym`` changes no tensor: a symmetric
 checkpoint stores the zero point ``2**(bits - 1)`` everywhere.
 
 ``lm_head: true`` quantizes an untied LM head like the other layers, and GPTQModel's
@@ -25,10 +28,11 @@ checkpoint stores the zero point ``2**(bits - 1)`` everywhere.
 modules a regex matches float, ``{"+:.*mlp\\..*": {"bits": 8}}`` quantizes them
 with other settings; the first rule whose regex matches decides.
 
-After loading, the weight is an ``IntWeight`` (act order kept as ``g_idx``) and
-runs on a quant kernel (``vframe.quant.kernels``; the checkpoint tensors are
-dropped): on the CPU, torch's int4 kernel (bfloat16) or vframe's weight-only
-kernel (4 and 8 bit, act order by sorting the inputs), else the reference.
+After loading, the weight is an ``IntWeight`` (act order kept as ``g_idx``; 2 and 3
+bits held as 4-bit integers, their zero points as offsets) and runs on a quant kernel
+(``vframe.quant.kernels``; the checkpoint tensors are dropped): on the CPU, torch's int4
+kernel (bfloat16) or vframe's weight-only kernel (4 and 8 bit, act order by sorting the
+inputs), else the reference.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant.base import IntKernelMethod, LinearMethodBase, QuantizationConfig, register_weight, setting_of_layer
 from vframe.quant.kernels import IntWeight
-from vframe.quant.packing import check_divisible, pack_factor, unpack_int32
+from vframe.quant.packing import check_divisible, pack_unit, unpack_bits
 
 _FORMATS = ("gptq", "gptq_v2")
 
@@ -53,7 +57,8 @@ class GPTQConfig(QuantizationConfig):
     # Round to nearest moves a weight by at most half a step, and a 4-bit step is
     # at most 2/15 of its group's largest |w|: 1/15. A row-parallel rank holds
     # part of a group under act order (or group_size -1), whose largest |w| may
-    # lie on another rank, hence twice that. 8 bit stays far below.
+    # lie on another rank, hence twice that. 8 bit stays far below; 2 and 3 bits:
+    # 2 / (2**bits - 1) (set per config, from its bits).
     weight_tolerance = 2 / 15
 
     def __init__(
@@ -67,6 +72,7 @@ class GPTQConfig(QuantizationConfig):
         dynamic: list[tuple[bool, str, dict[str, Any]]] | None = None,
     ) -> None:
         self.bits = bits
+        self.weight_tolerance = 2 / (2 ** min(bits, 4) - 1)
         self.group_size = group_size
         self.desc_act = desc_act
         self.sym = sym
@@ -161,8 +167,8 @@ _DYNAMIC_QUANTIZE_ONLY = ("damp_percent", "damp_auto_increment", "static_groups"
 
 
 def _bits(value: object, where: str) -> int:
-    if value not in (4, 8):
-        raise ConfigError(f"quantization_config.{where}={value!r}: vframe serves GPTQ with bits 4 or 8")
+    if value not in (2, 3, 4, 8) or isinstance(value, bool):
+        raise ConfigError(f"quantization_config.{where}={value!r}: vframe serves GPTQ with bits 2, 3, 4 or 8")
     return value  # type: ignore[return-value]
 
 
@@ -223,12 +229,12 @@ class GPTQLinearMethod(IntKernelMethod):
         params_dtype: torch.dtype,
     ) -> None:
         bits, group_size = self.config.bits, self.config.group_size
-        pack = pack_factor(bits)
+        unit, unit_words = pack_unit(bits)
         where = layer.prefix or type(layer).__name__
-        why = f"GPTQ {bits}-bit packs {pack} values per int32"
-        check_divisible(input_size_per_partition, pack, f"{where}: the input size per partition", why)
+        why = f"GPTQ {bits}-bit packs {unit} values per {'int32' if unit_words == 1 else f'{unit_words} int32'}"
+        check_divisible(input_size_per_partition, unit, f"{where}: the input size per partition", why)
         for size in output_partition_sizes:
-            check_divisible(size, pack, f"{where}: an output shard", why)
+            check_divisible(size, unit, f"{where}: an output shard", why)
         out = sum(output_partition_sizes)
 
         # Row-parallel ranks cut the groups with the inputs, unless the groups
@@ -250,13 +256,13 @@ class GPTQLinearMethod(IntKernelMethod):
         register_weight(
             layer,
             "qweight",
-            torch.empty(input_size_per_partition // pack, out, dtype=torch.int32),  # [in / pack, out]
+            torch.empty(input_size_per_partition * bits // 32, out, dtype=torch.int32),  # [in / pack, out]
             {"input_dim": 0, "output_dim": 1},
         )
         register_weight(
             layer,
             "qzeros",
-            torch.empty(num_groups, out // pack, dtype=torch.int32),  # [groups, out / pack]
+            torch.empty(num_groups, out * bits // 32, dtype=torch.int32),  # [groups, out / pack]
             {"input_dim": group_input_dim, "output_dim": 1},
         )
         # float32 holds fp16 and bf16 checkpoint scales exactly.
@@ -289,8 +295,8 @@ class GPTQLinearMethod(IntKernelMethod):
 
     def int_weight(self, layer: nn.Module) -> IntWeight:
         bits = self.config.bits
-        q = unpack_int32(layer.qweight, bits, dim=0).T  # [out, in]
-        zeros = unpack_int32(_v2_zeros(layer.qzeros, bits, self.config.checkpoint_format), bits, dim=1)  # [G, out]
+        q = unpack_bits(layer.qweight, bits, dim=0).T  # [out, in]
+        zeros = _zero_points(layer.qzeros, bits, self.config.checkpoint_format)  # [G, out]
         group_size = layer.input_size_per_partition if self.config.group_size == -1 else self.config.group_size
         g_idx = layer.g_idx.long()  # [shards, in]
         in_order = torch.arange(g_idx.shape[1], device=g_idx.device) // group_size
@@ -301,18 +307,22 @@ class GPTQLinearMethod(IntKernelMethod):
         else:  # fused shards quantized each in its own order: one row of groups per output
             sizes = torch.tensor(layer.output_partition_sizes, device=g_idx.device)
             g_idx = g_idx.repeat_interleave(sizes, dim=0)  # [out, in]
-        mid = 1 << (bits - 1)
+        held = max(bits, 4)  # 2 and 3 bits as 4-bit integers (the kernels' widths), w = scale (q - zero) kept
+        mid = 1 << (held - 1)
         offsets = None if bool((zeros == mid).all()) else (layer.scales * (mid - zeros)).T.contiguous()
-        return IntWeight(bits, q.to(torch.uint8), layer.scales.T.contiguous(), offsets, group_size, g_idx)
+        return IntWeight(held, q.to(torch.uint8), layer.scales.T.contiguous(), offsets, group_size, g_idx)
 
 
-def _v2_zeros(qzeros: torch.Tensor, bits: int, checkpoint_format: str) -> torch.Tensor:
-    """The zero points' words as v2 stores them (GPTQModel's v1 -> v2: add one to
-    every value of the whole word, carries included)."""
+def _zero_points(qzeros: torch.Tensor, bits: int, checkpoint_format: str) -> torch.Tensor:
+    """The zero points [groups, out] (int32) of the packed ``qzeros``: v2 as stored; v1
+    (GPTQModel's v1 -> v2) one added to every value of the whole word, carries included,
+    at 3 bits (a stream across words) to each value on its own, as it was taken away."""
     if checkpoint_format == "gptq_v2":
-        return qzeros
+        return unpack_bits(qzeros, bits, dim=1)
+    if 32 % bits:
+        return (unpack_bits(qzeros, bits, dim=1) + 1) & ((1 << bits) - 1)
     ones = sum(1 << shift for shift in range(0, 32, bits))  # 0x11111111 for 4 bit
-    return (qzeros.long() + ones) & 0xFFFFFFFF  # int64 words in [0, 2**32)
+    return unpack_bits((qzeros.long() + ones) & 0xFFFFFFFF, bits, dim=1)  # int64 words in [0, 2**32)
 
 
 def _g_idx_loader(layer: LinearBase):
