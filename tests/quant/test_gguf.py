@@ -346,32 +346,6 @@ def test_gguf_is_a_builtin_quantizer_that_refuses_what_it_cannot_run() -> None:
     assert "dtype='bfloat16' runs GGUF on the CPU only; on cuda use dtype='float16'" in reasons
 
 
-@pytest.mark.parametrize("ggml_type", ["IQ4_NL", "IQ4_XS"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_iq4_segments_run_on_the_table_kernels_as_the_file_s_weights(ggml_type: str, dtype: torch.dtype) -> None:
-    """IQ4_NL / IQ4_XS: the codes into llama.cpp's 16 values, a scale per 32 inputs (IQ4_XS: its
-    sub-block's ``d * (ls - 32)``), as a ``Lut4Weight`` on the table kernels: the file's weights bit
-    for bit, the product within the kernel's rounding, the blocks dropped."""
-    in_features, out_features = 512, 96
-    rows = random_rows(ggml_type, out_features, in_features, seed=7)
-    layer = ReplicatedLinear(in_features, out_features, bias=False, quant_config=GGUFConfig(), params_dtype=dtype)
-    load_layer(layer, [(None, ggml_type, rows)])
-    x = torch.randn(9, in_features, generator=torch.Generator().manual_seed(8)).to(dtype)
-
-    out = layer(x)
-
-    assert [s.kernel for s in layer.quant_method.segments] == ["lut4_cpu" if dtype == torch.float32 else BF16_LUT4]
-    assert layer.qweight.numel() == 0
-    weight = gguf_weight(rows, ggml_type)
-    assert torch.equal(layer.quant_method.dequantize_weight(layer), weight)
-    # two codes a byte, a float32 scale per 32 (the file: a float16 d per 32, IQ4_XS 6 bits a sub-block
-    # and a d per 256), the table
-    assert weight_bytes(layer) - layer.qweight_type.nbytes == out_features * in_features * (16 + 4) // 32 + 16 * 4
-    reference = x.double() @ weight.double().T
-    tolerance = 1e-5 if dtype == torch.float32 else 2**-6
-    assert float((out.double() - reference).abs().max()) <= tolerance * float(reference.abs().max())
-
-
 def test_the_iq4_tables_are_llama_cpp_s_and_a_bad_type_is_no_table() -> None:
     assert gguf_dequant.IQ4_VALUES == gguf_quants.IQ4_NL.kvalues
     rows = torch.from_numpy(random_rows("IQ4_XS", 2, 256, seed=9))
@@ -721,15 +695,16 @@ def test_a_tied_q6_k_embedding_runs_its_head_on_woq_cpu_as_its_dense_conversion(
 
 
 @pytest.mark.parametrize(
-    "ggml_type", ["Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
+    "ggml_type", ["Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS"]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_segments_with_an_integer_form_run_on_quant_kernels_as_dequantize_then_matmul(
     ggml_type: str, dtype: torch.dtype
 ) -> None:
-    """The segment's IntWeight (GGUF's scale and offset per 32 inputs) on the kernel
-    chosen by priority: the same weight as the file's blocks, the product within the
-    kernel's rounding."""
+    """The segment's IntWeight (GGUF's scale and offset per 32 inputs; IQ4_NL / IQ4_XS: a
+    Lut4Weight, the codes into llama.cpp's 16 values, a scale per 32, IQ4_XS's sub-block's
+    ``d * (ls - 32)``) on the kernel chosen by priority: the same weight as the file's blocks,
+    the product within the kernel's rounding."""
     in_features, out_features = 512, 96
     rows = random_rows(ggml_type, out_features, in_features, seed=5)
     layer = ReplicatedLinear(in_features, out_features, bias=False, quant_config=GGUFConfig(), params_dtype=dtype)
@@ -738,7 +713,9 @@ def test_segments_with_an_integer_form_run_on_quant_kernels_as_dequantize_then_m
 
     out = layer(x)
 
-    if dtype == torch.float32:
+    if ggml_type in ("IQ4_NL", "IQ4_XS"):
+        expected = "lut4_cpu" if dtype == torch.float32 else BF16_LUT4
+    elif dtype == torch.float32:
         expected = "woq_cpu"
     elif ggml_type in ("Q4_0", "Q4_1", "Q4_K"):
         expected = BF16_INT4
@@ -762,6 +739,11 @@ def test_segments_with_an_integer_form_run_on_quant_kernels_as_dequantize_then_m
             float((dequantized - weight).abs().max()) <= 2**-22 * float(weight.abs().max()))
         assert weight_bytes(layer) - layer.qweight_type.nbytes == out_features * in_features * {
             "Q5_0": 26, "Q5_1": 28, "Q5_K": 32, "Q6_K": 32}[ggml_type] // 32  # 6 bits, scales (and zeros)
+    if ggml_type in ("IQ4_NL", "IQ4_XS"):  # table[q] * scale: the dequantizer's own product
+        assert torch.equal(dequantized, weight)
+        # two codes a byte, a float32 scale per 32 (the file: a float16 d per 32, IQ4_XS 6 bits a
+        # sub-block and a d per 256), the table
+        assert weight_bytes(layer) - layer.qweight_type.nbytes == out_features * in_features * 20 // 32 + 16 * 4
     reference = x.double() @ weight.double().T
     tolerance = 1e-5 if dtype == torch.float32 else 2**-6
     assert float((out.double() - reference).abs().max()) <= tolerance * float(reference.abs().max())
