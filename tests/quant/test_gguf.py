@@ -741,9 +741,15 @@ def test_segments_with_an_integer_form_run_on_quant_kernels_as_dequantize_then_m
             "Q5_0": 26, "Q5_1": 28, "Q5_K": 32, "Q6_K": 32}[ggml_type] // 32  # 6 bits, scales (and zeros)
     if ggml_type in ("IQ4_NL", "IQ4_XS"):  # table[q] * scale: the dequantizer's own product
         assert torch.equal(dequantized, weight)
-        # two codes a byte, a float32 scale per 32 (the file: a float16 d per 32, IQ4_XS 6 bits a
-        # sub-block and a d per 256), the table
-        assert weight_bytes(layer) - layer.qweight_type.nbytes == out_features * in_features * 20 // 32 + 16 * 4
+        # two codes a byte, a scale per 32 and the table: lut4_pairs holds IQ4_NL's d in float16, the
+        # file's 18 bytes per 32 weights; IQ4_XS's d (ls - 32) (the file: 6 bits a sub-block and a d per
+        # 256) and lut4_cpu's scales in float32
+        per_32 = 18 if (ggml_type, expected) == ("IQ4_NL", "lut4_pairs") else 20
+        assert weight_bytes(layer) - layer.qweight_type.nbytes == out_features * in_features * per_32 // 32 + 16 * 4
+        many = torch.randn(100, in_features, generator=torch.Generator().manual_seed(7)).to(dtype)  # past in place
+        reference = many.double() @ weight.double().T
+        error = float((layer(many).double() - reference).abs().max())
+        assert error <= (1e-5 if dtype == torch.float32 else 2**-6) * float(reference.abs().max())
     reference = x.double() @ weight.double().T
     tolerance = 1e-5 if dtype == torch.float32 else 2**-6
     assert float((out.double() - reference).abs().max()) <= tolerance * float(reference.abs().max())

@@ -831,13 +831,13 @@ class Lut4CpuKernel(_DequantizedGemm, QuantLinearKernel):
 
 
 class Lut4PairsKernel(_LookupPairs):
-    """``Lut4Weight``s (bitsandbytes' NF4 / FP4) in bfloat16 on a CPU with AVX512-BF16
-    (``csrc/woq_gemm.cpp``'s ``lut4_pairs_gemm``): the codes in ``int4_pairs``' layout, each nibble
-    plane looked up (``vpermw``) in the table rounded to bfloat16 as ``vdpbf16ps`` operands, each
-    group's float32 sum times its float32 scale. NF4's values are not bfloat16 ones: each code's
-    value is within 2^-9 of the table's, which is what bitsandbytes' own bfloat16 dequantization
-    rounds each weight to (``lut4_cpu`` multiplies by the float32 table, at twice the time at one
-    token). Up to 64 tokens in place, more through the weight dequantized exactly (float32 table
+    """``Lut4Weight``s (bitsandbytes' NF4 / FP4, GGUF's IQ4_NL / IQ4_XS) in bfloat16 on a CPU with
+    AVX512-BF16 (``csrc/woq_gemm.cpp``'s ``lut4_pairs_gemm``): the codes in ``int4_pairs``' layout, each
+    nibble plane looked up (``vpermw``) in the table rounded to bfloat16 as ``vdpbf16ps`` operands, each
+    group's float32 sum times its scale (held in float16 where that is exact, else float32). NF4's
+    values are not bfloat16 ones: each code's value is within 2^-9 of the table's, which is what
+    bitsandbytes' own bfloat16 dequantization rounds each weight to (``lut4_cpu`` multiplies by the
+    float32 table, at twice the time at one token). Up to 64 tokens in place, more through the weight dequantized exactly (float32 table
     times scale, rounded once to bfloat16) for ``bf16_gemm``'s multiplication (``_OnPairs``)."""
 
     priority = 35  # above lut4_cpu (20), which looks the codes up in float32
@@ -852,7 +852,9 @@ class Lut4PairsKernel(_LookupPairs):
     def prepare(self, layer: nn.Module, weight: Lut4Weight) -> None:
         self.group_size = weight.group_size
         self.buffer(layer, "q", _nibble_words(weight.codes()))
-        self.buffer(layer, "scales", _per_block(weight.scales.float()))
+        # float16 where it holds every scale exactly (GGUF's IQ4_NL d: the file's 18 bytes per 32 weights)
+        scales = weight.scales.float()
+        self.buffer(layer, "scales", _per_block(scales.half() if _exact_in_half(scales) else scales))
         self.buffer(layer, "table", weight.table.float().contiguous())
 
     def _args(self, layer: nn.Module) -> tuple:
@@ -868,8 +870,9 @@ class Lut4PairsKernel(_LookupPairs):
     def dequantize_rows(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         """``Lut4Weight.dequantize`` of the rows read back from the layout."""
         codes = _nibble_codes(self.get(layer, "q"), rows)  # [R, K]
-        weight = Lut4Weight(codes[:, 0::2] | (codes[:, 1::2] << 4), self.get(layer, "scales")[rows // 16, :, rows % 16],
-                            self.get(layer, "table"), self.group_size)
+        weight = Lut4Weight(codes[:, 0::2] | (codes[:, 1::2] << 4),
+                            self.get(layer, "scales")[rows // 16, :, rows % 16].float(), self.get(layer, "table"),
+                            self.group_size)
         return weight.dequantize()
 
 

@@ -2218,7 +2218,8 @@ void check_lookup_pairs(const char* op, const at::Tensor& q, const at::Tensor& s
               ") must be a multiple of ", step, " that divides the ", inputs, " inputs");
   TORCH_CHECK(scales.scalar_type() == scale_dtype && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == q.size(0) && scales.size(1) == inputs / group && scales.size(2) == 16,
-              op, ": scales must be contiguous ", scale_dtype == at::kByte ? "uint8" : "float32",
+              op, ": scales must be contiguous ",
+              scale_dtype == at::kByte ? "uint8" : scale_dtype == at::kHalf ? "float16" : "float32",
               " [N / 16, K / group, 16]");
 }
 
@@ -2321,9 +2322,9 @@ at::Tensor fp4_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, c
   return w;
 }
 
-// LUT4 pairs (builtin.py's Lut4PairsKernel): bitsandbytes' NF4 / FP4 codes in the 4-bit pairs layout (q
-// [N / 16, K / 8, 64]), a float32 scale per group and output (scales [N / 16, K / group, 16]) and the
-// codes' 16 float32 values (table):
+// LUT4 pairs (builtin.py's Lut4PairsKernel): bitsandbytes' NF4 / FP4 and GGUF's IQ4 codes in the 4-bit pairs
+// layout (q [N / 16, K / 8, 64]), a float32 or float16 scale per group and output (scales [N / 16, K / group,
+// 16]; float16 where it holds them exactly, as GGUF's IQ4_NL d) and the codes' 16 float32 values (table):
 //
 //   w[o, k] = table[q[o, k]] * scales[o, k / group]
 //
@@ -2333,7 +2334,7 @@ at::Tensor fp4_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, c
 // table[q] * scale in float32 (the float32 table, vpermps), rounded once to bfloat16.
 void check_lut4_pairs(const char* op, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& table,
                       int64_t group) {
-  check_lookup_pairs(op, q, scales, group, 8, at::kFloat);
+  check_lookup_pairs(op, q, scales, group, 8, scales.scalar_type() == at::kHalf ? at::kHalf : at::kFloat);
   TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.dim() == 1 && table.size(0) == 16,
               op, ": table must be contiguous float32 [16]");
 }
@@ -2341,13 +2342,28 @@ void check_lut4_pairs(const char* op, const at::Tensor& q, const at::Tensor& sca
 #if defined(__AVX512BF16__)
 namespace {
 
+template <typename S>
 void lut4_dequantize_blocks(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& table, int64_t group,
                             int64_t first, int64_t blocks, at::BFloat16* wp) {
   const int64_t steps = q.size(1), groups = scales.size(1);
-  const float* sp = scales.const_data_ptr<float>() + first * groups * 16;
+  const S* sp = scales.const_data_ptr<S>() + first * groups * 16;
   lookup_dequantize_blocks(q.const_data_ptr<uint8_t>() + first * steps * 64, steps, groups, group,
                            table.const_data_ptr<float>(), blocks,
-                           [&](int64_t b, int64_t g) { return _mm512_loadu_ps(sp + (b * groups + g) * 16); }, wp);
+                           [&](int64_t b, int64_t g) { return load_scales(sp + (b * groups + g) * 16); }, wp);
+}
+
+template <typename S>
+void lut4_pairs_run(const at::Tensor& xc, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& table,
+                    int64_t group, at::Tensor& out) {
+  if (xc.size(0) <= pairs_in_place_rows(4)) {
+    PairsLookup lookup;  // the values rounded to bfloat16, entries 16..31 zero
+    lookup.codes = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(table.const_data_ptr<float>())));
+    pairs_product<4, S, kTableCodes>(xc, q, scales, at::empty({0}, q.options()), group, false, out, lookup);
+  } else {
+    dequantized_product(xc, q.size(0), [&](int64_t b, int64_t n, at::BFloat16* panel) {
+      lut4_dequantize_blocks<S>(q, scales, table, group, b, n, panel);
+    }, out);
+  }
 }
 
 }  // namespace
@@ -2359,15 +2375,10 @@ at::Tensor lut4_pairs_gemm(const at::Tensor& x, const at::Tensor& q, const at::T
   auto [xc, out] = pairs_io("lut4_pairs_gemm", x, q, q.size(1) * 8, out_dtype);
 #if defined(__AVX512BF16__)
   if (xc.size(0) == 0) return out;
-  if (xc.size(0) <= pairs_in_place_rows(4)) {
-    PairsLookup lookup;  // the values rounded to bfloat16, entries 16..31 zero
-    lookup.codes = _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(table.const_data_ptr<float>())));
-    pairs_product<4, float, kTableCodes>(xc, q, scales, at::empty({0}, q.options()), group, false, out, lookup);
-  } else {
-    dequantized_product(xc, q.size(0), [&](int64_t b, int64_t n, at::BFloat16* panel) {
-      lut4_dequantize_blocks(q, scales, table, group, b, n, panel);
-    }, out);
-  }
+  if (scales.scalar_type() == at::kHalf)
+    lut4_pairs_run<at::Half>(xc, q, scales, table, group, out);
+  else
+    lut4_pairs_run<float>(xc, q, scales, table, group, out);
 #else
   TORCH_CHECK(false, "lut4_pairs_gemm: this build has no AVX512-BF16 (pairs_available() is false)");
 #endif
@@ -2381,7 +2392,10 @@ at::Tensor lut4_pairs_dequantize(const at::Tensor& q, const at::Tensor& scales, 
   const int64_t blocks = q.size(0), steps = q.size(1);
   at::Tensor w = at::empty({blocks, steps * 4, 16, 2}, q.options().dtype(at::kBFloat16));
 #if defined(__AVX512BF16__)
-  lut4_dequantize_blocks(q, scales, table, group, 0, blocks, w.mutable_data_ptr<at::BFloat16>());
+  if (scales.scalar_type() == at::kHalf)
+    lut4_dequantize_blocks<at::Half>(q, scales, table, group, 0, blocks, w.mutable_data_ptr<at::BFloat16>());
+  else
+    lut4_dequantize_blocks<float>(q, scales, table, group, 0, blocks, w.mutable_data_ptr<at::BFloat16>());
 #else
   TORCH_CHECK(false, "lut4_pairs_dequantize: this build has no AVX512-BF16 (pairs_available() is false)");
 #endif
