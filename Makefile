@@ -19,9 +19,11 @@ $(STAMP): pyproject.toml $(wildcard contrib/*/pyproject.toml)
 	for p in $(CONTRIB); do $(PY) -m pip install -q --no-deps -e $$p || exit 1; done
 	# The cpu_paged attention backend's C++ operator, compiled once per machine (docs/architecture.md);
 	# without a compiler the engine falls back to the torch backend, so a failure here is not fatal.
-	$(PY) -m vframe.backends.cpu_paged.build || echo "cpu_paged not built: attention_backend=auto will use torch"
-	$(PY) -m vframe.quant.kernels.builtin || echo "woq_cpu not built: quantized layers will use other kernels"
-	$(PY) -m vframe.layers.cpu_ops || echo "fused CPU operators not built: layers keep their PyTorch expressions"
+	# The three libraries compile at once (one compiler process each, separate cache directories).
+	( $(PY) -m vframe.backends.cpu_paged.build || echo "cpu_paged not built: attention_backend=auto will use torch" ) & \
+	( $(PY) -m vframe.quant.kernels.builtin || echo "woq_cpu not built: quantized layers will use other kernels" ) & \
+	( $(PY) -m vframe.layers.cpu_ops || echo "fused CPU operators not built: layers keep their PyTorch expressions" ) & \
+	wait
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -125,6 +125,7 @@ def test_a_float_llama_quantized_to_nf4_while_loading_on_two_ranks_matches_trans
     llm.shutdown()
 
 
+@pytest.mark.slow  # 7 s; make test keeps each rank's placement (tests/quant/test_bitsandbytes.py)
 def test_a_bitsandbytes_nf4_llama_split_over_two_ranks_matches_transformers(tmp_path: Path) -> None:
     """A pre-quantized bitsandbytes checkpoint (NF4, double quantization): each rank takes its rows of
     every q / k / v and gate / up module and its inputs of o / down (whole blocks of 64) from the
@@ -167,6 +168,7 @@ def test_a_gguf_llama_kept_quantized_over_two_ranks_matches_its_dense_conversion
         )
 
 
+@pytest.mark.slow  # 5 s; make test keeps the GGUF Llama over two ranks
 def test_a_gguf_mixtral_kept_quantized_over_two_ranks_matches_transformers(tmp_path: Path, gguf_cache) -> None:
     """Each expert's GGUF layers split as the dense ones (w1 / w3 rows, w2 inputs: 64 a rank, whole Q8_0
     blocks)."""
