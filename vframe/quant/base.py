@@ -440,5 +440,17 @@ def fused_shard_index(shard_ids: list | tuple, shard_id: Any, where: str, kind: 
     return shard_ids.index(shard_id)
 
 
+def load_rank_part(loader: Callable[..., None], into: torch.Tensor, loaded: torch.Tensor, shard_id: Any) -> None:
+    """Have a layer's own ``weight_loader`` place this tensor-parallel rank's part of the whole
+    checkpoint tensor ``loaded`` ([rows, columns] of one module, or of modules fused on disk) into
+    ``into`` ([the layer's rows on this rank, this rank's columns]), as it places a float weight:
+    rows along dim 0 (a fused shard at its offset, KV heads as the ranks share them), columns along
+    dim 1. For methods that hold a checkpoint's tensors in another form (codes one a byte, block
+    scales, GGUF blocks) or quantize them while loading (bitsandbytes in flight)."""
+    param = nn.Parameter(into, requires_grad=False)  # into's storage: the loader writes there
+    set_weight_attrs(param, {"output_dim": 0, "input_dim": 1})
+    loader(param, loaded, shard_id)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")

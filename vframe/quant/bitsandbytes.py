@@ -67,7 +67,7 @@ from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant.base import (
     BoundApply, IntKernelMethod, LinearMethodBase, QuantizationConfig, bound_apply, fused_shard_index, listed_as_float,
-    register_weight, set_weight_attrs,
+    load_rank_part, register_weight,
 )
 from vframe.quant.fp8 import _per_shard_loader
 from vframe.quant.kernels import WEIGHT_ONLY, IntWeight, Lut4Weight, attach_kernel
@@ -272,15 +272,13 @@ class BnB4BitMethod(LinearMethodBase):
         group scales): the layer's own ``loader`` places each module's codes, one a byte, and
         scales (this rank's rows of q / k / v or gate / up, its inputs of o / down)."""
         rows = sum(self.output_partition_sizes)
-        codes = nn.Parameter(torch.empty(rows, self.in_features, dtype=torch.uint8), requires_grad=False)
-        scales = nn.Parameter(torch.empty(rows, self.in_features // group), requires_grad=False)
-        for param in (codes, scales):
-            set_weight_attrs(param, {"output_dim": 0, "input_dim": 1})
+        codes = torch.empty(rows, self.in_features, dtype=torch.uint8)
+        scales = torch.empty(rows, self.in_features // group)
         for index, (packed, module_scales) in enumerate(parts):
             shard_id = self.shard_ids[index] if self.shard_ids else None
-            loader(codes, torch.stack([packed >> 4, packed & 0x0F], dim=-1).flatten(1), shard_id)
-            loader(scales, module_scales, shard_id)
-        return [codes.data[:, 0::2] << 4 | codes.data[:, 1::2], scales.data]
+            load_rank_part(loader, codes, torch.stack([packed >> 4, packed & 0x0F], dim=-1).flatten(1), shard_id)
+            load_rank_part(loader, scales, module_scales, shard_id)
+        return [codes[:, 0::2] << 4 | codes[:, 1::2], scales]
 
     def dequantize_weight(self, layer: nn.Module) -> torch.Tensor:  # [out, in] float32, bitsandbytes' own
         if self.kernel is not None:
@@ -334,14 +332,13 @@ class BnB4BitInFlightMethod(BnB4BitMethod):
         if not loaded_weight.is_floating_point():
             raise ModelLoadError(f"{self.where}: weight is {loaded_weight.dtype}; quantization='bitsandbytes' "
                                  "quantizes a float checkpoint's weights")
-        full = nn.Parameter(torch.empty(sum(self.output_partition_sizes), self.in_features), requires_grad=False)
-        set_weight_attrs(full, {"output_dim": 0, "input_dim": 1})
-        self.layer_loader(full, loaded_weight, shard_id)  # this rank's part, float32: the checkpoint's values
+        full = torch.empty(sum(self.output_partition_sizes), self.in_features)  # float32: the checkpoint's values
+        load_rank_part(self.layer_loader, full, loaded_weight, shard_id)  # this rank's part
         indices = ([fused_shard_index(self.shard_ids, shard_id, self.where, "bitsandbytes")]
                    if shard_id is not None or not self.shard_ids else range(len(self.shard_ids)))
         starts = [sum(self.output_partition_sizes[:i]) for i in range(len(self.output_partition_sizes))]
         for index in indices:
-            rows = full.data[starts[index] : starts[index] + self.output_partition_sizes[index]]
+            rows = full[starts[index] : starts[index] + self.output_partition_sizes[index]]
             if not bool(rows.isfinite().all()):
                 raise ModelLoadError(f"{self._shard_name(index)}: the checkpoint's weight holds NaN or infinite "
                                      "values; quantization='bitsandbytes' cannot scale them")

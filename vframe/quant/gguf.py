@@ -61,8 +61,8 @@ from vframe.errors import ConfigError, ModelLoadError
 from vframe.layers.linear import LinearBase
 from vframe.quant import int4_cpu
 from vframe.quant.base import (
-    BoundApply, EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, bound_apply, fused_shard_index, native_call,
-    register_weight, set_weight_attrs, with_native,
+    BoundApply, EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, bound_apply, fused_shard_index,
+    load_rank_part, native_call, register_weight, with_native,
 )
 from vframe.quant.gguf_dequant import (
     FORMATS, GGML_TYPE_NAMES, INT4_TYPES, INT8_TYPES, LUT4_TYPES, dequantize, int4_groups, int8_groups, lut4_groups,
@@ -223,12 +223,11 @@ class GGUFLinearMethod(LinearMethodBase):
             )
         # the whole fused layer's rows of this rank, in this shard's row bytes: the loader places
         # the shard at its offset among them
-        part = nn.Parameter(torch.empty(sum(self.output_partition_sizes), self.in_features // block_size * type_size,
-                                        dtype=torch.uint8), requires_grad=False)
-        set_weight_attrs(part, {"output_dim": 0, "input_dim": 1})
-        self.layer_loader(part, blocks, shard_id)
+        part = torch.empty(sum(self.output_partition_sizes), self.in_features // block_size * type_size,
+                           dtype=torch.uint8)
+        load_rank_part(self.layer_loader, part, blocks, shard_id)
         start = sum(self.output_partition_sizes[:index])
-        return part.data[start : start + self.output_partition_sizes[index]]
+        return part[start : start + self.output_partition_sizes[index]]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         vars(self).pop("layer_loader", None)  # the layer's bound method: loading is over
