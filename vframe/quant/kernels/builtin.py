@@ -837,8 +837,9 @@ class Lut4PairsKernel(_LookupPairs):
     group's float32 sum times its scale (held in float16 where that is exact, else float32). NF4's
     values are not bfloat16 ones: each code's value is within 2^-9 of the table's, which is what
     bitsandbytes' own bfloat16 dequantization rounds each weight to (``lut4_cpu`` multiplies by the
-    float32 table, at twice the time at one token). Up to 64 tokens in place, more through the weight dequantized exactly (float32 table
-    times scale, rounded once to bfloat16) for ``bf16_gemm``'s multiplication (``_OnPairs``)."""
+    float32 table, at twice the time at one token). Up to 64 tokens in place, more through the weight
+    dequantized exactly (float32 table times scale, rounded once to bfloat16) for ``bf16_gemm``'s
+    multiplication (``_OnPairs``)."""
 
     priority = 35  # above lut4_cpu (20), which looks the codes up in float32
     weight_types = (LUT4,)
